@@ -1,0 +1,1 @@
+# Repository root on sys.path: tests import the in-place build of hmacore.
