@@ -1,0 +1,1 @@
+"""Engine adapters. Only hmacore.integrations.vllm imports vLLM."""

@@ -1,0 +1,1 @@
+"""Transports: NIXL agent driver and KV stores. Imports nixl/mooncake lazily, never at import."""
