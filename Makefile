@@ -37,7 +37,8 @@ test-fast: build
 	$(PY) -m pytest -q -m "not nixl and not mooncake and not vllm and not slow"
 
 demo: $(VENV)/.stamp-base build
-	$(PY) -m hmacore demo
+	@if $(PY) -c 'import hmacore.demo' 2>/dev/null; then $(PY) -m hmacore demo $(DEMO_ARGS); \
+	else $(PY) -m hmacore plan --preset gpt-oss-120b --tokens 32768; fi
 
 plan: build
 	$(PY) -m hmacore plan --preset deepseek-v4 --tokens 32768
