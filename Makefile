@@ -24,8 +24,12 @@ $(VENV)/.stamp-mooncake: requirements/mooncake.txt $(VENV)/.stamp-base
 	$(PIP) install -q -r requirements/mooncake.txt
 	touch $@
 
+$(VENV)/.stamp-vllm: requirements/vllm-lean.txt scripts/install_vllm.sh $(VENV)/.stamp-base
+	bash scripts/install_vllm.sh $(VENV)
+	touch $@
+
 venv: $(VENV)/.stamp-base
-deps: $(VENV)/.stamp-base $(VENV)/.stamp-mooncake
+deps: $(VENV)/.stamp-base $(VENV)/.stamp-mooncake $(VENV)/.stamp-vllm
 
 build: $(VENV)/.stamp-base
 	$(PY) setup.py -q build_ext --inplace --parallel 2
