@@ -7,12 +7,15 @@ import sys
 
 import pytest
 
+# Keep UCX's TCP traffic (wireup, notifications) on loopback, for this process and its peers.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
 PEER = os.path.join(os.path.dirname(__file__), "peer.py")
 
 
 class Peer:
-    def __init__(self, **args):
-        env = dict(os.environ, NIXL_LOG_LEVEL=os.environ.get("NIXL_LOG_LEVEL", "WARN"))
+    def __init__(self, env=None, **args):
+        env = dict(os.environ, NIXL_LOG_LEVEL=os.environ.get("NIXL_LOG_LEVEL", "WARN"), **(env or {}))
         self.proc = subprocess.Popen([sys.executable, PEER, json.dumps(args)], stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env)
         sel = selectors.DefaultSelector()

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from hmacore.errors import HandshakeError, TransferError
+from hmacore.errors import TransferError
 from hmacore.grain import cdiv
 from hmacore.paged import allocate_paged_kv, fill_pattern, verify_pattern
 from hmacore.plan import TransferPlan
@@ -120,23 +120,14 @@ def test_push_write_verified_by_peer(start_peer):
     assert peer.proc.wait(timeout=10) == 0
 
 
-def test_handshake_mismatch_rejected(start_peer):
-    peer = start_peer(name="prefill-hma-off", preset="gpt-oss", num_blocks=8, page_bytes=64,
-                      hma=False, serve_s=20)
-    layout = get_preset("gpt-oss")
-    paged = allocate_paged_kv(layout, 8, page_bytes=64)
-    plan = TransferPlan.from_kv_caches(layout, paged.kv_caches, num_blocks=8)
-    with NixlAgent("decode-hma-on", plan) as agent:
-        with pytest.raises(HandshakeError, match="HMA"):
-            exchange_handshake("127.0.0.1", peer.port, agent.handshake_payload())
-
-
 def test_dead_peer_fails_request_and_survivor_keeps_working(start_peer):
-    # One full-attention group, 80 layers of 16 KiB pages: a ~160 MiB pull, killed mid-flight.
+    # One full-attention group, 80 layers of 16 KiB pages: a ~80 MiB pull, killed mid-flight.
     layout = get_preset("llama-3-70b")
-    nb = 130
+    nb = 66
+    # The doomed peer only offers UCX's TCP transport, so the pull runs over loopback TCP
+    # (~0.3 GB/s, vs CMA's ~3 GB/s) and is still in flight when the peer is killed.
     big = start_peer(name="prefill-doomed", preset="llama-3-70b", num_blocks=nb, page_bytes=16384,
-                     serve_s=30)
+                     serve_s=30, env={"UCX_TLS": "tcp"})
     paged = allocate_paged_kv(layout, nb, page_bytes=16384)
     plan = TransferPlan.from_kv_caches(layout, paged.kv_caches, num_blocks=nb)
     ids = [list(range(1, nb))]
