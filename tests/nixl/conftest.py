@@ -14,20 +14,31 @@ PEER = os.path.join(os.path.dirname(__file__), "peer.py")
 
 
 class Peer:
-    def __init__(self, env=None, **args):
+    """A peer process hosting one agent per cfg; ``ports[name]`` is each handshake port."""
+
+    def __init__(self, agents, serve_s=40, env=None):
+        args = {"agents": agents, "serve_s": serve_s}
         env = dict(os.environ, NIXL_LOG_LEVEL=os.environ.get("NIXL_LOG_LEVEL", "WARN"), **(env or {}))
         self.proc = subprocess.Popen([sys.executable, PEER, json.dumps(args)], stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env)
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout=30):
-            self.kill()
-            raise RuntimeError("peer did not start within 30 s")
-        line = self.proc.stdout.readline()
-        if not line:
-            self.kill()
-            raise RuntimeError(f"peer exited early with {self.proc.wait(5)}")
-        self.port = json.loads(line)["port"]
+        self._ports = None
+
+    @property
+    def ports(self):
+        """Handshake port per hosted agent; waits (bounded) for the peer to come up, so
+        several peers can start concurrently."""
+        if self._ports is None:
+            sel = selectors.DefaultSelector()
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout=30):
+                self.kill()
+                raise RuntimeError("peer did not start within 30 s")
+            line = self.proc.stdout.readline()
+            if not line:
+                self.kill()
+                raise RuntimeError(f"peer exited early with {self.proc.wait(5)}")
+            self._ports = json.loads(line)["ports"]
+        return self._ports
 
     def kill(self):
         if self.proc.poll() is None:
@@ -39,8 +50,8 @@ class Peer:
 def start_peer():
     peers = []
 
-    def start(**args):
-        p = Peer(**args)
+    def start(agents, **kw):
+        p = Peer(agents, **kw)
         peers.append(p)
         return p
 
