@@ -194,6 +194,11 @@ class TransferPlan:
         self._rstate = np.array([r.state for r in self.regions], dtype=np.uint8)
         self._gstate = np.array([s.kind == GroupKind.MAMBA for s in layout.groups], dtype=np.uint8)
         self._desc_len = np.array([r.desc_len for r in self.regions], dtype=np.int64)
+        # bytes one logical block of group g moves over every region serving g
+        self._group_block_bytes = tuple(
+            sum(r.block_len for r in self.regions
+                if r.state == bool(self._gstate[g]) and r.group in (SHARED, g))
+            for g in range(layout.num_groups))
         self.group_major = bool(self._rstate.any() or (self._rgroup != SHARED).any())
 
     # -- construction --------------------------------------------------------------------
@@ -367,6 +372,13 @@ class TransferPlan:
         """How many descriptor ids :meth:`desc_ids` returns (size an ``out`` buffer with it)."""
         return _plan.count_desc_ids(self._as_tuple(block_ids), self._ratio, self._rgroup,
                                     self._rstate, self._gstate, kernel_ids)
+
+    def table_bytes(self, lengths: Sequence[int]) -> int:
+        """Bytes moved for a table with ``lengths[g]`` logical blocks in group g (O(G x R))."""
+        if len(lengths) != self.layout.num_groups:
+            raise BlockTableError(f"lengths has {len(lengths)} groups, the layout has "
+                                  f"{self.layout.num_groups}")
+        return sum(int(n) * b for n, b in zip(lengths, self._group_block_bytes))
 
     def desc_bytes(self, desc_ids: np.ndarray) -> int:
         """Total bytes the given descriptor ids cover."""

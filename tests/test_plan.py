@@ -229,3 +229,9 @@ def test_request_figures_qwen3_next_state_and_ratio():
 def test_request_figures_zero_tokens():
     f = TransferPlan.from_layout(get_preset("dsv4"), 64).request_figures(0)
     assert f.hma_descriptors == f.non_hma_descriptors == 0 and f.descriptor_saving == 0.0
+
+
+def test_table_bytes_matches_desc_bytes():
+    plan = TransferPlan.from_layout(get_preset("qwen3-next"), 64, page_bytes=544, kernel_block_size=272)
+    table = [[1], [2], [3], [4, 5, 6]]
+    assert plan.table_bytes([len(t) for t in table]) == plan.desc_bytes(plan.desc_ids(table))

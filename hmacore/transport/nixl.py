@@ -47,7 +47,7 @@ class Transfer:
     request_id: str
     op: str
     peer: str
-    local_block_ids: tuple[tuple[int, ...], ...]
+    local_block_ids: tuple[np.ndarray, ...]
     descriptors: int
     bytes: int
     handle: Any = None
@@ -85,7 +85,7 @@ class NixlAgent:
         self._reg = self._agent.register_memory(ranges, mem)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", plan.descriptors(), mem)
         self._peers: dict[str, _Peer] = {}
-        self._valid: dict[str, tuple[tuple[int, ...], ...]] = {}
+        self._valid: dict[str, tuple[np.ndarray, ...]] = {}
         self._failed: dict[str, TransferError] = {}
         self._notifs: dict[str, list[bytes]] = {}
         self._closed = False
@@ -184,9 +184,10 @@ class NixlAgent:
             g = next((g for g in range(len(local_ids)) if len(local_ids[g]) != len(remote_ids[g])), None)
             raise self._fail(request_id, f"{lids.size} local vs {rids.size} remote descriptors "
                                          "(per-group block counts must match)", group=g)
-        table = tuple(tuple(int(b) for b in g) for g in local_ids)
-        t = Transfer(request_id, op, peer, table, int(lids.size), self.plan.desc_bytes(lids),
-                     posted_at=time.monotonic())
+        # int32 copies (no Python object per block); recorded as valid only once DONE
+        table = tuple(np.array(g, dtype=np.int32) for g in local_ids)
+        t = Transfer(request_id, op, peer, table, int(lids.size),
+                     self.plan.table_bytes([len(g) for g in table]), posted_at=time.monotonic())
         if lids.size == 0:  # full local hit: nothing to move
             t.state = "DONE"
             self._valid[request_id] = table
@@ -227,14 +228,21 @@ class NixlAgent:
         return transfer.state
 
     def wait(self, transfer: Transfer, timeout: float = 10.0) -> Transfer:
-        """Poll until DONE; raises TransferError on error or after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
+        """Poll until DONE; raises TransferError on error or after ``timeout`` seconds.
+
+        Spins for the first 2 ms (small transfers finish within that), then sleeps with a
+        backoff capped at 1 ms between polls."""
+        start = time.monotonic()
+        deadline = start + timeout
+        nap = 0.0
         while self.poll(transfer) == "PROC":
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise self._fail(transfer.request_id, f"{transfer.op} with peer {transfer.peer!r} "
                                  f"did not complete within {timeout} s", transfer=transfer)
-            self._drain_notifs()
-            time.sleep(0.0005)
+            if now - start > 0.002:
+                nap = min(0.001, nap * 2 or 0.00005)
+                time.sleep(nap)
         return transfer
 
     def _done(self, t: Transfer) -> None:
@@ -250,8 +258,9 @@ class NixlAgent:
                 pass
             t.handle = None
 
-    def valid_blocks(self, request_id: str) -> tuple[tuple[int, ...], ...] | None:
-        """Local per-group block ids that arrived for a request (None unless its transfer is DONE)."""
+    def valid_blocks(self, request_id: str) -> tuple[np.ndarray, ...] | None:
+        """Local per-group block ids (int32 arrays) that arrived for a request (None unless its
+        transfer is DONE)."""
         return self._valid.get(request_id)
 
     def failure(self, request_id: str) -> TransferError | None:
