@@ -141,6 +141,12 @@ def test_dead_peer_fails_request_and_survivor_keeps_working(start_peer):
     with NixlAgent("decode-survivor", plan) as agent:
         name = agent.add_peer(exchange_handshake("127.0.0.1", doomed.ports["prefill-doomed"],
                                                  agent.handshake_payload()))
+        # a wait that runs out of time fails the request (a 68 MB TCP pull takes > 0 s)
+        slow = agent.read("req-slow", name, ids, ids)
+        with pytest.raises(TransferError, match="did not complete within") as ei:
+            agent.wait(slow, timeout=0.0)
+        assert ei.value.request_id == "req-slow" and slow.state == "FAILED"
+        assert agent.valid_blocks("req-slow") is None
         t = agent.read("req-dead", name, ids, ids)
         doomed.kill()
         try:
