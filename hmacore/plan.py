@@ -445,9 +445,13 @@ class TransferPlan:
         return tuple(out)
 
     def request_figures(self, num_tokens: int, *, exact: bool = False) -> RequestFigures:
-        """Per group blocks/descriptors/bytes of one request (HMA) and the non-HMA equivalent:
-        every layer treated as full attention in one group (no window clip, no shared regions;
-        Mamba layers keep one state page per block position), same pages and kernel ratios."""
+        """Per group blocks/descriptors/bytes of one request (HMA) and the non-HMA equivalent.
+
+        Non-HMA = every layer treated as full attention in ONE group: one block size S (lcm of
+        the transferred groups' block sizes), no window clip, no aliasing (each layer its own
+        regions); a layer keeps its bytes per token and kernel block size, so its page and
+        kernel descriptors per block scale by ``S / bs_g``; a Mamba layer keeps one state page
+        per block of S tokens."""
         blocks = self.request_blocks(num_tokens, exact=exact)
         figs = []
         for g, spec in enumerate(self.layout.groups):
@@ -457,16 +461,21 @@ class TransferPlan:
             figs.append(GroupFigures(g, spec.name or f"g{g}", blocks[g],
                                      sum(blocks[g] * int(self._ratio[r]) for r in sel),
                                      sum(blocks[g] * self.regions[r].block_len for r in sel)))
+        # non-HMA: one group, so one block size S (the lcm); a layer of group g keeps its bytes
+        # per token, so its page (and kernel descriptors per block) scale by S / bs_g
         nd = nb = 0
         l2g = self.layout.layer_to_group
+        sizes = [s.block_size for s in self.layout.groups if s.transfer]
+        S = int(np.lcm.reduce(sizes)) if sizes else 1
+        n = cdiv(int(num_tokens), S)
         for reg in self.regions:
             for name in reg.layers:
                 g = l2g[name]
                 if reg.group not in (SHARED, g):
                     continue
-                n = cdiv(int(num_tokens), self.layout.groups[g].block_size)
-                nd += n * reg.ratio
-                nb += n * reg.block_len
+                scale = 1 if reg.state else S // self.layout.groups[g].block_size
+                nd += n * reg.ratio * scale
+                nb += n * reg.block_len * scale
         return RequestFigures(int(num_tokens), tuple(figs), sum(f.descriptors for f in figs),
                               sum(f.bytes for f in figs), nd, nb)
 
