@@ -1,24 +1,18 @@
-"""Benchmarks import the oracle from tests/; NIXL benches leave through os._exit (see
-tests/nixl/conftest.py: NIXL 1.5.1's bundled libnl-route segfaults in its exit finalizer)."""
+"""Collect ``bench_*.py`` here (pytest's default only collects ``test_*.py``); the benchmarks
+import the oracle from tests/. NIXL traffic stays on loopback."""
 import os
 import sys
 
 import pytest
 
+from hmacore.transport import configure_ucx_env
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
-_STATUS = {}
-
-
-def pytest_sessionfinish(session, exitstatus):
-    _STATUS["code"] = int(exitstatus)
+configure_ucx_env()
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config):
-    if "nixl._api" in sys.modules and "code" in _STATUS:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_STATUS["code"])
+def pytest_collect_file(file_path, parent):
+    if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
+        return pytest.Module.from_parent(parent, path=file_path)
+    return None

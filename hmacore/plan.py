@@ -25,7 +25,8 @@ from .errors import BlockTableError, LayoutError
 from .grain import cdiv
 from .spec import GroupKind, KVLayout
 
-__all__ = ["Region", "TransferPlan", "GroupFigures", "RequestFigures", "layer_sort_key"]
+__all__ = ["Region", "TransferPlan", "GroupFigures", "RequestFigures", "layer_sort_key",
+           "describe_layout_plan"]
 
 SHARED = -1
 
@@ -500,6 +501,42 @@ class TransferPlan:
         lines.append(f"  saving:  {100 * f.descriptor_saving:.1f}% descriptors, "
                      f"{100 * f.byte_saving:.1f}% bytes")
         return "\n".join(lines)
+
+
+def describe_layout_plan(layout: KVLayout, num_tokens: int) -> tuple[str, dict[str, Any]]:
+    """``(text, dict)`` for ``hmacore plan``: the plan a connector would register for ``layout``
+    (classic HMA aliasing when page sizes agree) and one request's HMA vs non-HMA figures.
+
+    Uses ``layout.num_blocks`` (or just enough blocks for the request). Groups with unknown
+    ``page_bytes`` (0) get a placeholder page, and byte figures are then reported as None.
+    """
+    known = all(layout.groups[g].page_bytes > 0 for g in layout.transfer_group_ids)
+    nb = layout.num_blocks or max(2, sum(layout.blocks_for_tokens(int(num_tokens), clipped=False)) + 1)
+    if known:
+        plan = TransferPlan.from_layout(layout, nb)
+    else:
+        ratios = [s.kernel_ratio for s in layout.groups]
+        plan = TransferPlan.from_layout(layout, nb, page_bytes=16 * int(np.lcm.reduce(ratios)))
+    f = plan.request_figures(int(num_tokens))
+    text = plan.describe(int(num_tokens))
+    if not known:
+        text += "\n  (page_bytes unknown for some group: byte figures are placeholders)"
+    doc = {
+        "regions": len(plan.regions),
+        "shared_regions": sum(r.group == SHARED for r in plan.regions),
+        "state_regions": sum(r.state for r in plan.regions),
+        "dlist_descriptors": plan.num_descs,
+        "desc_id_order": "group-major" if plan.group_major else "region-major",
+        "groups": [{"group": g.group, "name": g.name, "blocks": g.blocks,
+                    "descriptors": g.descriptors, "bytes": g.bytes if known else None}
+                   for g in f.groups],
+        "hma": {"descriptors": f.hma_descriptors, "bytes": f.hma_bytes if known else None},
+        "non_hma": {"descriptors": f.non_hma_descriptors,
+                    "bytes": f.non_hma_bytes if known else None},
+        "descriptor_saving": f.descriptor_saving,
+        "byte_saving": f.byte_saving if known else None,
+    }
+    return text, doc
 
 
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1

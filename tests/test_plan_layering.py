@@ -24,3 +24,16 @@ def test_describe_every_preset(preset):
     for spec in layout.groups:
         assert spec.name in text
     assert "HMA:" in text and "non-HMA:" in text and "saving:" in text
+
+
+def test_describe_layout_plan_for_cli():
+    from hmacore.plan import describe_layout_plan
+    from hmacore.spec import GroupKind, GroupSpec, KVLayout
+    text, doc = describe_layout_plan(get_preset("gpt-oss"), 131072)
+    assert doc["hma"]["descriptors"] == 18 * (9 + 8192) and doc["non_hma"]["descriptors"] == 36 * 8192
+    assert "non-HMA" in text
+    unknown = KVLayout(groups=(GroupSpec(GroupKind.FULL, 16, ("a", "b")),
+                               GroupSpec(GroupKind.SLIDING_WINDOW, 16, ("c", "d"), sliding_window=32)))
+    text, doc = describe_layout_plan(unknown, 100)
+    assert doc["hma"]["bytes"] is None and doc["groups"][1]["blocks"] == 3
+    assert doc["hma"]["descriptors"] == 2 * (7 + 3)

@@ -75,6 +75,8 @@ class NixlAgent:
 
     def __init__(self, name: str, plan: TransferPlan, *, backends: Sequence[str] = ("UCX",),
                  hma: bool = True):
+        from . import configure_ucx_env
+        configure_ucx_env()  # before nixl loads UCX (exit-time SIGSEGV with libibverbs present)
         from nixl._api import nixl_agent, nixl_agent_config  # lazy: core never imports nixl
 
         self.name = name

@@ -7,8 +7,12 @@ import sys
 
 import pytest
 
-# Keep UCX's TCP traffic (wireup, notifications) on loopback, for this process and its peers.
+from hmacore.transport import configure_ucx_env
+
+# Keep UCX's TCP traffic (wireup, notifications) on loopback, for this process and its peers;
+# configure_ucx_env() keeps UCX's ib module out (NIXL 1.5.1 exit-time SIGSEGV otherwise).
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+configure_ucx_env()
 
 PEER = os.path.join(os.path.dirname(__file__), "peer.py")
 
@@ -59,21 +63,3 @@ def start_peer():
     for p in peers:
         p.kill()
 
-
-# NIXL 1.5.1's wheel bundles a libnl-route whose ELF finalizer (rtnl_tc_unregister) segfaults
-# at process exit once a UCX agent was created (gdb: _dl_fini -> rtnl_tc_unregister). Every
-# test has finished and reported by then; only the exit status would turn into 139. Keep the
-# real status by leaving through os._exit after pytest's last hook, only if NIXL was loaded.
-_STATUS = {}
-
-
-def pytest_sessionfinish(session, exitstatus):
-    _STATUS["code"] = int(exitstatus)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config):
-    if "nixl._api" in sys.modules and "code" in _STATUS:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_STATUS["code"])

@@ -75,7 +75,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    # NIXL 1.5.1's bundled libnl-route segfaults in its ELF finalizer at exit; skip finalizers.
-    os._exit(code)
+    sys.exit(main())
