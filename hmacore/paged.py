@@ -89,9 +89,16 @@ def layer_geometry(layout: KVLayout, num_blocks: int, *,
     gids = layout.transfer_group_ids
     distinct = sorted({sizes[g] for g in gids})
     if shared is None:
-        shared = len(distinct) == 1
+        shared = len(distinct) == 1 and not (kv_split and any(
+            layout.groups[g].mla or layout.groups[g].kind == GroupKind.MAMBA for g in gids))
     elif shared and len(distinct) != 1:
         raise LayoutError(f"shared=True needs one page size for every transferred group (got {distinct})")
+    if shared and kv_split and any(layout.groups[g].mla or layout.groups[g].kind == GroupKind.MAMBA
+                                   for g in gids):
+        # a slot's bytes must mean block b for every layer viewing it; K/V split puts block b's K
+        # at b*page/2, where a packed (MLA/Mamba) view has block b/2
+        raise LayoutError("kv_split with shared slots needs every group to be non-MLA attention "
+                          "(MLA and Mamba pages are packed per block); use shared=False")
     if isinstance(state_parts, bool) or not isinstance(state_parts, int) or state_parts < 1:
         raise LayoutError(f"state_parts must be an int >= 1, got {state_parts!r}")
     storage: list[int] = []
