@@ -432,18 +432,10 @@ class TransferPlan:
     def request_blocks(self, num_tokens: int, *, exact: bool = False) -> tuple[int, ...]:
         """Blocks per group a request of ``num_tokens`` tokens moves under HMA: all covering
         blocks, sliding window clipped to ``window_blocks``, Mamba to its one state slot."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
-            raise LayoutError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        out = []
-        for g, spec in enumerate(self.layout.groups):
-            n = cdiv(int(num_tokens), spec.block_size) if spec.transfer else 0
-            w = spec.window_blocks(exact)
-            if w and n > w:
-                n = w
-            if spec.kind == GroupKind.MAMBA:
-                n = min(n, 1)
-            out.append(n)
-        return tuple(out)
+        if isinstance(num_tokens, np.integer):
+            num_tokens = int(num_tokens)
+        blocks = self.layout.blocks_for_tokens(num_tokens, clipped=True, exact=exact)
+        return tuple(n if spec.transfer else 0 for n, spec in zip(blocks, self.layout.groups))
 
     def request_figures(self, num_tokens: int, *, exact: bool = False) -> RequestFigures:
         """Per group blocks/descriptors/bytes of one request (HMA) and the non-HMA equivalent.
