@@ -182,10 +182,13 @@ class NixlAgent:
         except BlockTableError as e:
             raise self._fail(request_id, f"bad remote block ids: {e}", group=getattr(e, "group", None),
                              block_index=getattr(e, "block_index", None)) from None
-        if lids.size != rids.size:
-            g = next((g for g in range(len(local_ids)) if len(local_ids[g]) != len(remote_ids[g])), None)
-            raise self._fail(request_id, f"{lids.size} local vs {rids.size} remote descriptors "
-                                         "(per-group block counts must match)", group=g)
+        # pairing is positional per group: equal totals with unequal groups would mispair blocks
+        g = next((g for g in range(len(local_ids)) if len(local_ids[g]) != len(remote_ids[g])), None)
+        if g is not None or lids.size != rids.size:
+            raise self._fail(request_id, f"group {g}: {len(local_ids[g]) if g is not None else '?'} "
+                                         f"local vs {len(remote_ids[g]) if g is not None else '?'} "
+                                         f"remote blocks ({lids.size} vs {rids.size} descriptors); "
+                                         "per-group block counts must match", group=g)
         # int32 copies (no Python object per block); recorded as valid only once DONE
         table = tuple(np.array(g, dtype=np.int32) for g in local_ids)
         t = Transfer(request_id, op, peer, table, int(lids.size),

@@ -62,9 +62,13 @@ def test_length_mismatch_and_bad_ids_fail_request(pair):
     with pytest.raises(TransferError) as ei:
         a.read("m3", "agent-b", [[1], [2]], [[1], [99]])
     assert "remote" in str(ei.value) and ei.value.group == 1
+    # equal descriptor totals, unequal groups: would pair blocks of different groups
+    with pytest.raises(TransferError, match="per-group block counts") as ei:
+        a.read("m5", "agent-b", [[1, 2], [3]], [[1], [2, 3]])
+    assert ei.value.group == 0
     with pytest.raises(TransferError, match="unknown peer"):
         a.read("m4", "nobody", [[1], [2]], [[1], [2]])
-    for m in ("m1", "m2", "m3", "m4"):
+    for m in ("m1", "m2", "m3", "m4", "m5"):
         assert a.valid_blocks(m) is None and a.failure(m) is not None
     assert all(np.array_equal(x, y) for x, y in zip(before, pa.storages))
 
