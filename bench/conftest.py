@@ -13,6 +13,8 @@ configure_ucx_env()
 
 
 def pytest_collect_file(file_path, parent):
-    if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
+    # files named on the command line are collected by pytest itself
+    if file_path.suffix == ".py" and file_path.name.startswith("bench_") \
+            and not parent.session.isinitpath(file_path):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
