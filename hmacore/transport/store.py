@@ -317,6 +317,9 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
             there = list(store.batch_exists(ks))
         except Exception:
             there = [0] * len(ks)
+        if there and all(e < 0 for e in there):
+            rep.failed += len(ks)          # the store is unreachable: skip, do not block on puts
+            continue
         todo = [i for i, e in enumerate(there) if e != 1]
         rep.present += len(ks) - len(todo)
         if not todo:
