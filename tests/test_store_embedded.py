@@ -12,7 +12,8 @@ from hmacore.keys import KeyBuilder
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind, GroupSpec, KVLayout
 from hmacore.transport.store import (INVALID, NO_SPACE, NOT_FOUND, OK, EmbeddedStore,
-                                     GroupSegments, load_blocks, lookup_hit, save_blocks)
+                                     GroupSegments, load_blocks, lookup_hit, save_blocks,
+                                     save_state)
 
 from hits_scenarios import make_hashes
 
@@ -190,3 +191,29 @@ def test_null_blocks_are_never_stored_or_loaded():
     assert rep.failed == 0
     with pytest.raises(HashInputError, match="null"):
         mem.segments[0].parts([0])
+
+
+def test_mamba_states_go_through_boundary_puts():
+    layout = get_preset("qwen3-next-80b", num_blocks=64)     # 3 Mamba groups + FA, bs 544
+    finder = HitFinder(layout)
+    T = 3 * 544 + 5
+    hs = make_hashes(T // finder.hash_block_size, 32, 4)
+    keys, store = KeyBuilder("qwen"), EmbeddedStore(1 << 30)
+    src, dst = KVMemory(layout, 64, seed=5), KVMemory(layout, 64, seed=6)
+    src.register(store)
+    dst.register(store)
+    src_t, dst_t = _tables(finder, T, 1), _tables(finder, T, 20)
+    rep = save_blocks(finder, keys, store, hs, T, src_t, src.segments)
+    assert rep.written == 3                                  # FA only: states never positional
+    assert lookup_hit(finder, keys, store, hs, T).tokens == 0
+    for g in (0, 1, 2):
+        assert save_state(finder, keys, store, hs, T, g, 40 + g, src.segments[g]) == OK
+    hit = lookup_hit(finder, keys, store, hs, T)
+    assert hit.tokens == 3 * 544
+    assert [m.tolist() for m in hit.masks[:3]] == [[0, 0, 1]] * 3
+    assert load_blocks(finder, keys, store, hs, hit, dst_t, dst.segments)
+    for g in (0, 1, 2):
+        for s_arr, d_arr in zip(src.arrays[g], dst.arrays[g]):
+            assert np.array_equal(s_arr[40 + g], d_arr[dst_t[g][2]])
+    with pytest.raises(HashInputError, match="Mamba"):
+        save_state(finder, keys, store, hs, T, 3, 1, src.segments[3])

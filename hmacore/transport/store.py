@@ -25,9 +25,11 @@ import numpy as np
 from ..errors import HashInputError, StoreError
 from ..hits import ExistenceSet, HitFinder, HitResult
 from ..keys import KeyBuilder
+from ..spec import GroupKind
 
 __all__ = ["OK", "NO_SPACE", "INVALID", "NOT_FOUND", "RPC_FAIL", "KVStore", "EmbeddedStore",
-           "GroupSegments", "lookup_hit", "save_blocks", "load_blocks", "SaveReport"]
+           "GroupSegments", "lookup_hit", "save_blocks", "save_state", "load_blocks",
+           "SaveReport"]
 
 OK = 0
 NO_SPACE = -200
@@ -339,6 +341,30 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
         if rep.no_space:
             break
     return rep
+
+
+def save_state(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
+               num_tokens: int, group: int, block_id: int, segments: GroupSegments) -> int:
+    """Boundary put of a Mamba (state) group: write block ``block_id`` (the state after
+    ``align_length(num_tokens)`` tokens) under the key of that boundary's hash row.
+
+    Align-mode Mamba tables are not append-only, so states are never saved positionally
+    (``store_masks`` is all-zero for them); the caller hands the exact state block over.
+    Returns the store's code (OK, NO_SPACE, ...); 0 tokens to name writes nothing (OK).
+    """
+    g = finder._check_group(group)
+    if finder.layout.groups[g].kind != GroupKind.MAMBA or g not in finder.group_ids:
+        raise HashInputError(f"group {g} is not a looked-up Mamba group")
+    row = finder.boundary_row(num_tokens)
+    if row < 0:
+        return OK
+    if row >= hashes.shape[0]:
+        raise HashInputError(f"hashes cover {hashes.shape[0]} rows; the boundary needs row {row}")
+    k = keys.keys(g, finder.key_digests(hashes, g, np.array([row], dtype=np.int64)))
+    try:
+        return int(list(store.batch_put(k, segments.parts([block_id])))[0])
+    except Exception:
+        return RPC_FAIL
 
 
 def load_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
