@@ -166,6 +166,8 @@ class HitFinder:
                                       f"{sg.block_size} must equal the hit alignment "
                                       f"{self.alignment} tokens")
         self.spec_groups = tuple(groups)
+        # members of a merged spec group share its eagle drop (vLLM decides it per SpecGroup)
+        self.eagle_group_ids = frozenset(g for sg in groups if sg.eagle for g in sg.group_ids)
         rows, members = [], []
         for sg in groups:
             start = len(members)

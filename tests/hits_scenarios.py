@@ -1,6 +1,8 @@
 """Shared generators for hit tests: random layouts, request hashes and cached sets."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from hypothesis import strategies as st
 
@@ -38,7 +40,9 @@ def layouts(draw):
     groups = []
     for _ in range(n):
         if groups and draw(st.integers(0, 3)) == 0:
-            groups.append(draw(st.sampled_from(groups)))          # equal spec -> merged
+            twin = draw(st.sampled_from(groups))                  # equal spec -> merged
+            groups.append(dataclasses.replace(twin, eagle=draw(st.booleans()))
+                          if draw(st.booleans()) else twin)
         else:
             groups.append(draw(group_specs(h)))
     if draw(st.integers(0, 4)) == 0:     # some layouts with a fine-grained Mamba group

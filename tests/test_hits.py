@@ -246,3 +246,10 @@ def test_bad_lookup_inputs_are_rejected():
     with pytest.raises(HashInputError, match="rows"):
         f.key_digests(hs, 0, np.array([4]))
     assert len(es) == 0
+
+
+def test_eagle_flag_spreads_to_merged_members():
+    layout = KVLayout(groups=(FA(4, "f"), SW(4, 8, "s1", eagle=True), SW(4, 8, "s2")))
+    f = HitFinder(layout)
+    assert f.eagle_group_ids == {1, 2}
+    assert f.store_masks(16)[2].tolist() == f.store_masks(16)[1].tolist()

@@ -217,3 +217,14 @@ def test_mamba_states_go_through_boundary_puts():
             assert np.array_equal(s_arr[40 + g], d_arr[dst_t[g][2]])
     with pytest.raises(HashInputError, match="Mamba"):
         save_state(finder, keys, store, hs, T, 3, 1, src.segments[3])
+
+
+def test_flows_reject_bad_hash_arrays():
+    finder = HitFinder(get_preset("gpt-oss-120b"))
+    store = EmbeddedStore(1 << 20)
+    for bad in ([b"\0" * 32], np.zeros((4, 20), np.uint8), np.zeros((8, 32), np.uint8)[::2]):
+        with pytest.raises(HashInputError):
+            lookup_hit(finder, KeyBuilder("m"), store, bad, 64)
+        with pytest.raises(HashInputError):
+            save_blocks(finder, KeyBuilder("m"), store, bad, 64, [[1], [2]], [None, None])
+    assert len(store) == 0

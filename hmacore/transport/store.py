@@ -23,6 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import HashInputError, StoreError
+from .._fast import _hits
 from ..hits import ExistenceSet, HitFinder, HitResult
 from ..keys import KeyBuilder
 from ..spec import GroupKind
@@ -57,6 +58,12 @@ def _check_keys(keys) -> list[str]:
         if not isinstance(k, str) or not k:
             raise HashInputError(f"keys[{i}] must be a non-empty str")
     return keys
+
+
+def _check_hashes(hashes) -> np.ndarray:
+    if not isinstance(hashes, np.ndarray) or hashes.ndim != 2 or hashes.shape[1] not in (16, 32):
+        raise HashInputError("hashes must be a uint8 array of shape (N, 16) or (N, 32)")
+    return _hits._check_digests(hashes, hashes.shape[1], "hashes")
 
 
 def _check_parts(keys: list[str], parts) -> list[list[tuple[int, int]]]:
@@ -234,9 +241,9 @@ def lookup_hit(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.n
     below one aligned block) means a 0-token hit without any RPC. A failing store (exception
     or error codes) gives misses, never an exception.
     """
-    n = hashes.shape[0] if isinstance(hashes, np.ndarray) else 0
-    ds = hashes.shape[1] if isinstance(hashes, np.ndarray) and hashes.ndim == 2 else 32
-    es = ExistenceSet(ds if ds in (16, 32) else 32)
+    hashes = _check_hashes(hashes)
+    n = hashes.shape[0]
+    es = ExistenceSet(hashes.shape[1])
     token_len = finder.align_length(num_tokens)
     empty = HitResult(0, tuple(np.zeros(0, dtype=np.uint8) for _ in range(finder.num_groups)))
     if n == 0 or token_len <= 0:
@@ -294,6 +301,7 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
     if len(block_ids) != finder.num_groups or len(segments) != finder.num_groups:
         raise HashInputError(f"block_ids and segments need one entry per group "
                              f"({finder.num_groups})")
+    hashes = _check_hashes(hashes)
     rep = SaveReport()
     n = hashes.shape[0]
     rows = finder.store_rows(n, num_tokens, start_token)
@@ -352,6 +360,7 @@ def save_state(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.n
     (``store_masks`` is all-zero for them); the caller hands the exact state block over.
     Returns the store's code (OK, NO_SPACE, ...); 0 tokens to name writes nothing (OK).
     """
+    hashes = _check_hashes(hashes)
     g = finder._check_group(group)
     if finder.layout.groups[g].kind != GroupKind.MAMBA or g not in finder.group_ids:
         raise HashInputError(f"group {g} is not a looked-up Mamba group")
@@ -375,6 +384,7 @@ def load_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
     if len(block_ids) != finder.num_groups or len(segments) != finder.num_groups:
         raise HashInputError(f"block_ids and segments need one entry per group "
                              f"({finder.num_groups})")
+    hashes = _check_hashes(hashes)
     h = finder.hash_block_size
     all_keys, all_parts = [], []
     for g in finder.group_ids:

@@ -124,3 +124,30 @@ def test_presets_match_vllm(name, data, eagle):
     layout = get_preset(name)
     rows = {"deepseek-v4": 640, "qwen3-next-80b": 64}.get(name, 300)
     compare(data, layout, eagle, 32, max_rows=rows)
+
+
+@given(data=st.data(), layout=layouts(), eagle=st.booleans())
+def test_store_and_lookup_masks_match_vllm_mooncake_coordinator(data, layout, eagle):
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import (
+        MooncakeStoreCoordinator)
+    try:
+        finder = HitFinder(layout, eagle=eagle)
+    except LayoutError:
+        assume(False)
+    groups = [KVCacheGroupSpec(list(s.layer_names), vllm_spec(s), is_eagle_group=s.eagle)
+              for s in layout.groups]
+    coord = MooncakeStoreCoordinator(groups, finder.scheduler_block_size, finder.hash_block_size,
+                                     use_eagle=eagle, enable_partial_hash_hits=finder.partial)
+    assert coord.eagle_group_ids == set(finder.eagle_group_ids)
+    n_align = data.draw(st.integers(0, 12))
+    tokens = n_align * finder.alignment
+    start = data.draw(st.integers(0, tokens))
+
+    def dense(masks, ref):
+        return [([1] * len(mine) if theirs is None else [int(b) for b in theirs])
+                for mine, theirs in zip(ref, masks)]
+
+    mine_store = finder.store_masks(tokens, start)
+    assert [m.tolist() for m in mine_store] == dense(coord.store_mask(tokens, start), mine_store)
+    mine_look = finder.lookup_masks(tokens)
+    assert [m.tolist() for m in mine_look] == dense(coord.lookup_mask(tokens), mine_look)
