@@ -131,3 +131,31 @@ def test_presized_set_does_not_grow():
     cap = es.capacity
     es.add_many(0, np.random.default_rng(0).integers(0, 256, (1000, 16), dtype=np.uint8))
     assert es.capacity == cap
+
+
+def test_concurrent_bulk_mutation_and_lookup():
+    import threading
+    rng = np.random.default_rng(3)
+    blocks = [rng.integers(0, 256, (5000, 32), dtype=np.uint8) for _ in range(4)]
+    es = ExistenceSet(32)
+    es.add_many(9, blocks[0])
+    errors = []
+
+    def writer(i):
+        for _ in range(5):
+            es.add_many(i, blocks[i])          # grows the table while readers run
+            es.discard_many(i, blocks[i][:2500])
+
+    def reader():
+        for _ in range(20):
+            if not es.contains_many(9, blocks[0]).all():
+                errors.append("lost key")
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(1, 4)]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(es) == 5000 + 3 * 2500
