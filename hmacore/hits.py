@@ -28,7 +28,7 @@ from .grain import cdiv
 from .spec import GroupKind, KVLayout
 
 __all__ = ["ExistenceSet", "HitFinder", "HitResult", "ExternalBlockPool", "as_hash_array",
-           "SpecGroup"]
+           "SpecGroup", "LookupPlan"]
 
 _FINE_KINDS = (GroupKind.FULL, GroupKind.MAMBA)   # managers that support sub-block lookups
 
@@ -81,6 +81,32 @@ class HitResult:
 
     tokens: int
     masks: tuple[np.ndarray, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupPlan:
+    """The keys one external lookup asks for, in one batch.
+
+    Attributes:
+        keys: every key string, group by group (row-major over namespaces).
+        spans: per probed group ``(group, rows, start, count)``: its hash rows (int64) and
+            the slice ``keys[start:start+count]`` holding their keys.
+    """
+
+    keys: list
+    spans: tuple
+
+    def fold(self, results, hashes: np.ndarray, key_builder) -> ExistenceSet:
+        """An ExistenceSet of the (group, row) keys every namespace answered 1 for
+        (``results`` in ``keys`` order; anything else, errors included, is a miss)."""
+        es = ExistenceSet(hashes.shape[1])
+        if len(results) != len(self.keys):
+            return es
+        for g, rows, start, count in self.spans:
+            present = key_builder.fold_presence(g, results[start:start + count], rows.size)
+            if present.any():
+                es.add_many(g, np.ascontiguousarray(hashes[rows[present.astype(bool)]]))
+        return es
 
 
 def _merge_key(spec) -> tuple:
@@ -300,6 +326,21 @@ class HitFinder:
             out.append((blocks + 1) * k - 1)
         return tuple(out)
 
+    def lookup_keys(self, hashes: np.ndarray, num_tokens: int, key_builder) -> LookupPlan:
+        """The keys (``key_builder``: a hmacore.keys.KeyBuilder) of ``lookup_rows``, in every
+        namespace each group requires; empty when there is nothing to ask."""
+        hashes = _hits._check_digests(hashes, _width(hashes), "hashes")
+        rows = self.lookup_rows(hashes.shape[0], num_tokens)
+        keys: list[str] = []
+        spans = []
+        for g in self.group_ids:
+            if rows[g].size == 0:
+                continue
+            k = key_builder.lookup_keys(g, self.key_digests(hashes, g, rows[g]))
+            spans.append((g, rows[g], len(keys), len(k)))
+            keys.extend(k)
+        return LookupPlan(keys, tuple(spans))
+
     def store_rows(self, num_hashes: int, num_tokens: int, start_token: int = 0) -> tuple[np.ndarray, ...]:
         """Per group, the int64 hash rows a saver writes keys for: the last row of every
         block selected by ``store_masks(align_length(num_tokens), start_token)``, limited to
@@ -330,8 +371,7 @@ class HitFinder:
         """The digest bytes of the keys of ``rows`` in group ``group``: (n, ds) uint8 (the rows
         themselves) with ``coarse="last"``; (n, k*ds) concatenations of each block's k rows
         with ``coarse="concat"`` (k = bs_g / h). Used to render key strings."""
-        hashes = _hits._check_digests(hashes, hashes.shape[1] if isinstance(hashes, np.ndarray)
-                                      and hashes.ndim == 2 else 32, "hashes")
+        hashes = _hits._check_digests(hashes, _width(hashes), "hashes")
         g = self._check_group(group)
         rows = np.asarray(rows, dtype=np.int64)
         if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= hashes.shape[0])):
@@ -350,6 +390,12 @@ class HitFinder:
                 or not 0 <= int(group) < self.num_groups:
             raise HashInputError(f"group must be a group id in [0, {self.num_groups}), got {group!r}")
         return int(group)
+
+
+def _width(hashes) -> int:
+    if isinstance(hashes, np.ndarray) and hashes.ndim == 2 and hashes.shape[1] in (16, 32):
+        return hashes.shape[1]
+    raise HashInputError("hashes must be a uint8 array of shape (N, 16) or (N, 32)")
 
 
 _EMPTY = np.zeros(0, dtype=np.uint8)

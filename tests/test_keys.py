@@ -71,3 +71,20 @@ def test_bad_builders_are_rejected():
         RankNamespace(tp_rank=-1)
     with pytest.raises(HashInputError, match="lookup_namespaces"):
         KeyBuilder("m", lookup_namespaces={0: []})
+
+
+def test_lookup_plan_keys_and_fold():
+    from hmacore.hits import HitFinder
+    from hmacore.presets import get_preset
+    finder = HitFinder(get_preset("gpt-oss-120b"))
+    kb = KeyBuilder("m", lookup_namespaces={1: [RankNamespace(tp_rank=0), RankNamespace(tp_rank=1)]})
+    hs = np.random.default_rng(0).integers(0, 256, (8, 32), dtype=np.uint8)
+    plan = finder.lookup_keys(hs, 130, kb)                  # aligned to 128 tokens: 8 blocks
+    assert [(g, rows.tolist(), count) for g, rows, _, count in plan.spans] == \
+        [(0, list(range(8)), 8), (1, list(range(8)), 16)]
+    res = [1] * 8 + [1, 1] * 7 + [1, 0]                     # FA group: last block on one rank only
+    es = plan.fold(res, hs, kb)
+    assert es.contains_many(0, hs).all()
+    assert es.contains_many(1, hs).tolist() == [1] * 7 + [0]
+    assert len(plan.fold(res[:-1], hs, kb)) == 0            # wrong answer count: all misses
+    assert finder.lookup_keys(hs, 10, kb).keys == []       # below one aligned block: nothing

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import HashInputError, StoreError
 from .._fast import _hits
-from ..hits import ExistenceSet, HitFinder, HitResult
+from ..hits import HitFinder, HitResult
 from ..keys import KeyBuilder
 from ..spec import GroupKind
 
@@ -243,32 +243,18 @@ def lookup_hit(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.n
     """
     hashes = _check_hashes(hashes)
     n = hashes.shape[0]
-    es = ExistenceSet(hashes.shape[1])
     token_len = finder.align_length(num_tokens)
     empty = HitResult(0, tuple(np.zeros(0, dtype=np.uint8) for _ in range(finder.num_groups)))
     if n == 0 or token_len <= 0:
         return empty
-    rows = finder.lookup_rows(n, num_tokens)
-    all_keys: list[str] = []
-    spans = []
-    for g in finder.group_ids:
-        if rows[g].size == 0:
-            continue
-        k = keys.lookup_keys(g, finder.key_digests(hashes, g, rows[g]))
-        spans.append((g, len(all_keys), len(k)))
-        all_keys.extend(k)
-    if not all_keys:
+    plan = finder.lookup_keys(hashes, num_tokens, keys)
+    if not plan.keys:
         return empty
     try:
-        res = list(store.batch_exists(all_keys))
+        res = list(store.batch_exists(plan.keys))
     except Exception:  # master down / RPC failure: a miss, never a crash
         return empty
-    if len(res) != len(all_keys):
-        return empty
-    for g, start, count in spans:
-        present = keys.fold_presence(g, res[start:start + count], rows[g].size)
-        if present.any():
-            es.add_many(g, np.ascontiguousarray(hashes[rows[g][present.astype(bool)]]))
+    es = plan.fold(res, hashes, keys)
     hit = finder.longest_hit(hashes, es, token_len)
     if hit.tokens >= num_tokens:
         usable = finder.align_length(max(num_tokens - 1, 0))
