@@ -61,6 +61,13 @@ def chunked_layouts(draw_bs: int, chunk_mult: int, with_full: bool) -> KVLayout:
     return KVLayout(groups=tuple(groups))
 
 
+def draw_max_length(data, n: int, h: int) -> int:
+    """A hit cap in tokens, <= num_tokens - 1 for some num_tokens whose hashes are the n rows."""
+    if data.draw(st.booleans()):
+        return n * h + data.draw(st.integers(0, h - 1))
+    return data.draw(st.integers(0, n * h + h - 1))
+
+
 def populate(data, finder, oracle, hashes: np.ndarray, ds: int):
     """Draw a cached set; return (ExistenceSet, python set) holding the same blocks."""
     es = ExistenceSet(ds)
@@ -68,12 +75,21 @@ def populate(data, finder, oracle, hashes: np.ndarray, ds: int):
     h = finder.hash_block_size
     n = hashes.shape[0]
     raw = [bytes(r) for r in hashes]
+    shared = data.draw(st.one_of(st.integers(0, n * h),   # a prefix every group tends to hold
+                                 st.sampled_from([n * h, 3 * n * h // 4, n * h // 2])))
+    coherent = data.draw(st.booleans())                # every group holds (about) that prefix
     for g in finder.group_ids:
         bs = finder.block_sizes[g]
         k = bs // h
         nb = n // k
-        mode = data.draw(st.sampled_from(["prefix", "random", "all", "none", "tail"]))
-        if mode == "prefix":
+        modes = ["shared", "shared", "shared-holes", "prefix", "random", "all", "none", "tail"]
+        mode = data.draw(st.sampled_from(modes[:3] if coherent else modes))
+        if mode.startswith("shared"):
+            present = list(range(min(nb, shared // bs)))
+            if mode == "shared-holes" and present:
+                holes = set(data.draw(st.lists(st.sampled_from(present), max_size=3)))
+                present = [i for i in present if i not in holes]
+        elif mode == "prefix":
             p = data.draw(st.integers(0, nb))
             present = list(range(p))
         elif mode == "all":

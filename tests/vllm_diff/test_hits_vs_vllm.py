@@ -34,7 +34,7 @@ from hmacore.hits import ExistenceSet, ExternalBlockPool, HitFinder  # noqa: E40
 from hmacore.presets import get_preset  # noqa: E402
 from hmacore.spec import GroupKind, KVLayout  # noqa: E402
 
-from hits_scenarios import chunked_layouts, layouts, make_hashes, populate  # noqa: E402
+from hits_scenarios import chunked_layouts, draw_max_length, layouts, make_hashes, populate  # noqa: E402
 from oracle_hits import OracleFinder  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -72,7 +72,7 @@ def run_vllm(coord, h, cached, hashes, max_length):
     return hit, [[int(b is not pool.null_block) for b in blks] for blks in blocks]
 
 
-def compare(data, layout, eagle, ds, max_rows):
+def compare(data, layout, eagle, ds, max_rows, min_rows=0):
     try:
         finder = HitFinder(layout, eagle=eagle)
     except LayoutError:
@@ -82,11 +82,12 @@ def compare(data, layout, eagle, ds, max_rows):
         assert coord.enable_partial_hash_hits == finder.partial
         assert coord._cache_hit_alignment_tokens == finder.alignment
     oracle = OracleFinder(layout, "last", eagle)
-    n = data.draw(st.integers(0, max_rows))
+    n = data.draw(st.integers(min_rows, max_rows)) if data.draw(st.booleans()) else \
+        data.draw(st.integers(0, max_rows))
     hashes = make_hashes(n, ds, data.draw(st.integers(0, 2**32 - 1)))
     es, py = populate(data, finder, oracle, hashes, ds)
     h = finder.hash_block_size
-    max_length = data.draw(st.integers(0, n * h + h - 1))
+    max_length = draw_max_length(data, n, h)
     raw = [bytes(r) for r in hashes]
     want_hit, want_masks = run_vllm(coord, h, py, raw, max_length)
     got = finder.longest_hit(hashes, es, max_length)
@@ -123,7 +124,8 @@ def test_chunked_local_matches_vllm(data, bs, mult, with_full):
 def test_presets_match_vllm(name, data, eagle):
     layout = get_preset(name)
     rows = {"deepseek-v4": 640, "qwen3-next-80b": 64}.get(name, 300)
-    compare(data, layout, eagle, 32, max_rows=rows)
+    compare(data, layout, eagle, 32, max_rows=rows,
+            min_rows=HitFinder(layout).scheduler_block_size // HitFinder(layout).hash_block_size)
 
 
 @given(data=st.data(), layout=layouts(), eagle=st.booleans())
