@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 vllm = pytest.importorskip("vllm")
@@ -119,7 +119,6 @@ def test_chunked_local_matches_vllm(data, bs, mult, with_full):
 
 @pytest.mark.parametrize("name", ["deepseek-v4", "gpt-oss-120b", "gemma-3-27b",
                                   "qwen3-next-80b", "llama-3-70b"])
-@settings(max_examples=min(settings.default.max_examples, 300))   # vLLM's Python is slow here
 @given(data=st.data(), eagle=st.booleans())
 def test_presets_match_vllm(name, data, eagle):
     layout = get_preset(name)
