@@ -177,8 +177,10 @@ def _as_masks(hashed: Any, table: tuple[np.ndarray, ...]) -> list[np.ndarray]:
         if m.dtype == np.bool_:
             m = m.view(np.uint8)
         elif m.dtype != np.uint8:
-            raise BlockTableError(f"hashed: group {g} must be a bool or uint8 mask, got "
-                                  f"dtype {m.dtype}")
+            if m.dtype.kind not in "iu" or (m.size and (m.min() < 0 or m.max() > 1)):
+                raise BlockTableError(f"hashed: group {g} must be a bool/uint8 mask (or 0/1 "
+                                      f"integers), got dtype {m.dtype}")
+            m = m.astype(np.uint8)
         masks.append(np.ascontiguousarray(m))
     return masks
 
