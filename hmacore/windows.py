@@ -212,10 +212,10 @@ def expand_to_kernel(block_ids: Any, ratios: Sequence[int] | int, *,
     """
     if isinstance(block_ids, (list, tuple)) and len(block_ids) == 0:
         return ()
-    if isinstance(ratios, (list, tuple)):
-        n = len(ratios)
-    elif isinstance(block_ids, (list, tuple)) and isinstance(block_ids[0], (list, tuple, np.ndarray)):
+    if isinstance(block_ids, (list, tuple)) and isinstance(block_ids[0], (list, tuple, np.ndarray)):
         n = len(block_ids)
+    elif isinstance(ratios, (list, tuple)):
+        n = len(ratios)
     else:
         n = 1
     table = as_block_table(block_ids, n)
