@@ -368,10 +368,17 @@ class TrackerSet:
         return tuple(rt.take_group(g) for g in range(self.num_groups))
 
     # -- queries ----------------------------------------------------------------------
-    def block_ids(self, req_id: Hashable) -> tuple[np.ndarray, ...]:
-        """A copy of the request's table (int32 per group)."""
+    def block_ids(self, req_id: Hashable, *, copy: bool = True) -> tuple[np.ndarray, ...]:
+        """The request's table (int32 per group, blocks of each group).
+
+        ``copy=False`` returns read-only views of the tracker's buffers (no copy): cheap for
+        clipping, but they show later in-place nulling and do not see later appends; do not
+        keep them across tracker updates.
+        """
         rt = self._get(req_id)
-        return tuple(rt.copy_group(g) for g in range(self.num_groups))
+        if copy:
+            return tuple(rt.copy_group(g) for g in range(self.num_groups))
+        return tuple(rt.view_group(g) for g in range(self.num_groups))
 
     def num_blocks(self, req_id: Hashable) -> tuple[int, ...]:
         """Tracked blocks per group (blocks of each group, nulls included)."""

@@ -44,6 +44,17 @@ def test_add_copies_and_lifecycle(ts):
         ts.finish("r")
 
 
+def test_block_ids_views_are_readonly(ts):
+    ts.add("r", ([1, 2], [3]))
+    v = ts.block_ids("r", copy=False)
+    assert lists(v) == [[1, 2], [3]]
+    with pytest.raises(ValueError):
+        v[0][0] = 5
+    c = ts.block_ids("r")
+    c[0][0] = 5  # copies are the caller's
+    assert lists(ts.block_ids("r")) == [[1, 2], [3]]
+
+
 def test_duplicate_add_raises_and_changes_nothing(ts):
     ts.add("r", ([1], [2]))
     with pytest.raises(TrackerStateError, match="already tracked"):

@@ -30,5 +30,6 @@ cdef class RequestTables:
     cpdef Py_ssize_t first_illegal_change(self, int g, const block_id_t[::1] full) except -2
     cpdef Py_ssize_t merge_full(self, int g, const block_id_t[::1] full) except -1
     cpdef object copy_group(self, int g)
+    cpdef object view_group(self, int g)
     cpdef object take_group(self, int g)
     cpdef void clear(self)

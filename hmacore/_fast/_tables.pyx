@@ -203,6 +203,12 @@ cdef class RequestTables:
         """A fresh int32 array holding group g's table."""
         return self._bufs[g][:self._lens[g]].copy()
 
+    cpdef object view_group(self, int g):
+        """A read-only view of group g's live table (no copy)."""
+        v = self._bufs[g][:self._lens[g]]
+        v.flags.writeable = False
+        return v
+
     cpdef object take_group(self, int g):
         """Group g's table as an array the caller owns (no copy); the group is emptied."""
         out = self._bufs[g][:self._lens[g]]
