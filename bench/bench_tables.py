@@ -15,11 +15,12 @@ from hmacore.grain import cdiv
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind
 from hmacore.tables import TrackerSet
-from hmacore.windows import clip_to_window
+from hmacore.windows import clip_tracked
 from tests import oracle_core as oracle
 
 NUM_REQS = 256
-LAYOUTS = {2: get_preset("gpt-oss-120b", num_blocks=None), 5: get_preset("deepseek-v4", num_blocks=None)}
+LAYOUTS = {2: get_preset("gpt-oss-120b", num_blocks=2**31 - 1),
+           5: get_preset("deepseek-v4", num_blocks=2**31 - 1)}
 TOKENS = [4096, 32768, 131072]
 
 
@@ -49,7 +50,7 @@ def step_inputs(layout, start_id):
 
 def lib_step(ts, layout, new_ids):
     ts.apply_step(cached=[(r, tuple(ids), False) for r, ids in enumerate(new_ids)])
-    return [clip_to_window(ts.block_ids(r, copy=False), layout) for r in range(NUM_REQS)]
+    return clip_tracked(ts, range(NUM_REQS))
 
 
 def ora_step(ora, groups, new_ids):

@@ -229,7 +229,13 @@ class RequestState(enum.IntEnum):
     FINISHED = 4
 
 
-_WATERMARKS = ("scheduled_tokens", "saved_tokens", "loaded_tokens")
+class _FastTable:
+    """A table of Python-int lists that already passed ``check_int_table``."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: Any) -> None:
+        self.groups = groups
 
 
 class TrackerSet:
@@ -299,14 +305,32 @@ class TrackerSet:
         """Track a new request with a copy of its full table (blocks per group)."""
         if req_id in self:
             raise TrackerStateError(f"req_id {req_id!r} is already tracked")
-        table = self._table(block_ids, "block_ids")
+        table = self._fast_or_table(block_ids, "block_ids", allow_none=False)
         n = self._check_tokens("num_prompt_tokens", num_prompt_tokens)
         self._insert(req_id, table, n)
 
-    def _insert(self, req_id: Hashable, table: tuple[np.ndarray, ...], prompt: int) -> None:
-        rt = _k.RequestTables(self.num_groups)
+    def _fast_or_table(self, block_ids: Any, name: str, *, allow_none: bool) -> Any:
+        """Lists of Python ints that pass the C pre-check are kept as they are (consumed by
+        ``RequestTables.extend_groups``); anything else becomes int32 arrays (or raises)."""
+        if _k.check_int_table(block_ids, self.num_groups, self._num_blocks or 0, allow_none):
+            return _FastTable(block_ids)
+        if allow_none:
+            return self._new_ids(block_ids)
+        return self._table(block_ids, name)
+
+    @staticmethod
+    def _extend(rt: _k.RequestTables, table: Any) -> None:
+        if table is None:
+            return
+        if isinstance(table, _FastTable):
+            rt.extend_groups(table.groups)
+            return
         for g, ids in enumerate(table):
             rt.append(g, ids)
+
+    def _insert(self, req_id: Hashable, table: Any, prompt: int) -> None:
+        rt = _k.RequestTables(self.num_groups)
+        self._extend(rt, table)
         rt.num_prompt_tokens = prompt
         rt.state = RequestState.NEW
         self._reqs[req_id] = rt
@@ -318,11 +342,9 @@ class TrackerSet:
         :meth:`replace` first.
         """
         rt = self._get(req_id)
-        table = self._new_ids(new_block_ids)
+        table = self._fast_or_table(new_block_ids, "new_block_ids", allow_none=True)
         self._check_appendable(req_id, rt.state)
-        if table is not None:
-            for g, ids in enumerate(table):
-                rt.append(g, ids)
+        self._extend(rt, table)
         if rt.state == RequestState.NEW:
             rt.state = RequestState.RUNNING
         return self.num_blocks(req_id)
@@ -477,7 +499,7 @@ class TrackerSet:
             r, ids = item
             if r in live:
                 raise TrackerStateError(f"new: req_id {r!r} is already tracked")
-            new_tables.append((r, self._table(ids, f"new[{r!r}]")))
+            new_tables.append((r, self._fast_or_table(ids, f"new[{r!r}]", allow_none=False)))
             live[r] = RequestState.NEW
         cached_ops = []
         for item in cached:
@@ -493,7 +515,8 @@ class TrackerSet:
                 live[r] = RequestState.RUNNING
             else:
                 self._check_appendable(r, live[r])
-                cached_ops.append((r, False, self._new_ids(ids)))
+                cached_ops.append((r, False, self._fast_or_table(ids, "new_block_ids",
+                                                                  allow_none=True)))
                 if live[r] == RequestState.NEW:
                     live[r] = RequestState.RUNNING
         # Phase 2: mutate (cannot fail on validated input).
@@ -509,9 +532,7 @@ class TrackerSet:
                     rt.assign(g, ids)
                 rt.state = RequestState.RUNNING
             else:
-                if table is not None:
-                    for g, ids in enumerate(table):
-                        rt.append(g, ids)
+                self._extend(rt, table)
                 if rt.state == RequestState.NEW:
                     rt.state = RequestState.RUNNING
         return out

@@ -14,10 +14,10 @@ import numpy as np
 from ._fast import _windows as _k
 from .errors import BlockTableError
 from .spec import GroupKind, KVLayout
-from .tables import as_block_table
+from .tables import TrackerSet, as_block_table
 
 __all__ = [
-    "clip_to_window", "clip_state_blocks", "trim_remote_to_local", "expand_to_kernel",
+    "clip_to_window", "clip_state_blocks", "window_plan", "clip_tracked", "trim_remote_to_local", "expand_to_kernel",
     "expand_layout_to_kernel", "expand_group", "map_block_size",
 ]
 
@@ -96,6 +96,36 @@ def clip_to_window(block_ids: Any, layout: KVLayout, *, exact: bool = False,
         else:
             out.append(ids)
     return tuple(out)
+
+
+def window_plan(layout: KVLayout, *, exact: bool = False, clip_state: bool = True) -> np.ndarray:
+    """The per-group clip of :func:`clip_to_window` as an int64 array (one entry per group):
+    ``k > 0`` keep the last k blocks (SLIDING_WINDOW), ``0`` keep all, ``-1 - s`` keep the
+    running-state slot of a MAMBA group with s speculative scratch slots."""
+    layout = _check_layout(layout)
+    plan = np.zeros(layout.num_groups, dtype=np.int64)
+    for g, spec in enumerate(layout.groups):
+        if spec.kind == GroupKind.SLIDING_WINDOW:
+            plan[g] = spec.window_blocks(exact)
+        elif spec.kind == GroupKind.MAMBA and clip_state:
+            plan[g] = -1 - spec.num_speculative_blocks
+    return plan
+
+
+def clip_tracked(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: bool = False,
+                 clip_state: bool = True) -> list[tuple[np.ndarray, ...]]:
+    """:func:`clip_to_window` of many tracked requests' tables, straight from the tracker's
+    buffers (ids were validated when tracked; no copy, no re-validation).
+
+    Returns read-only views, one tuple per request in ``req_ids`` order; like
+    ``TrackerSet.block_ids(copy=False)`` they must not be kept across tracker updates.
+    Raises TrackerStateError for an unknown request (before returning anything).
+    """
+    if not isinstance(trackers, TrackerSet):
+        raise TypeError(f"trackers must be a TrackerSet, got {type(trackers).__name__}")
+    plan = window_plan(trackers.layout, exact=exact, clip_state=clip_state)
+    rts = [trackers._get(r) for r in req_ids]  # all lookups first: unknown id -> no output
+    return [rt.clip_views(plan) for rt in rts]
 
 
 def trim_remote_to_local(local: Any, remote: Any, layout: KVLayout, *,

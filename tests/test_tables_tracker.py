@@ -10,6 +10,7 @@ from hmacore.errors import BlockTableError, HmacoreError, TrackerStateError
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind, GroupSpec, KVLayout
 from hmacore.tables import RequestState, TrackerSet
+from hmacore.windows import clip_to_window, clip_tracked
 from tests import oracle_core as oracle
 
 NB = 64
@@ -227,6 +228,21 @@ def test_single_group_flat_tables():
     assert lists(ts.finish("r")) == [[1, 2, 3, 4, 5]]
 
 
+def test_clip_tracked():
+    ts = TrackerSet(KVLayout(groups=(GroupSpec(GroupKind.FULL, 16),
+                                     GroupSpec(GroupKind.SLIDING_WINDOW, 16, sliding_window=32),
+                                     GroupSpec(GroupKind.MAMBA, 16, num_speculative_blocks=1))))
+    ts.add("a", ([1, 2, 3, 4], [0, 0, 5, 6, 7, 8], [9, 10, 11]))
+    ts.add("b", ([], [], []))
+    a, b = clip_tracked(ts, ["a", "b"])
+    assert lists(a) == [[1, 2, 3, 4], [6, 7, 8], [10]] and lists(b) == [[], [], []]
+    assert lists(clip_tracked(ts, ["a"], clip_state=False)[0])[2] == [9, 10, 11]
+    with pytest.raises(TrackerStateError, match="'zz' is not tracked"):
+        clip_tracked(ts, ["a", "zz"])
+    with pytest.raises(TypeError, match="trackers must be a TrackerSet"):
+        clip_tracked({}, ["a"])
+
+
 def test_rejects_non_layout():
     with pytest.raises(TypeError, match="layout must be a KVLayout"):
         TrackerSet(2)
@@ -269,6 +285,15 @@ class TrackerMachine(RuleBasedStateMachine):
                 groups.append(data.draw(ids_st))
         return groups
 
+    def _form(self, data, t):
+        """The same table as lists (C fast path) or as NumPy arrays (general path)."""
+        form = data.draw(st.sampled_from(["list", "tuple", "int32", "int64"]))
+        if form == "list" or t is None:
+            return tuple(t) if t is not None else None
+        conv = {"tuple": tuple, "int32": lambda x: np.array(x, dtype=np.int32),
+                "int64": lambda x: np.array(x, dtype=np.int64)}[form]
+        return tuple(None if x is None else conv(x) for x in t)
+
     def _both(self, lib_fn, ora_fn):
         """Run on both; both must fail or both succeed; a failure changes nothing."""
         before = snapshot(self.lib)
@@ -291,12 +316,14 @@ class TrackerMachine(RuleBasedStateMachine):
     @rule(r=st.sampled_from(REQS), data=st.data())
     def add(self, r, data):
         t = self._table(data)
-        self._both(lambda: self.lib.add(r, tuple(t)), lambda: self.ora.add(r, t))
+        lt = self._form(data, t)
+        self._both(lambda: self.lib.add(r, lt), lambda: self.ora.add(r, t))
 
     @rule(r=st.sampled_from(REQS), data=st.data())
     def append(self, r, data):
         t = None if data.draw(st.booleans()) else self._table(data, allow_none=True)
-        self._both(lambda: self.lib.append(r, None if t is None else tuple(t)),
+        lt = self._form(data, t)
+        self._both(lambda: self.lib.append(r, lt),
                    lambda: self.ora.append(r, t))
 
     @rule(r=st.sampled_from(REQS), data=st.data(), bad=st.booleans())
@@ -393,6 +420,11 @@ class TrackerMachine(RuleBasedStateMachine):
         want = {r: (v["t"], v["state"], v["s"], v["v"], v["l"]) for r, v in self.ora.reqs.items()}
         assert snapshot(self.lib) == want
         assert len(self.lib) == len(want)
+        # Clipping straight from the tracker's buffers == clipping a copy of the table.
+        reqs = list(self.lib)
+        for r, views in zip(reqs, clip_tracked(self.lib, reqs)):
+            assert lists(views) == lists(clip_to_window(self.lib.block_ids(r), self.layout))
+            assert not any(v.flags.writeable for v in views)
 
 
 TestTrackerMachine = TrackerMachine.TestCase

@@ -74,6 +74,51 @@ def seq_to_int32(object seq, long long num_blocks):
     return out, ID_OK, -1
 
 
+cdef int _check_int_seq(object seq, long long num_blocks, Py_ssize_t* bad) except -2:
+    """Status of a list/tuple of Python ints; -1 = not a list/tuple (use the general path)."""
+    cdef Py_ssize_t i, n
+    cdef int overflow
+    cdef long long v
+    if not (type(seq) is list or type(seq) is tuple):
+        return -1
+    n = len(seq)
+    for i in range(n):
+        x = seq[i]
+        if type(x) is not int:       # bools, NumPy scalars, floats: general path decides
+            return -1
+        v = PyLong_AsLongLongAndOverflow(x, &overflow)
+        if overflow < 0 or (overflow == 0 and v < 0):
+            bad[0] = i
+            return ID_NEGATIVE
+        if overflow > 0 or v > INT32_MAX:
+            bad[0] = i
+            return ID_PAST_INT32
+        if num_blocks > 0 and v >= num_blocks:
+            bad[0] = i
+            return ID_PAST_POOL
+    return ID_OK
+
+
+def check_int_table(object groups, int num_groups, long long num_blocks, bint allow_none):
+    """Fast pre-check of the common input shape: a list/tuple of ``num_groups`` lists/tuples
+    of Python ints (``None`` groups allowed when ``allow_none``).
+
+    Returns ``True`` when the table is valid and in that shape (then
+    :meth:`RequestTables.extend_groups` may consume it directly), ``False`` when the caller
+    must take the general path (which also produces the error messages).
+    """
+    cdef Py_ssize_t g, bad = -1
+    if not (type(groups) is list or type(groups) is tuple) or len(groups) != num_groups:
+        return False
+    for g in range(num_groups):
+        seq = groups[g]
+        if seq is None and allow_none:
+            continue
+        if _check_int_seq(seq, num_blocks, &bad) != ID_OK:
+            return False
+    return True
+
+
 def select_unhashed(const block_id_t[::1] ids, const flag_t[::1] hashed, block_id_t[::1] out):
     """Write the blocks a connector must fill into ``out``; return how many.
 
@@ -159,6 +204,50 @@ cdef class RequestTables:
         memcpy(&dst[base], &ids[0], n * sizeof(block_id_t))
         self._lens[g] = base + n
         return base + n
+
+    def extend_groups(self, object groups):
+        """Append a table already accepted by :func:`check_int_table` (lists of Python ints,
+        ``None`` = nothing for that group), writing straight into the buffers."""
+        cdef int g
+        cdef Py_ssize_t i, n, base
+        cdef block_id_t[::1] dst
+        for g in range(self.num_groups):
+            seq = groups[g]
+            if seq is None:
+                continue
+            n = len(seq)
+            if n == 0:
+                continue
+            base = self._lens[g]
+            self._reserve(g, base + n)
+            dst = self._bufs[g]
+            for i in range(n):
+                dst[base + i] = <block_id_t>(<long long>seq[i])
+            self._lens[g] = base + n
+
+    def clip_views(self, const long long[::1] keep):
+        """Read-only views of the clipped table: ``keep[g] > 0`` keeps the last keep[g]
+        entries; ``keep[g] == 0`` keeps everything; ``keep[g] = -1 - s`` keeps the running
+        state slot of a Mamba group with s speculative scratch slots."""
+        cdef int g
+        cdef Py_ssize_t n, k, end
+        out = []
+        for g in range(self.num_groups):
+            n = self._lens[g]
+            k = keep[g]
+            if k > 0:
+                v = self._bufs[g][(n - k if n > k else 0):n]
+            elif k == 0:
+                v = self._bufs[g][:n]
+            elif n == 0:
+                v = self._bufs[g][:0]
+            else:
+                k = -1 - k
+                end = n - (k if k < n - 1 else n - 1)
+                v = self._bufs[g][end - 1:end]
+            v.flags.writeable = False
+            out.append(v)
+        return tuple(out)
 
     cpdef Py_ssize_t assign(self, int g, const block_id_t[::1] ids) except -1:
         """Replace group g's table with ``ids``; return the new length."""
