@@ -201,3 +201,30 @@ def test_as_block_table_matches_rule(groups, nb):
     else:
         with pytest.raises(BlockTableError):
             as_block_table(obj, len(groups), num_blocks=nb)
+
+
+# -- the Cython storage class guards its own entry points -------------------------------
+def test_request_tables_guards():
+    from hmacore._fast._tables import RequestTables
+    rt = RequestTables(2)
+    with pytest.raises(ValueError, match="num_groups must be >= 1"):
+        RequestTables(0)
+    for g in (-1, 2):
+        with pytest.raises(IndexError, match=f"group {g} out of range for 2 groups"):
+            rt.append(g, np.array([1], dtype=np.int32))
+        with pytest.raises(IndexError):
+            rt.copy_group(g)
+    with pytest.raises(ValueError, match="groups has 1 entries, expected 2"):
+        rt.extend_groups([[1]])
+    with pytest.raises(ValueError, match="keep has 3 entries, expected 2"):
+        rt.clip_views(np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError):  # read-only/wrong-dtype buffers are refused by Cython
+        rt.append(0, np.array([1], dtype=np.int64))
+    rt.append(0, np.array([1, 2], dtype=np.int32))
+    v = rt.view_group(0)
+    assert not v.flags.writeable and v.tolist() == [1, 2]
+    for _ in range(100):  # growth keeps the prefix
+        rt.append(0, np.array([3], dtype=np.int32))
+    assert rt.copy_group(0).tolist() == [1, 2] + [3] * 100 and v.tolist() == [1, 2]
+    taken = rt.take_group(0)
+    assert taken.flags.writeable and rt.length(0) == 0

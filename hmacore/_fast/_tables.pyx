@@ -10,8 +10,11 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcpy
 
 import numpy as np
+cimport numpy as cnp
 
 from hmacore._fast._types cimport block_id_t, flag_t, token_t
+
+cnp.import_array()
 
 cdef extern from "Python.h":
     long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
@@ -159,12 +162,14 @@ cdef class RequestTables:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.num_groups = num_groups
         self._lens = <Py_ssize_t*>PyMem_Malloc(num_groups * sizeof(Py_ssize_t))
-        if self._lens == NULL:
+        self._data = <block_id_t**>PyMem_Malloc(num_groups * sizeof(block_id_t*))
+        if self._lens == NULL or self._data == NULL:
             raise MemoryError()
         self._bufs = []
         for g in range(num_groups):
             self._lens[g] = 0
-            self._bufs.append(np.empty(0, dtype=np.int32))
+            self._bufs.append(None)
+            self._set_buffer(g, np.empty(0, dtype=np.int32))
         self.scheduled_tokens = 0
         self.saved_tokens = 0
         self.loaded_tokens = 0
@@ -173,35 +178,48 @@ cdef class RequestTables:
 
     def __dealloc__(self):
         PyMem_Free(self._lens)
+        PyMem_Free(self._data)
+
+    cdef inline int _check_group(self, int g) except -1:
+        if g < 0 or g >= self.num_groups:
+            raise IndexError(f"group {g} out of range for {self.num_groups} groups")
+        return 0
+
+    cdef void _set_buffer(self, int g, object arr) except *:
+        # NumPy sees the buffer read-only so every slice handed out is a read-only view;
+        # this class writes through the raw pointer.
+        arr.flags.writeable = False
+        self._bufs[g] = arr
+        self._data[g] = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
 
     cdef void _reserve(self, int g, Py_ssize_t need) except *:
-        # Amortised doubling; the old live prefix is copied once.
-        old = self._bufs[g]
-        cdef Py_ssize_t cap = old.shape[0]
+        # Growth with headroom (the first appends after a full table are free), then
+        # doubling; the live prefix is copied once per growth.
+        cdef Py_ssize_t cap = (<cnp.ndarray>self._bufs[g]).shape[0]
         if need <= cap:
             return
-        cdef Py_ssize_t new_cap = cap * 2 if cap * 2 > need else need
-        if new_cap < 16:
-            new_cap = 16
+        cdef Py_ssize_t new_cap = need + (need >> 3) + 16
+        if cap * 2 > new_cap:
+            new_cap = cap * 2
         new = np.empty(new_cap, dtype=np.int32)
-        cdef block_id_t[::1] dst = new
-        cdef block_id_t[::1] src = old
+        cdef block_id_t* dst = <block_id_t*>cnp.PyArray_DATA(new)
         if self._lens[g]:
-            memcpy(&dst[0], &src[0], self._lens[g] * sizeof(block_id_t))
-        self._bufs[g] = new
+            memcpy(dst, self._data[g], self._lens[g] * sizeof(block_id_t))
+        self._set_buffer(g, new)
 
     cpdef Py_ssize_t length(self, int g):
         """Tracked blocks of group g."""
+        self._check_group(g)
         return self._lens[g]
 
     cpdef Py_ssize_t append(self, int g, const block_id_t[::1] ids) except -1:
         """Append ``ids`` to group g; return the new length."""
+        self._check_group(g)
         cdef Py_ssize_t n = ids.shape[0], base = self._lens[g]
         if n == 0:
             return base
         self._reserve(g, base + n)
-        cdef block_id_t[::1] dst = self._bufs[g]
-        memcpy(&dst[base], &ids[0], n * sizeof(block_id_t))
+        memcpy(self._data[g] + base, &ids[0], n * sizeof(block_id_t))
         self._lens[g] = base + n
         return base + n
 
@@ -210,7 +228,9 @@ cdef class RequestTables:
         ``None`` = nothing for that group), writing straight into the buffers."""
         cdef int g
         cdef Py_ssize_t i, n, base
-        cdef block_id_t[::1] dst
+        cdef block_id_t* dst
+        if len(groups) != self.num_groups:
+            raise ValueError(f"groups has {len(groups)} entries, expected {self.num_groups}")
         for g in range(self.num_groups):
             seq = groups[g]
             if seq is None:
@@ -220,9 +240,9 @@ cdef class RequestTables:
                 continue
             base = self._lens[g]
             self._reserve(g, base + n)
-            dst = self._bufs[g]
+            dst = self._data[g] + base
             for i in range(n):
-                dst[base + i] = <block_id_t>(<long long>seq[i])
+                dst[i] = <block_id_t>(<long long>seq[i])
             self._lens[g] = base + n
 
     def clip_views(self, const long long[::1] keep):
@@ -231,6 +251,8 @@ cdef class RequestTables:
         state slot of a Mamba group with s speculative scratch slots."""
         cdef int g
         cdef Py_ssize_t n, k, end
+        if keep.shape[0] != self.num_groups:
+            raise ValueError(f"keep has {keep.shape[0]} entries, expected {self.num_groups}")
         out = []
         for g in range(self.num_groups):
             n = self._lens[g]
@@ -245,12 +267,12 @@ cdef class RequestTables:
                 k = -1 - k
                 end = n - (k if k < n - 1 else n - 1)
                 v = self._bufs[g][end - 1:end]
-            v.flags.writeable = False
             out.append(v)
         return tuple(out)
 
     cpdef Py_ssize_t assign(self, int g, const block_id_t[::1] ids) except -1:
         """Replace group g's table with ``ids``; return the new length."""
+        self._check_group(g)
         self._lens[g] = 0
         return self.append(g, ids)
 
@@ -261,12 +283,13 @@ cdef class RequestTables:
         tracked position either unchanged or changed from a real id to the null id 0.
         Otherwise the first offending position (``len(full)`` when the table shrank).
         """
+        self._check_group(g)
         cdef Py_ssize_t i, n = self._lens[g]
         if full.shape[0] < n:
             return full.shape[0]
         if n == 0:
             return -1
-        cdef const block_id_t[::1] cur = self._bufs[g]
+        cdef const block_id_t* cur = self._data[g]
         with nogil:
             for i in range(n):
                 if full[i] != cur[i] and full[i] != 0:
@@ -276,10 +299,10 @@ cdef class RequestTables:
     cpdef Py_ssize_t merge_full(self, int g, const block_id_t[::1] full) except -1:
         """Apply a legal full table (see first_illegal_change): null freed positions in place,
         append the suffix past the tracked length. Returns the number of appended blocks."""
+        self._check_group(g)
         cdef Py_ssize_t i, n = self._lens[g], m = full.shape[0]
-        cdef block_id_t[::1] cur
+        cdef block_id_t* cur = self._data[g]
         if n:
-            cur = self._bufs[g]
             with nogil:
                 for i in range(n):
                     if full[i] == 0:
@@ -290,18 +313,21 @@ cdef class RequestTables:
 
     cpdef object copy_group(self, int g):
         """A fresh int32 array holding group g's table."""
+        self._check_group(g)
         return self._bufs[g][:self._lens[g]].copy()
 
     cpdef object view_group(self, int g):
         """A read-only view of group g's live table (no copy)."""
-        v = self._bufs[g][:self._lens[g]]
-        v.flags.writeable = False
-        return v
+        self._check_group(g)
+        return self._bufs[g][:self._lens[g]]
 
     cpdef object take_group(self, int g):
         """Group g's table as an array the caller owns (no copy); the group is emptied."""
-        out = self._bufs[g][:self._lens[g]]
-        self._bufs[g] = np.empty(0, dtype=np.int32)
+        self._check_group(g)
+        buf = self._bufs[g]
+        buf.flags.writeable = True   # the caller owns it now
+        out = buf[:self._lens[g]]
+        self._set_buffer(g, np.empty(0, dtype=np.int32))
         self._lens[g] = 0
         return out
 
