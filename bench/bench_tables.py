@@ -1,6 +1,12 @@
 """One scheduler step of tracker updates + window clipping, hmacore vs the plain-Python
 oracle (tests/oracle_core.py), 256 requests x {2, 5} groups x {4k, 32k, 128k} tokens.
 
+Two scenarios per size: ``step`` = one decode step in steady state (every request appends
+one block per group via ``apply_step``, then every request's table is window-clipped);
+``alloc`` = the full table arriving twice per request (``update_after_alloc``, prefill /
+async-load path). The oracle does the same work with plain lists (its step calls append per
+request; it has no all-or-nothing validation).
+
 Layouts: 2 groups = gpt-oss-120b (SW bs16 w128 + FA bs16), 5 groups = DeepSeek-V4
 (256/64/64/4/8). Tables look like vLLM's: full length per group, SW groups null-padded
 (id 0) in front of their in-window tail. Inputs are Python lists (what vLLM hands a
@@ -59,17 +65,21 @@ def ora_step(ora, groups, new_ids):
     return [oracle.clip(ora.reqs[r]["t"], groups) for r in range(NUM_REQS)]
 
 
-def make_lib(layout, tables):
+def make_lib(layout, tables, warm=None):
     ts = TrackerSet(layout)
     for r, t in enumerate(tables):
         ts.add(r, tuple(t))
+    if warm is not None:  # one earlier decode step: steady-state buffers/lists
+        lib_step(ts, layout, warm)
     return ts
 
 
-def make_ora(layout, tables):
+def make_ora(layout, tables, warm=None):
     ora = oracle.Trackers(layout.num_groups)
     for r, t in enumerate(tables):
         ora.add(r, t)
+    if warm is not None:
+        ora_step(ora, oracle.layout_to_dicts(layout), warm)
     return ora
 
 
@@ -79,12 +89,13 @@ def case(request):
     groups, tokens = request.param
     layout = LAYOUTS[groups]
     tables, next_id = full_tables(layout, tokens, NUM_REQS)
-    new_ids = step_inputs(layout, next_id)
+    warm = step_inputs(layout, next_id)
+    new_ids = step_inputs(layout, next_id + NUM_REQS * groups)
     # Same inputs, same outputs: checked once before anything is timed.
-    got = lib_step(make_lib(layout, tables), layout, new_ids)
-    want = ora_step(make_ora(layout, tables), oracle.layout_to_dicts(layout), new_ids)
+    got = lib_step(make_lib(layout, tables, warm), layout, new_ids)
+    want = ora_step(make_ora(layout, tables, warm), oracle.layout_to_dicts(layout), new_ids)
     assert [[x.tolist() for x in t] for t in got] == want
-    return layout, tables, new_ids, f"step-{groups}groups-{tokens // 1024}k"
+    return layout, tables, (warm, new_ids), f"step-{groups}groups-{tokens // 1024}k"
 
 
 def _rounds(tables):
@@ -93,18 +104,20 @@ def _rounds(tables):
 
 
 def test_step_hmacore(benchmark, case):
-    layout, tables, new_ids, group = case
+    layout, tables, (warm, new_ids), group = case
     benchmark.group = group
+    benchmark.extra_info["impl"] = "hmacore"
     benchmark.pedantic(lambda ts: lib_step(ts, layout, new_ids),
-                       setup=lambda: ((make_lib(layout, tables),), {}), rounds=_rounds(tables))
+                       setup=lambda: ((make_lib(layout, tables, warm),), {}), rounds=_rounds(tables))
 
 
 def test_step_oracle(benchmark, case):
-    layout, tables, new_ids, group = case
+    layout, tables, (warm, new_ids), group = case
     benchmark.group = group
+    benchmark.extra_info["impl"] = "oracle"
     groups = oracle.layout_to_dicts(layout)
     benchmark.pedantic(lambda ora: ora_step(ora, groups, new_ids),
-                       setup=lambda: ((make_ora(layout, tables),), {}), rounds=_rounds(tables))
+                       setup=lambda: ((make_ora(layout, tables, warm),), {}), rounds=_rounds(tables))
 
 
 # -- prefill-style step: the full table arrives (twice) for every request --------------
@@ -138,6 +151,7 @@ def alloc_case(request):
 def test_alloc_hmacore(benchmark, alloc_case):
     layout, tables, empty, group = alloc_case
     benchmark.group = group
+    benchmark.extra_info["impl"] = "hmacore"
     benchmark.pedantic(lambda ts: lib_alloc(ts, tables),
                        setup=lambda: ((make_lib(layout, empty),), {}), rounds=_rounds(tables))
 
@@ -145,5 +159,6 @@ def test_alloc_hmacore(benchmark, alloc_case):
 def test_alloc_oracle(benchmark, alloc_case):
     layout, tables, empty, group = alloc_case
     benchmark.group = group
+    benchmark.extra_info["impl"] = "oracle"
     benchmark.pedantic(lambda ora: ora_alloc(ora, tables),
                        setup=lambda: ((make_ora(layout, empty),), {}), rounds=_rounds(tables))
