@@ -72,8 +72,9 @@ def _split_groups(block_ids: Any, num_groups: int, name: str) -> Sequence[Any]:
     return block_ids
 
 
-def _raise_status(name: str, g: int, i: int, status: int, value: Any, hi: int) -> None:
-    where = f"{name}: group {g}, index {i}"
+def _raise_status(name: str, g: int, i: int, status: int, value: Any, hi: int,
+                  offset: int = 0) -> None:
+    where = f"{name}: group {g}, index {i + offset}"
     if status == _k.STATUS_NOT_INT:
         raise BlockTableError(f"{where}: block ids must be integers, got "
                               f"{type(value).__name__} {value!r}")
@@ -84,7 +85,9 @@ def _raise_status(name: str, g: int, i: int, status: int, value: Any, hi: int) -
     raise BlockTableError(f"{where}: block id {value} is >= num_blocks ({hi})")
 
 
-def _as_group(x: Any, g: int, hi: int, name: str) -> np.ndarray:
+def _as_group(x: Any, g: int, hi: int, name: str, offset: int = 0) -> np.ndarray:
+    """One group as contiguous int32 (``offset``: index of x[0] in the caller's group, for
+    messages about a slice)."""
     if isinstance(x, np.ndarray):
         if x.ndim != 1:
             raise BlockTableError(f"{name}: group {g} must be 1-D, got shape {x.shape}")
@@ -97,7 +100,7 @@ def _as_group(x: Any, g: int, hi: int, name: str) -> np.ndarray:
             x = np.ascontiguousarray(x)
             status, i = _k.scan_int32(x, hi)
             if status != _k.STATUS_OK:
-                _raise_status(name, g, i, status, int(x[i]), hi)
+                _raise_status(name, g, i, status, int(x[i]), hi, offset)
             return x
         else:
             bad = x > _INT32_MAX
@@ -110,12 +113,12 @@ def _as_group(x: Any, g: int, hi: int, name: str) -> np.ndarray:
                 v = int(x[i])
                 status = (_k.STATUS_NEGATIVE if v < 0 else
                           _k.STATUS_PAST_INT32 if v > _INT32_MAX else _k.STATUS_PAST_POOL)
-                _raise_status(name, g, i, status, v, hi)
+                _raise_status(name, g, i, status, v, hi, offset)
             return x.astype(np.int32)
     if isinstance(x, (list, tuple)):
         out, status, i = _k.seq_to_int32(x, hi)
         if status != _k.STATUS_OK:
-            _raise_status(name, g, i, status, x[i], hi)
+            _raise_status(name, g, i, status, x[i], hi, offset)
         return out
     if x is None:
         raise BlockTableError(f"{name}: group {g} is None (use an empty list for no blocks)")

@@ -14,7 +14,7 @@ import numpy as np
 from ._fast import _windows as _k
 from .errors import BlockTableError
 from .spec import GroupKind, KVLayout
-from .tables import TrackerSet, as_block_table
+from .tables import TrackerSet, _as_group, _split_groups, as_block_table
 
 __all__ = [
     "clip_to_window", "clip_state_blocks", "window_plan", "clip_tracked", "trim_remote_to_local", "expand_to_kernel",
@@ -55,22 +55,43 @@ def _per_group_ints(name: str, v: Any, num_groups: int, *, minimum: int = 1) -> 
     return tuple(out)
 
 
+def _split(block_ids: Any, num_groups: int, name: str) -> Sequence[Any]:
+    """The raw per-group sequences, with group count and group types checked (ids are
+    checked later, on the part that is kept)."""
+    groups = _split_groups(block_ids, num_groups, name)
+    for g, x in enumerate(groups):
+        if not isinstance(x, (list, tuple, np.ndarray)) or \
+                (isinstance(x, np.ndarray) and x.ndim != 1):
+            _as_group(x, g, 0, name)  # raises the general message
+    return groups
+
+
+def _take(x: Any, start: int, end: int, g: int, hi: int, name: str) -> np.ndarray:
+    """x[start:end] as validated contiguous int32 (a view when x already is int32)."""
+    return _as_group(x[start:end], g, hi, name, start)
+
+
+def _state_slot(n: int, num_speculative_blocks: int) -> tuple[int, int]:
+    if n == 0:
+        return 0, 0
+    end = n - min(num_speculative_blocks, n - 1)
+    return end - 1, end
+
+
 def clip_state_blocks(blocks: Any, num_speculative_blocks: int) -> np.ndarray:
     """Keep a Mamba group's running-state slot (blocks of that group).
 
     Drops ``min(num_speculative_blocks, len - 1)`` trailing speculative scratch slots, then
-    keeps the last remaining entry. Empty stays empty; one block stays as is.
+    keeps the last remaining entry. Empty stays empty; one block stays as is. Only the kept
+    entry is validated.
     """
-    ids = as_block_table(blocks, 1, name="blocks")[0]
     if isinstance(num_speculative_blocks, bool) or \
             not isinstance(num_speculative_blocks, (int, np.integer)) or num_speculative_blocks < 0:
         raise BlockTableError(f"num_speculative_blocks must be an int >= 0, got "
                               f"{num_speculative_blocks!r}")
-    n = ids.shape[0]
-    if n == 0:
-        return ids
-    end = n - min(int(num_speculative_blocks), n - 1)
-    return ids[end - 1:end]
+    x = _split(blocks, 1, "blocks")[0]
+    start, end = _state_slot(len(x), int(num_speculative_blocks))
+    return _take(x, start, end, 0, 0, "blocks")
 
 
 def clip_to_window(block_ids: Any, layout: KVLayout, *, exact: bool = False,
@@ -81,20 +102,27 @@ def clip_to_window(block_ids: Any, layout: KVLayout, *, exact: bool = False,
     list when shorter; leading nulls kept, as vLLM's P side sends them). MAMBA groups, with
     ``clip_state``, keep the running-state slot (:func:`clip_state_blocks`). FULL and
     CHUNKED_LOCAL groups are untouched. ``()`` (full prefix hit) is returned unchanged.
+
+    The group count, group types and every returned id are validated (BlockTableError, see
+    :func:`~hmacore.tables.as_block_table`); clipped-away entries are not inspected, so the
+    cost is O(kept blocks) for list input. Outputs are views when the input already is
+    contiguous int32.
     """
     layout = _check_layout(layout)
     if _is_full_hit(block_ids, layout.num_groups):
         return ()
-    table = as_block_table(block_ids, layout.num_groups, num_blocks=layout.num_blocks)
+    groups = _split(block_ids, layout.num_groups, "block_ids")
+    hi = layout.num_blocks or 0
     out = []
-    for spec, ids in zip(layout.groups, table):
+    for g, (spec, x) in enumerate(zip(layout.groups, groups)):
+        n = len(x)
         if spec.kind == GroupKind.SLIDING_WINDOW:
-            keep = spec.window_blocks(exact)  # >= 2, never 0
-            out.append(ids[max(0, ids.shape[0] - keep):])
+            start, end = max(0, n - spec.window_blocks(exact)), n  # keep >= 2: never x[-0:]
         elif spec.kind == GroupKind.MAMBA and clip_state:
-            out.append(clip_state_blocks(ids, spec.num_speculative_blocks))
+            start, end = _state_slot(n, spec.num_speculative_blocks)
         else:
-            out.append(ids)
+            start, end = 0, n
+        out.append(_take(x, start, end, g, hi, "block_ids"))
     return tuple(out)
 
 
@@ -134,9 +162,10 @@ def trim_remote_to_local(local: Any, remote: Any, layout: KVLayout, *,
                          ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """Pair D's blocks to fill (``local``) with P's blocks (``remote``), group by group.
 
-    D only pulls the uncached suffix. Attention groups with equal kernel ratios: strip the
-    remote leading null run, then end-align (``remote[len(remote) - len(local):]``); an empty
-    local group gives an empty remote group (never the whole list). Unequal ratios (lists are
+    D only pulls the uncached suffix. Attention groups with equal kernel ratios: end-align
+    (``remote[len(remote) - len(local):]``), which drops P's leading null padding
+    (``[0, p4, p5]`` vs ``[d4, d5]`` -> ``[p4, p5]``); every paired remote block must be real
+    (not 0); an empty local group gives an empty remote group (never the whole list). Unequal ratios (lists are
     kernel-granular): front-trim both to the shorter length, allowing a length difference of
     at most ``local_ratio + remote_ratio`` padding blocks. MAMBA groups pair state slots by
     position from the front, allowing ``|len(local) - len(remote)| <= 1``.
@@ -146,35 +175,40 @@ def trim_remote_to_local(local: Any, remote: Any, layout: KVLayout, *,
 
     Raises:
         BlockTableError: a group cannot be paired (remote has fewer real blocks than local
-            needs, or a length difference beyond the allowed padding).
+            needs, or a length difference beyond the allowed padding). Remote ids are
+            validated on the part that is kept.
     """
     layout = _check_layout(layout)
     G = layout.num_groups
     if _is_full_hit(local, G):
         return (), ()
     lt = as_block_table(local, G, num_blocks=layout.num_blocks, name="local")
-    rt = as_block_table(remote, G, name="remote")  # remote pool size is the peer's
+    rt = _split(remote, G, "remote")  # ids checked on the kept part; pool size is the peer's
     lr = _per_group_ints("local_kernel_ratios", 1 if local_kernel_ratios is None
                          else local_kernel_ratios, G)
     rr = _per_group_ints("remote_kernel_ratios", 1 if remote_kernel_ratios is None
                          else remote_kernel_ratios, G)
     out_l, out_r = [], []
     for g, (spec, l, r) in enumerate(zip(layout.groups, lt, rt)):
-        nl, nr = l.shape[0], r.shape[0]
+        nl, nr = l.shape[0], len(r)
         if spec.kind == GroupKind.MAMBA:
             if abs(nl - nr) > 1:
                 raise BlockTableError(f"group {g} (MAMBA): local has {nl} state slots, remote "
                                       f"{nr}; they may differ by at most 1")
             n = min(nl, nr)
             out_l.append(l[:n])
-            out_r.append(r[:n])
+            out_r.append(_take(r, 0, n, g, 0, "remote"))
         elif lr[g] == rr[g]:
-            real = r[_k.leading_nulls(r):]
-            if nl > real.shape[0]:
-                raise BlockTableError(f"group {g}: local needs {nl} blocks but remote has only "
-                                      f"{real.shape[0]} real (non-null) blocks")
+            if nl > nr:
+                raise BlockTableError(f"group {g}: local needs {nl} blocks but remote has only {nr}")
+            tail = _take(r, nr - nl, nr, g, 0, "remote")
+            j = _k.first_null(tail)
+            if j >= 0:
+                raise BlockTableError(
+                    f"group {g}: the remote block paired with local index {j} is the null block "
+                    f"0; remote has fewer real blocks than the {nl} local needs")
             out_l.append(l)
-            out_r.append(real[real.shape[0] - nl:])
+            out_r.append(tail)
         else:
             if abs(nl - nr) > lr[g] + rr[g]:
                 raise BlockTableError(f"group {g}: local has {nl} kernel blocks, remote {nr}; "
@@ -182,7 +216,7 @@ def trim_remote_to_local(local: Any, remote: Any, layout: KVLayout, *,
                                       "kernel ratios allow")
             n = min(nl, nr)
             out_l.append(l[:n])
-            out_r.append(r[:n])
+            out_r.append(_take(r, 0, n, g, 0, "remote"))
     return tuple(out_l), tuple(out_r)
 
 

@@ -94,14 +94,12 @@ def trim(local, remote, groups, lr=None, rr=None):
             out_l.append(l[:n])
             out_r.append(r[:n])
         elif lr[g] == rr[g]:
-            while r and r[0] == 0:
-                r = r[1:]
             if len(l) > len(r):
                 raise OracleError("remote too short")
-            if len(l) == 0:
-                out_r.append([])
-            else:
-                out_r.append(r[len(r) - len(l):])
+            tail = r[len(r) - len(l):] if len(l) > 0 else []
+            if 0 in tail:
+                raise OracleError("a local block would pair with the null block")
+            out_r.append(tail)
             out_l.append(l)
         else:
             if abs(len(l) - len(r)) > lr[g] + rr[g]:

@@ -67,6 +67,19 @@ def test_mamba_clip_in_layout():
         [[1, 2, 3], [4, 5, 6]]
 
 
+def test_clip_validates_only_what_it_keeps():
+    # Index in the message is the caller's index, not the slice's.
+    with pytest.raises(BlockTableError, match="block_ids: group 1, index 5: block id -1 is negative"):
+        clip_to_window(([1], [0, 0, 0, 5, 6, -1]), FA_SW)
+    # An entry clipped away is never inspected (O(kept) for list input).
+    assert lists(clip_to_window(([1], [-7, 0, 0, 5, 6, 7]), FA_SW)) == [[1], [5, 6, 7]]
+    with pytest.raises(BlockTableError, match="group 1 must be 1-D"):
+        clip_to_window(([1], np.zeros((2, 2), np.int32)), FA_SW)
+    a = np.arange(1, 10, dtype=np.int32)
+    got = clip_to_window(([1], a), FA_SW)[1]
+    assert got.tolist() == [7, 8, 9] and np.shares_memory(got, a)
+
+
 def test_clip_rejects():
     with pytest.raises(BlockTableError, match="block_ids has 1 groups, the layout has 2"):
         clip_to_window(([1],), FA_SW)
@@ -100,8 +113,11 @@ def test_trim_strips_remote_leading_nulls():
     # P list [0, p4, p5] (window longer than the prompt), D list [d4, d5] -> [p4, p5].
     l, r = trim_remote_to_local(([1, 2, 3], [40, 50]), ([7, 8, 9], [0, 104, 105]), FA_SW)
     assert lists(r) == [[7, 8, 9], [104, 105]]
-    with pytest.raises(BlockTableError, match="group 1: local needs 3 blocks but remote has only 2 real"):
+    with pytest.raises(BlockTableError, match="group 1: the remote block paired with local index 0 "
+                       "is the null block 0; remote has fewer real blocks than the 3 local needs"):
         trim_remote_to_local(([], [40, 50, 60]), ([], [0, 104, 105]), FA_SW)
+    with pytest.raises(BlockTableError, match="group 1: local needs 4 blocks but remote has only 3"):
+        trim_remote_to_local(([], [40, 50, 60, 70]), ([], [0, 104, 105]), FA_SW)
 
 
 def test_trim_mamba_pairs_by_position():
@@ -125,8 +141,12 @@ def test_trim_unequal_kernel_ratios_front_trims():
 def test_trim_rejects():
     with pytest.raises(BlockTableError, match="local has 1 groups"):
         trim_remote_to_local(([1],), ([1], [2]), FA_SW)
-    with pytest.raises(BlockTableError, match="^remote: group 0, index 0: block id -1"):
-        trim_remote_to_local(([1], [2]), ([-1], [2]), FA_SW)
+    with pytest.raises(BlockTableError, match="^remote: group 0, index 1: block id -1"):
+        trim_remote_to_local(([1], [2]), ([5, -1], [2]), FA_SW)
+    with pytest.raises(BlockTableError, match="^remote: group 1 is None"):
+        trim_remote_to_local(([1], [2]), ([5], None), FA_SW)
+    with pytest.raises(BlockTableError, match="^remote: group 0, index 2: block ids must be integers"):
+        trim_remote_to_local(([1, 2], [2]), ([5, 6, 7.0], [2]), FA_SW)
     with pytest.raises(BlockTableError, match="local_kernel_ratios\\[1\\] must be an int >= 1"):
         trim_remote_to_local(([1], [2]), ([1], [2]), FA_SW, local_kernel_ratios=(1, 0))
     with pytest.raises(BlockTableError, match="remote_kernel_ratios must be an int or one int per group"):

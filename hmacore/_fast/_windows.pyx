@@ -42,3 +42,14 @@ def expand_into(const block_id_t[::1] ids, long long ratio, long long stride,
                 out[j] = <block_id_t>(base + k)
                 j += 1
     return j
+
+
+def first_null(const block_id_t[::1] ids):
+    """Index of the first null (0) id, -1 when there is none."""
+    cdef Py_ssize_t i, n = ids.shape[0], found = -1
+    with nogil:
+        for i in range(n):
+            if ids[i] == 0:
+                found = i
+                break
+    return found
