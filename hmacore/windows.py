@@ -111,6 +111,10 @@ def clip_to_window(block_ids: Any, layout: KVLayout, *, exact: bool = False,
     layout = _check_layout(layout)
     if _is_full_hit(block_ids, layout.num_groups):
         return ()
+    fast = _k.clip_groups(block_ids, _plan(layout, exact, clip_state), layout.num_blocks or 0)
+    if fast is not None:
+        return fast
+    # General path: any input form, and the error messages.
     groups = _split(block_ids, layout.num_groups, "block_ids")
     hi = layout.num_blocks or 0
     out = []
@@ -140,6 +144,23 @@ def window_plan(layout: KVLayout, *, exact: bool = False, clip_state: bool = Tru
     return plan
 
 
+_PLANS: dict[tuple[int, bool, bool], tuple[KVLayout, np.ndarray]] = {}
+
+
+def _plan(layout: KVLayout, exact: bool, clip_state: bool) -> np.ndarray:
+    """window_plan, memoised per layout object (identity-checked: ids can be reused)."""
+    key = (id(layout), bool(exact), bool(clip_state))
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    if len(_PLANS) > 256:
+        _PLANS.clear()
+    plan = window_plan(layout, exact=exact, clip_state=clip_state)
+    plan.flags.writeable = False
+    _PLANS[key] = (layout, plan)
+    return plan
+
+
 def clip_tracked(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: bool = False,
                  clip_state: bool = True) -> list[tuple[np.ndarray, ...]]:
     """:func:`clip_to_window` of many tracked requests' tables, straight from the tracker's
@@ -151,7 +172,7 @@ def clip_tracked(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: bool = 
     """
     if not isinstance(trackers, TrackerSet):
         raise TypeError(f"trackers must be a TrackerSet, got {type(trackers).__name__}")
-    plan = window_plan(trackers.layout, exact=exact, clip_state=clip_state)
+    plan = _plan(trackers.layout, exact, clip_state)
     rts = [trackers._get(r) for r in req_ids]  # all lookups first: unknown id -> no output
     return [rt.clip_views(plan) for rt in rts]
 

@@ -152,3 +152,30 @@ def test_expand_overflow_boundary(b, ratio):
     else:
         with pytest.raises(BlockTableError, match="overflows int32"):
             expand_to_kernel([[b]], ratio)
+
+
+BAD_VALUES = [-1, NB, 2**31, 2**40, 1.5, True, None, "7"]
+
+
+@given(st.data(), layouts, st.booleans(), st.sampled_from(["list", "tuple", "int32", "int64"]))
+def test_clip_any_form_validates_exactly_the_kept_ids(data, layout, exact, form):
+    """Fast (C) and general paths agree: the kept ids are validated, the dropped are not."""
+    t = data.draw(tables(layout, 20))
+    groups = oracle.layout_to_dicts(layout)
+    bad_at = None
+    if data.draw(st.booleans()) and any(t):
+        g = data.draw(st.sampled_from([g for g in range(len(t)) if t[g]]))
+        i = data.draw(st.integers(0, len(t[g]) - 1))
+        val = data.draw(st.sampled_from(BAD_VALUES if form in ("list", "tuple") else [-1, NB]))
+        t[g] = t[g][:i] + [val] + t[g][i + 1:]
+        bad_at = (g, i)
+    conv = {"list": list, "tuple": tuple, "int32": lambda x: np.array(x, dtype=np.int32),
+            "int64": lambda x: np.array(x, dtype=np.int64)}[form]
+    positions = oracle.clip([list(range(len(x))) for x in t], groups, exact)
+    kept_bad = bad_at is not None and bad_at[1] in positions[bad_at[0]]
+    if kept_bad:
+        with pytest.raises(BlockTableError, match=f"group {bad_at[0]}, index {bad_at[1]}"):
+            clip_to_window(tuple(conv(x) for x in t), layout, exact=exact)
+    else:
+        got = clip_to_window(tuple(conv(x) for x in t), layout, exact=exact)
+        assert lists(got) == [[x[i] for i in p] for x, p in zip(t, positions)]

@@ -2,7 +2,17 @@
 
 Callers (hmacore/windows.py) validate dtypes, shapes and the int32 overflow bound first.
 """
+import numpy as np
+cimport numpy as cnp
+
 from hmacore._fast._types cimport block_id_t
+
+cnp.import_array()
+
+cdef extern from "Python.h":
+    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
+
+cdef long long INT32_MAX = 2147483647
 
 
 def max_id(const block_id_t[::1] ids):
@@ -53,3 +63,66 @@ def first_null(const block_id_t[::1] ids):
                 found = i
                 break
     return found
+
+
+cdef inline bint _is_id_array(object x):
+    return (cnp.PyArray_CheckExact(x) and cnp.PyArray_NDIM(<cnp.ndarray>x) == 1
+            and cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_INT32
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>x))
+
+
+def clip_groups(object groups, const long long[::1] plan, long long num_blocks):
+    """Fast path of ``clip_to_window`` (plan encoding: see ``hmacore.windows.window_plan``).
+
+    ``groups``: a list/tuple with one entry per plan entry, each a list/tuple of Python ints
+    or a 1-D C-contiguous int32 array. Returns a tuple of int32 arrays (views for array
+    input) holding the clipped part, validated (``0 <= id < num_blocks``, or < 2**31 when
+    num_blocks is 0). Returns None when the input is off this path or anything kept is
+    invalid: the caller's general path then decides and names the error.
+    """
+    cdef Py_ssize_t G = plan.shape[0], g, n, start, end, i
+    cdef long long keep, spec, v
+    cdef long long hi = num_blocks if num_blocks > 0 else INT32_MAX + 1
+    cdef int overflow
+    cdef const block_id_t* src
+    cdef block_id_t* dst
+    cdef bint is_arr
+    if not (type(groups) is tuple or type(groups) is list) or len(groups) != G:
+        return None
+    out = [None] * G
+    for g in range(G):
+        x = groups[g]
+        is_arr = _is_id_array(x)
+        if not is_arr and not (type(x) is list or type(x) is tuple):
+            return None
+        n = len(x)
+        keep = plan[g]
+        if keep > 0:
+            start = n - keep if n > keep else 0
+            end = n
+        elif keep == 0 or n == 0:
+            start = 0
+            end = n
+        else:
+            spec = -1 - keep
+            end = n - (spec if spec < n - 1 else n - 1)
+            start = end - 1
+        if is_arr:
+            src = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>x)
+            for i in range(start, end):
+                if src[i] < 0 or src[i] >= hi:
+                    return None
+            out[g] = x[start:end]
+        else:
+            arr = np.empty(end - start, dtype=np.int32)
+            dst = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
+            for i in range(start, end):
+                item = x[i]
+                if type(item) is not int:
+                    return None
+                v = PyLong_AsLongLongAndOverflow(item, &overflow)
+                if overflow or v < 0 or v >= hi:
+                    return None
+                dst[i - start] = <block_id_t>v
+            out[g] = arr
+    return tuple(out)
