@@ -144,6 +144,22 @@ def window_plan(layout: KVLayout, *, exact: bool = False, clip_state: bool = Tru
     return plan
 
 
+_STATE_GROUPS: dict[int, tuple[KVLayout, np.ndarray]] = {}
+
+
+def _state_groups(layout: KVLayout) -> np.ndarray:
+    """int8 per group: 1 for MAMBA (state slots), memoised per layout object."""
+    hit = _STATE_GROUPS.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    if len(_STATE_GROUPS) > 256:
+        _STATE_GROUPS.clear()
+    arr = np.array([s.kind == GroupKind.MAMBA for s in layout.groups], dtype=np.int8)
+    arr.flags.writeable = False
+    _STATE_GROUPS[id(layout)] = (layout, arr)
+    return arr
+
+
 _PLANS: dict[tuple[int, bool, bool], tuple[KVLayout, np.ndarray]] = {}
 
 
@@ -203,6 +219,11 @@ def trim_remote_to_local(local: Any, remote: Any, layout: KVLayout, *,
     G = layout.num_groups
     if _is_full_hit(local, G):
         return (), ()
+    if local_kernel_ratios is None and remote_kernel_ratios is None:
+        fast = _k.trim_groups(local, remote, _state_groups(layout), layout.num_blocks or 0)
+        if fast is not None:
+            return fast
+    # General path: any input form, kernel ratios, and the error messages.
     lt = as_block_table(local, G, num_blocks=layout.num_blocks, name="local")
     rt = _split(remote, G, "remote")  # ids checked on the kept part; pool size is the peer's
     lr = _per_group_ints("local_kernel_ratios", 1 if local_kernel_ratios is None

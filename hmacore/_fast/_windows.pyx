@@ -126,3 +126,82 @@ def clip_groups(object groups, const long long[::1] plan, long long num_blocks):
                 dst[i - start] = <block_id_t>v
             out[g] = arr
     return tuple(out)
+
+
+cdef object _take_ids(object x, Py_ssize_t start, Py_ssize_t end, long long hi, bint no_null):
+    """x[start:end] as validated int32 (view for int32 arrays), or None when x is off the
+    fast path or an id is < 0, >= hi, or (no_null) 0."""
+    cdef Py_ssize_t i
+    cdef long long v
+    cdef int overflow
+    cdef long long lo = 1 if no_null else 0
+    cdef const block_id_t* src
+    cdef block_id_t* dst
+    if _is_id_array(x):
+        src = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>x)
+        for i in range(start, end):
+            if src[i] < lo or src[i] >= hi:
+                return None
+        return x[start:end]
+    if not (type(x) is list or type(x) is tuple):
+        return None
+    arr = np.empty(end - start, dtype=np.int32)
+    dst = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
+    for i in range(start, end):
+        item = x[i]
+        if type(item) is not int:
+            return None
+        v = PyLong_AsLongLongAndOverflow(item, &overflow)
+        if overflow or v < lo or v >= hi:
+            return None
+        dst[i - start] = <block_id_t>v
+    return arr
+
+
+def trim_groups(object local, object remote, const signed char[::1] is_state,
+                long long num_blocks):
+    """Fast path of ``trim_remote_to_local`` with equal kernel ratios.
+
+    ``local``/``remote``: list/tuple with one entry per group (lists/tuples of Python ints or
+    1-D C-contiguous int32 arrays). Attention groups end-align remote to local and require
+    real (non-null) remote blocks; state groups (``is_state[g]``) pair from the front with
+    ``|len(local) - len(remote)| <= 1``. Returns ``(local, remote)`` tuples of int32 arrays,
+    or None when anything is off this path or invalid (the general path names the error).
+    """
+    cdef Py_ssize_t G = is_state.shape[0], g, nl, nr, n
+    cdef long long hi_local = num_blocks if num_blocks > 0 else INT32_MAX + 1
+    cdef long long hi_remote = INT32_MAX + 1
+    if not (type(local) is tuple or type(local) is list) or len(local) != G:
+        return None
+    if not (type(remote) is tuple or type(remote) is list) or len(remote) != G:
+        return None
+    out_l = [None] * G
+    out_r = [None] * G
+    for g in range(G):
+        l = local[g]
+        r = remote[g]
+        if not ((type(l) is list or type(l) is tuple or _is_id_array(l)) and
+                (type(r) is list or type(r) is tuple or _is_id_array(r))):
+            return None
+        nl = len(l)
+        nr = len(r)
+        if is_state[g]:
+            if nl - nr > 1 or nr - nl > 1:
+                return None
+            n = nl if nl < nr else nr
+            a = _take_ids(l, 0, nl, hi_local, False)
+            b = _take_ids(r, 0, n, hi_remote, False)
+            if a is None or b is None:
+                return None
+            out_l[g] = a[:n]
+            out_r[g] = b
+        else:
+            if nl > nr:
+                return None
+            a = _take_ids(l, 0, nl, hi_local, False)
+            b = _take_ids(r, nr - nl, nr, hi_remote, True)
+            if a is None or b is None:
+                return None
+            out_l[g] = a
+            out_r[g] = b
+    return tuple(out_l), tuple(out_r)
