@@ -483,8 +483,11 @@ class TrackerSet:
         """
         finished = list(finished)
         preempted = list(preempted)
-        new = [tuple(x) for x in new]
-        cached = [tuple(x) for x in cached]
+        new = list(new)
+        cached = list(cached)
+        check, G, nb = _k.check_int_table, self.num_groups, self._num_blocks or 0
+        NEW, RUNNING, PREEMPTED = (int(RequestState.NEW), int(RequestState.RUNNING),
+                                   int(RequestState.PREEMPTED))
         # Phase 1: validate against a simulated membership/state view.
         live = {r: rt.state for r, rt in self._reqs.items()}
         for r in finished:
@@ -494,7 +497,7 @@ class TrackerSet:
         for r in preempted:
             if r not in live:
                 raise TrackerStateError(f"preempted: req_id {r!r} is not tracked")
-            live[r] = RequestState.PREEMPTED
+            live[r] = PREEMPTED
         new_tables = []
         for item in new:
             if len(item) != 2:
@@ -503,39 +506,51 @@ class TrackerSet:
             if r in live:
                 raise TrackerStateError(f"new: req_id {r!r} is already tracked")
             new_tables.append((r, self._fast_or_table(ids, f"new[{r!r}]", allow_none=False)))
-            live[r] = RequestState.NEW
+            live[r] = NEW
+        # cached_ops: (req_id, kind, payload); kind 0 = replace (int32 arrays), 1 = append
+        # lists that passed check_int_table (None = nothing), 2 = append int32 arrays.
         cached_ops = []
         for item in cached:
             if len(item) != 3:
                 raise TrackerStateError("cached: items must be (req_id, new_block_ids, resumed)")
             r, ids, resumed = item
-            if r not in live:
+            state = live.get(r, -1)
+            if state < 0:
                 raise TrackerStateError(f"cached: req_id {r!r} is not tracked")
             if resumed:
                 if ids is None:
                     raise BlockTableError(f"cached[{r!r}]: a resumed request needs its full table")
-                cached_ops.append((r, True, self._table(ids, f"cached[{r!r}]")))
-                live[r] = RequestState.RUNNING
+                cached_ops.append((r, 0, self._table(ids, f"cached[{r!r}]")))
+                live[r] = RUNNING
+                continue
+            if state == PREEMPTED:
+                self._check_appendable(r, state)
+            if ids is None or check(ids, G, nb, True):
+                cached_ops.append((r, 1, ids))
             else:
-                self._check_appendable(r, live[r])
-                cached_ops.append((r, False, self._fast_or_table(ids, "new_block_ids",
-                                                                  allow_none=True)))
-                if live[r] == RequestState.NEW:
-                    live[r] = RequestState.RUNNING
+                cached_ops.append((r, 2, self._new_ids(ids)))
+            if state == NEW:
+                live[r] = RUNNING
         # Phase 2: mutate (cannot fail on validated input).
         out = {r: self.finish(r) for r in finished}
         for r in preempted:
             self.preempt(r)
         for r, table in new_tables:
             self._insert(r, table, 0)
-        for r, resumed, table in cached_ops:
-            rt = self._reqs[r]
-            if resumed:
+        reqs = self._reqs
+        for r, kind, table in cached_ops:
+            rt = reqs[r]
+            if kind == 1:
+                if table is not None:
+                    rt.extend_groups(table)
+            elif kind == 2:
+                for g, ids in enumerate(table):
+                    rt.append(g, ids)
+            else:
                 for g, ids in enumerate(table):
                     rt.assign(g, ids)
-                rt.state = RequestState.RUNNING
-            else:
-                self._extend(rt, table)
-                if rt.state == RequestState.NEW:
-                    rt.state = RequestState.RUNNING
+                rt.state = RUNNING
+                continue
+            if rt.state == NEW:
+                rt.state = RUNNING
         return out
