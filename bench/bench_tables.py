@@ -14,7 +14,6 @@ connector). Each pair shares a pytest-benchmark group; results are checked equal
 
 Run: python -m pytest bench/bench_tables.py --benchmark-only --benchmark-group-by=group
 """
-import numpy as np
 import pytest
 
 from hmacore.grain import cdiv

@@ -25,8 +25,9 @@ _INT32_MAX = 2**31 - 1
 
 
 def _is_full_hit(block_ids: Any, num_groups: int) -> bool:
-    """The empty tuple/list is vLLM's 'full prefix hit, nothing to move' signal (G > 1)."""
-    return isinstance(block_ids, (tuple, list)) and len(block_ids) == 0 and num_groups > 1
+    """The empty tuple/list is vLLM's 'full prefix hit, nothing to move' signal (any G; a
+    single empty group is ``([],)``)."""
+    return isinstance(block_ids, (tuple, list)) and len(block_ids) == 0
 
 
 def _check_layout(layout: Any) -> KVLayout:

@@ -80,7 +80,7 @@ def clip(table, groups, exact=False, clip_state_groups=True):
 
 
 def trim(local, remote, groups, lr=None, rr=None):
-    if len(local) == 0 and len(groups) > 1:
+    if len(local) == 0:
         return [], []
     lr = lr or [1] * len(groups)
     rr = rr or [1] * len(groups)
@@ -122,7 +122,7 @@ def expand(ids, ratio, stride=None):
 
 
 def map_block_size(table, ratio, remote_lengths, groups):
-    if len(table) == 0 and len(groups) > 1:
+    if len(table) == 0:
         return []
     out = []
     for g, ids in enumerate(table):

@@ -4,7 +4,7 @@ operations that must raise and leave the set unchanged."""
 import numpy as np
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from hmacore.errors import BlockTableError, HmacoreError, TrackerStateError
 from hmacore.presets import get_preset

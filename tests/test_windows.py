@@ -34,6 +34,10 @@ def test_sw_clip_golden():
 def test_sw_clip_full_hit_and_short_lists():
     assert clip_to_window((), FA_SW) == ()
     assert clip_to_window([], FA_SW) == ()
+    single = KVLayout(groups=(GroupSpec(SW, 16, sliding_window=32),))
+    assert clip_to_window((), single) == ()          # full hit, also with one group
+    assert lists(clip_to_window(([],), single)) == [[]]
+    assert trim_remote_to_local((), ([1],), single) == ((), ())
     assert lists(clip_to_window(([1, 2], [5, 6]), FA_SW)) == [[1, 2], [5, 6]]
     assert lists(clip_to_window(([], []), FA_SW)) == [[], []]
 
@@ -225,3 +229,22 @@ def test_map_block_size_golden():
         map_block_size(([1], [2]), 4, (3, -1), FA_SW)
     with pytest.raises(BlockTableError, match="ratio must be an int >= 1"):
         map_block_size(([1], [2]), 0, (3, 3), FA_SW)
+
+
+def test_empty_everything():
+    from hmacore.tables import TrackerSet, count_hashed, fill_blocks
+    from hmacore.windows import clip_tracked
+    ts = TrackerSet(FA_SW)
+    assert ts.apply_step() == {} and len(ts) == 0
+    assert clip_tracked(ts, []) == []
+    ts.add("e", ([], []))
+    assert lists(clip_tracked(ts, ["e"])[0]) == [[], []]
+    assert lists(ts.finish("e")) == [[], []]
+    assert lists(fill_blocks(([], []), [[], []])) == [[], []]
+    assert count_hashed(([], []), [[], []]) == (0, 0)
+    assert expand_group([], 3).tolist() == [] and expand_group([], 3).dtype == np.int32
+    assert lists(expand_to_kernel(([], []), 4)) == [[], []]
+    assert lists(expand_layout_to_kernel(([], []), FA_SW)) == [[], []]
+    l, r = trim_remote_to_local(([], []), ([], []), FA_SW)
+    assert lists(l) == lists(r) == [[], []]
+    assert clip_state_blocks(np.array([], dtype=np.int32), 3).tolist() == []
