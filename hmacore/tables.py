@@ -177,7 +177,9 @@ def _as_masks(hashed: Any, table: tuple[np.ndarray, ...]) -> list[np.ndarray]:
         if m.ndim != 1 or m.shape[0] != table[g].shape[0]:
             raise BlockTableError(f"hashed: group {g} must be a 1-D mask of length "
                                   f"{table[g].shape[0]}, got shape {m.shape}")
-        if m.dtype == np.bool_:
+        if m.size == 0:
+            m = np.zeros(0, dtype=np.uint8)  # np.asarray([]) is float64
+        elif m.dtype == np.bool_:
             m = m.view(np.uint8)
         elif m.dtype != np.uint8:
             if m.dtype.kind not in "iu" or (m.size and (m.min() < 0 or m.max() > 1)):
