@@ -216,6 +216,21 @@ def test_request_tables_guards():
             rt.copy_group(g)
     with pytest.raises(ValueError, match="groups has 1 entries, expected 2"):
         rt.extend_groups([[1]])
+    with pytest.raises(ValueError, match="groups\\[1\\] must be a list/tuple of ints"):
+        rt.extend_groups([[1, 2], [1.5]])
+    assert rt.length(0) == 0  # nothing written
+    with pytest.raises(ValueError, match="full has 0 entries, fewer than the 2 tracked"):
+        rt.extend_groups([[1, 2], None])
+        rt.merge_full(0, np.zeros(0, dtype=np.int32))
+    rt.clear()
+    from hmacore._fast._tables import count_hashed_nonnull, select_unhashed
+    ids = np.array([1, 2], dtype=np.int32)
+    with pytest.raises(ValueError, match="hashed must have 2 entries"):
+        select_unhashed(ids, np.zeros(1, np.uint8), np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="out at least 2"):
+        select_unhashed(ids, np.zeros(2, np.uint8), np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match="hashed must have 2 entries"):
+        count_hashed_nonnull(ids, np.zeros(3, np.uint8))
     with pytest.raises(ValueError, match="keep has 3 entries, expected 2"):
         rt.clip_views(np.zeros(3, dtype=np.int64))
     with pytest.raises(ValueError):  # read-only/wrong-dtype buffers are refused by Cython

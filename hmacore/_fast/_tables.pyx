@@ -129,6 +129,9 @@ def select_unhashed(const block_id_t[::1] ids, const flag_t[::1] hashed, block_i
     (vLLM ``get_unhashed_block_ids_all_groups`` for one group). ``out`` needs len(ids) slots.
     """
     cdef Py_ssize_t i = 0, k = 0, n = ids.shape[0]
+    if hashed.shape[0] != n or out.shape[0] < n:
+        raise ValueError(f"hashed must have {n} entries and out at least {n}, got "
+                         f"{hashed.shape[0]} and {out.shape[0]}")
     with nogil:
         while i < n and ids[i] == 0:
             i += 1
@@ -143,6 +146,8 @@ def select_unhashed(const block_id_t[::1] ids, const flag_t[::1] hashed, block_i
 def count_hashed_nonnull(const block_id_t[::1] ids, const flag_t[::1] hashed):
     """Number of positions with a hash and a non-null id (vLLM ``local_num_computed_blocks``)."""
     cdef Py_ssize_t i, k = 0, n = ids.shape[0]
+    if hashed.shape[0] != n:
+        raise ValueError(f"hashed must have {n} entries, got {hashed.shape[0]}")
     with nogil:
         for i in range(n):
             if ids[i] != 0 and hashed[i] != 0:
@@ -229,8 +234,13 @@ cdef class RequestTables:
         cdef int g
         cdef Py_ssize_t i, n, base
         cdef block_id_t* dst
+        cdef Py_ssize_t bad = -1
         if len(groups) != self.num_groups:
             raise ValueError(f"groups has {len(groups)} entries, expected {self.num_groups}")
+        for g in range(self.num_groups):  # all-or-nothing: check every group before writing
+            seq = groups[g]
+            if seq is not None and _check_int_seq(seq, 0, &bad) != ID_OK:
+                raise ValueError(f"groups[{g}] must be a list/tuple of ints in [0, 2**31)")
         for g in range(self.num_groups):
             seq = groups[g]
             if seq is None:
@@ -302,6 +312,8 @@ cdef class RequestTables:
         self._check_group(g)
         cdef Py_ssize_t i, n = self._lens[g], m = full.shape[0]
         cdef block_id_t* cur = self._data[g]
+        if m < n:
+            raise ValueError(f"full has {m} entries, fewer than the {n} tracked")
         if n:
             with nogil:
                 for i in range(n):
