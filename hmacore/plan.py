@@ -129,7 +129,7 @@ def _tensor_parts(name: str, x: Any) -> list[tuple[int, int, int, int]]:
 
 
 def _layer_parts(name: str, value: Any, num_blocks: int, state: bool, mla: bool):
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list)) and value and all(hasattr(v, "shape") for v in value):
         if not state:
             raise LayoutError(f"kv_caches[{name!r}]: a tuple of sub-arrays is only valid for "
                               "Mamba/state layers")
@@ -138,6 +138,8 @@ def _layer_parts(name: str, value: Any, num_blocks: int, state: bool, mla: bool)
         items = [value]
     parts = []
     for k, item in enumerate(items):
+        if not hasattr(item, "shape"):
+            _tensor_parts(name, item)  # raises the type error
         shape = tuple(item.shape)
         if shape and shape[0] == num_blocks:
             parts += _tensor_parts(name, item)
@@ -446,8 +448,6 @@ class TransferPlan:
         nd = nb = 0
         l2g = self.layout.layer_to_group
         for reg in self.regions:
-            if reg.group != SHARED and reg.group not in {l2g[n] for n in reg.layers}:
-                continue  # a per-user copy of a region another group owns
             for name in reg.layers:
                 g = l2g[name]
                 if reg.group not in (SHARED, g):
@@ -491,6 +491,8 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
             raise BlockTableError(f"block_ids[{g}] must be 1-D, got shape {x.shape}")
         if not x.flags.c_contiguous:
             raise BlockTableError(f"block_ids[{g}] must be C-contiguous (use np.ascontiguousarray)")
+        if x.size == 0:  # an empty group is empty whatever its dtype (np.array([]) is float)
+            return np.empty(0, dtype=np.int32)
         a = x
     else:
         try:
