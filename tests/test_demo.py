@@ -80,3 +80,18 @@ def test_demo_rejects_bad_arguments_before_starting_peers(tmp_path):
     assert proc.returncode == 2 and "preset must be one of" in proc.stderr
     proc, _ = run_demo(tmp_path, "--page-bytes", "10")
     assert proc.returncode == 2 and "page_bytes" in proc.stderr
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v4", "qwen3-next-80b", "gemma-3-27b"])
+def test_demo_store_path_hits_loads_and_verifies(tmp_path, preset):
+    proc, rep = run_demo(tmp_path, "--store", "embedded", "--preset", preset, "--requests", "2",
+                         "--tokens", "3000")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    layout = get_preset(preset)
+    align = layout.scheduler_block_size
+    for r in rep["requests"]:
+        # the hit is the longest aligned prefix short of the whole prompt (last token recomputed)
+        assert r["hit_tokens"] == (r["tokens"] - 1) // align * align
+    assert rep["verification"]["ok"] and rep["verification"]["pages_checked"] > 0
+    for g, fig in zip(layout.groups, rep["groups"]):
+        assert fig["blocks_loaded"] > 0, fig   # every group took part in the hit

@@ -31,6 +31,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=8192, help="prompt length in tokens (default 8192)")
     p.add_argument("--page-bytes", type=int, default=1024,
                    help="bytes of one block of one layer (default 1024; real models are larger)")
+    p.add_argument("--store", choices=("embedded", "mooncake"), default=None,
+                   help="the offload path instead of the NIXL hand-off: save to a store, look up "
+                        "(longest hit across groups), load and verify")
+    p.add_argument("--master", default=None,
+                   help="mooncake_master HOST:PORT for --store mooncake (default 127.0.0.1:50051)")
     p.add_argument("--json", dest="json_out", default=None, help="write the figures to this file")
     p.add_argument("--plot", default=None, help="draw the per-group bytes chart to this PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -96,6 +101,8 @@ def run_demo(args: argparse.Namespace) -> int:
                   args.page_bytes)
     from ..paged import page_sizes
     page_sizes(sc.layout(), sc.page_size())  # validate before starting anything
+    if args.store:
+        return _run_store(sc, args)
     peer = _Peer(sc.to_json(), args.inject_corruption)
     try:
         ready = peer.next()
@@ -136,6 +143,16 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.plot:
         plot_bytes(rep, args.plot)
         print(f"plot: {args.plot}")
+    return 0 if rep["verification"]["ok"] else 1
+
+
+def _run_store(sc, args) -> int:
+    from .store_flow import format_store_report, run_store_demo
+    rep = run_store_demo(sc, args.store, args.master)
+    print(format_store_report(rep))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rep, f, indent=1)
     return 0 if rep["verification"]["ok"] else 1
 
 

@@ -40,9 +40,14 @@ class Scenario:
         """Token counts: ``tokens`` and slightly shorter ones, so block tails are partial."""
         return [max(1, self.tokens - 37 * r) for r in range(self.requests)]
 
-    def num_blocks(self) -> int:
-        """Pool size holding every request's real blocks at once, plus the null block."""
+    def num_blocks(self, *, one_full_request: bool = False) -> int:
+        """Pool size holding every finished request's live blocks at once (the P/D hand-off)
+        or, with ``one_full_request``, every block of the longest request (the store path,
+        which saves blocks while they are all live and frees each request before the next)."""
         layout = self.layout()
+        if one_full_request:
+            return max(sum(cdiv(n, s.block_size) for s in layout.groups)
+                       for n in self.request_lengths()) + 16
         total = sum(sum(len(real_positions(s, n)) for s in layout.groups)
                     for n in self.request_lengths())
         return total + 16
@@ -70,10 +75,13 @@ def skipped_tokens(spec: GroupSpec, num_tokens: int) -> int:
     return 0
 
 
-def real_positions(spec: GroupSpec, num_tokens: int) -> range:
-    """Block positions of group ``spec`` that hold a real (non-null) block for the request."""
+def real_positions(spec: GroupSpec, num_tokens: int, computed_tokens: int | None = None) -> range:
+    """Block positions of group ``spec`` holding a real (non-null) block for a request of
+    ``num_tokens`` tokens of which ``computed_tokens`` (default: all) are computed: blocks
+    vLLM has already skipped (freed to null) for the computed part are not real."""
     n = cdiv(num_tokens, spec.block_size)
-    k = min(skipped_tokens(spec, num_tokens) // spec.block_size, n)
+    done = num_tokens if computed_tokens is None else computed_tokens
+    k = min(skipped_tokens(spec, done) // spec.block_size, n)
     return range(k, n)
 
 
@@ -84,12 +92,13 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(1, num_blocks))
 
-    def allocate_table(self, layout: KVLayout, num_tokens: int) -> list[list[int]]:
-        """A request's full per-group table as vLLM holds it: null padding where blocks were
-        skipped, real ids where tokens are live."""
+    def allocate_table(self, layout: KVLayout, num_tokens: int,
+                       computed_tokens: int | None = None) -> list[list[int]]:
+        """A request's full per-group table as vLLM holds it once ``computed_tokens`` (default
+        all) are computed: null padding where blocks were skipped, real ids elsewhere."""
         table = []
         for spec in layout.groups:
-            live = real_positions(spec, num_tokens)
+            live = real_positions(spec, num_tokens, computed_tokens)
             if len(self._free) < len(live):
                 raise RuntimeError(f"block pool exhausted ({self.num_blocks} blocks)")
             table.append([0] * live.start + [self._free.popleft() for _ in live])
