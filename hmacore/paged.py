@@ -27,7 +27,7 @@ from .errors import BlockTableError, LayoutError
 from .spec import GroupKind, KVLayout
 
 __all__ = ["PagedKV", "allocate_paged_kv", "layer_geometry", "page_sizes", "fill_pattern", "expected_bytes",
-           "read_page", "verify_pattern"]
+           "expected_pages", "read_page", "read_pages", "verify_pattern"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -89,9 +89,16 @@ def layer_geometry(layout: KVLayout, num_blocks: int, *,
     gids = layout.transfer_group_ids
     distinct = sorted({sizes[g] for g in gids})
     if shared is None:
-        shared = len(distinct) == 1
+        shared = len(distinct) == 1 and not (kv_split and any(
+            layout.groups[g].mla or layout.groups[g].kind == GroupKind.MAMBA for g in gids))
     elif shared and len(distinct) != 1:
         raise LayoutError(f"shared=True needs one page size for every transferred group (got {distinct})")
+    if shared and kv_split and any(layout.groups[g].mla or layout.groups[g].kind == GroupKind.MAMBA
+                                   for g in gids):
+        # a slot's bytes must mean block b for every layer viewing it; K/V split puts block b's K
+        # at b*page/2, where a packed (MLA/Mamba) view has block b/2
+        raise LayoutError("kv_split with shared slots needs every group to be non-MLA attention "
+                          "(MLA and Mamba pages are packed per block); use shared=False")
     if isinstance(state_parts, bool) or not isinstance(state_parts, int) or state_parts < 1:
         raise LayoutError(f"state_parts must be an int >= 1, got {state_parts!r}")
     storage: list[int] = []
@@ -168,21 +175,24 @@ def _layer_key(name: str) -> np.uint64:
     return np.uint64(zlib.crc32(name.encode()) + 1)
 
 
-def expected_bytes(layout: KVLayout, layer_name: str, block_index: int, nbytes: int) -> np.ndarray:
-    """The ``nbytes`` pattern bytes (uint8) the page of block index ``block_index`` of a layer holds.
+def expected_pages(layout: KVLayout, layer_name: str, block_indices, nbytes: int) -> np.ndarray:
+    """Pattern pages (uint8, shape ``(len(block_indices), nbytes)``) of a layer at the given
+    block indices (positions in the request's table of the layer's group, not block ids).
 
-    ``block_index`` is the position in the request's table of the layer's group (block j covers
-    tokens ``[j*bs, (j+1)*bs)``; for Mamba, j is the state position), not a block id.
+    Attention: byte ``i`` of block index j derives from (layer, token ``j*bs + i*bs//nbytes``,
+    ``i``); Mamba: from (layer, state position j, ``i``).
     """
     l2g = layout.layer_to_group
     if layer_name not in l2g:
         raise LayoutError(f"layer_name {layer_name!r} is not in the layout")
     spec = layout.groups[l2g[layer_name]]
-    i = np.arange(nbytes, dtype=np.uint64)
+    j = np.asarray(block_indices, dtype=np.uint64).reshape(-1, 1)
+    i = np.arange(nbytes, dtype=np.uint64).reshape(1, -1)
     if spec.kind == GroupKind.MAMBA:
-        pos = np.full(nbytes, block_index, np.uint64) + np.uint64(1 << 40)
+        pos = j + np.uint64(1 << 40)
     else:
-        pos = np.uint64(block_index * spec.block_size) + i * np.uint64(spec.block_size) // np.uint64(nbytes)
+        bs = np.uint64(spec.block_size)
+        pos = j * bs + i * bs // np.uint64(nbytes)
     with np.errstate(over="ignore"):
         x = _layer_key(layer_name) * _GOLD + pos * _M2 + i
         x ^= x >> np.uint64(30)
@@ -191,6 +201,15 @@ def expected_bytes(layout: KVLayout, layer_name: str, block_index: int, nbytes: 
         x *= _M2
         x ^= x >> np.uint64(31)
     return (x & np.uint64(0xFF)).astype(np.uint8)
+
+
+def expected_bytes(layout: KVLayout, layer_name: str, block_index: int, nbytes: int) -> np.ndarray:
+    """The ``nbytes`` pattern bytes (uint8) of one page: block index ``block_index`` of a layer.
+
+    ``block_index`` is the position in the request's table of the layer's group (block j covers
+    tokens ``[j*bs, (j+1)*bs)``; for Mamba, j is the state position), not a block id.
+    """
+    return expected_pages(layout, layer_name, [block_index], nbytes)[0]
 
 
 def _parts(arr) -> list[np.ndarray]:
@@ -203,15 +222,22 @@ def _parts(arr) -> list[np.ndarray]:
 
 def read_page(arr, block_id: int) -> np.ndarray:
     """The bytes of one block of one layer (K/V or state parts concatenated in order)."""
-    return np.concatenate([p[block_id].reshape(-1) for p in _parts(arr)])
+    return read_pages(arr, [block_id])[0]
 
 
-def _write_page(arr, block_id: int, data: np.ndarray) -> None:
+def read_pages(arr, block_ids) -> np.ndarray:
+    """Pages of several blocks of one layer, shape ``(len(block_ids), page_bytes)``."""
+    ids = np.asarray(block_ids, dtype=np.intp)
+    return np.concatenate([p[ids].reshape(len(ids), -1) for p in _parts(arr)], axis=1)
+
+
+def _write_pages(arr, block_ids, data: np.ndarray) -> None:
+    ids = np.asarray(block_ids, dtype=np.intp)
     off = 0
     for p in _parts(arr):
-        row = p[block_id].reshape(-1)
-        p[block_id] = data[off:off + row.size].reshape(p[block_id].shape)
-        off += row.size
+        width = int(np.prod(p.shape[1:]))
+        p[ids] = data[:, off:off + width].reshape((len(ids),) + p.shape[1:])
+        off += width
 
 
 def _check_table(layout: KVLayout, block_table: Sequence[Sequence[int]]) -> None:
@@ -228,12 +254,13 @@ def fill_pattern(paged: PagedKV, block_table: Sequence[Sequence[int]]) -> None:
     layout = paged.layout
     _check_table(layout, block_table)
     for g in layout.transfer_group_ids:
+        pairs = [(int(b), j) for j, b in enumerate(block_table[g]) if int(b) != 0]
+        if not pairs:
+            continue
+        ids, pos = zip(*pairs)
         for name in layout.groups[g].layer_names:
-            arr = paged.kv_caches[name]
-            nbytes = paged.page_bytes[g]
-            for j, b in enumerate(block_table[g]):
-                if int(b) != 0:
-                    _write_page(arr, int(b), expected_bytes(layout, name, j, nbytes))
+            _write_pages(paged.kv_caches[name], ids,
+                         expected_pages(layout, name, pos, paged.page_bytes[g]))
 
 
 def verify_pattern(paged: PagedKV, block_table: Sequence[Sequence[int]],
@@ -247,12 +274,13 @@ def verify_pattern(paged: PagedKV, block_table: Sequence[Sequence[int]],
     _check_table(layout, block_table)
     bad = []
     for g in layout.transfer_group_ids:
-        pos = positions[g] if positions is not None else range(len(block_table[g]))
+        pos_g = positions[g] if positions is not None else range(len(block_table[g]))
+        pairs = [(int(b), int(j)) for b, j in zip(block_table[g], pos_g) if int(b) != 0]
+        if not pairs:
+            continue
+        ids, pos = zip(*pairs)
         for name in layout.groups[g].layer_names:
-            arr = paged.kv_caches[name]
-            for b, j in zip(block_table[g], pos):
-                if int(b) != 0 and not np.array_equal(
-                        read_page(arr, int(b)), expected_bytes(layout, name, int(j), paged.page_bytes[g])):
-                    bad.append((name, g, int(j)))
+            ok = (read_pages(paged.kv_caches[name], ids)
+                  == expected_pages(layout, name, pos, paged.page_bytes[g])).all(axis=1)
+            bad += [(name, g, pos[k]) for k in np.flatnonzero(~ok)]
     return bad
-

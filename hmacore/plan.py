@@ -25,7 +25,8 @@ from .errors import BlockTableError, LayoutError
 from .grain import cdiv
 from .spec import GroupKind, KVLayout
 
-__all__ = ["Region", "TransferPlan", "GroupFigures", "RequestFigures", "layer_sort_key"]
+__all__ = ["Region", "TransferPlan", "GroupFigures", "RequestFigures", "layer_sort_key",
+           "describe_layout_plan"]
 
 SHARED = -1
 
@@ -194,6 +195,11 @@ class TransferPlan:
         self._rstate = np.array([r.state for r in self.regions], dtype=np.uint8)
         self._gstate = np.array([s.kind == GroupKind.MAMBA for s in layout.groups], dtype=np.uint8)
         self._desc_len = np.array([r.desc_len for r in self.regions], dtype=np.int64)
+        # bytes one logical block of group g moves over every region serving g
+        self._group_block_bytes = tuple(
+            sum(r.block_len for r in self.regions
+                if r.state == bool(self._gstate[g]) and r.group in (SHARED, g))
+            for g in range(layout.num_groups))
         self.group_major = bool(self._rstate.any() or (self._rgroup != SHARED).any())
 
     # -- construction --------------------------------------------------------------------
@@ -368,6 +374,13 @@ class TransferPlan:
         return _plan.count_desc_ids(self._as_tuple(block_ids), self._ratio, self._rgroup,
                                     self._rstate, self._gstate, kernel_ids)
 
+    def table_bytes(self, lengths: Sequence[int]) -> int:
+        """Bytes moved for a table with ``lengths[g]`` logical blocks in group g (O(G x R))."""
+        if len(lengths) != self.layout.num_groups:
+            raise BlockTableError(f"lengths has {len(lengths)} groups, the layout has "
+                                  f"{self.layout.num_groups}")
+        return sum(int(n) * b for n, b in zip(lengths, self._group_block_bytes))
+
     def desc_bytes(self, desc_ids: np.ndarray) -> int:
         """Total bytes the given descriptor ids cover."""
         d = np.asarray(desc_ids, dtype=np.int64)
@@ -419,23 +432,19 @@ class TransferPlan:
     def request_blocks(self, num_tokens: int, *, exact: bool = False) -> tuple[int, ...]:
         """Blocks per group a request of ``num_tokens`` tokens moves under HMA: all covering
         blocks, sliding window clipped to ``window_blocks``, Mamba to its one state slot."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
-            raise LayoutError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        out = []
-        for g, spec in enumerate(self.layout.groups):
-            n = cdiv(int(num_tokens), spec.block_size) if spec.transfer else 0
-            w = spec.window_blocks(exact)
-            if w and n > w:
-                n = w
-            if spec.kind == GroupKind.MAMBA:
-                n = min(n, 1)
-            out.append(n)
-        return tuple(out)
+        if isinstance(num_tokens, np.integer):
+            num_tokens = int(num_tokens)
+        blocks = self.layout.blocks_for_tokens(num_tokens, clipped=True, exact=exact)
+        return tuple(n if spec.transfer else 0 for n, spec in zip(blocks, self.layout.groups))
 
     def request_figures(self, num_tokens: int, *, exact: bool = False) -> RequestFigures:
-        """Per group blocks/descriptors/bytes of one request (HMA) and the non-HMA equivalent:
-        every layer treated as full attention in one group (no window clip, no shared regions;
-        Mamba layers keep one state page per block position), same pages and kernel ratios."""
+        """Per group blocks/descriptors/bytes of one request (HMA) and the non-HMA equivalent.
+
+        Non-HMA = every layer treated as full attention in ONE group: one block size S (lcm of
+        the transferred groups' block sizes), no window clip, no aliasing (each layer its own
+        regions); a layer keeps its bytes per token and kernel block size, so its page and
+        kernel descriptors per block scale by ``S / bs_g``; a Mamba layer keeps one state page
+        per block of S tokens."""
         blocks = self.request_blocks(num_tokens, exact=exact)
         figs = []
         for g, spec in enumerate(self.layout.groups):
@@ -445,16 +454,21 @@ class TransferPlan:
             figs.append(GroupFigures(g, spec.name or f"g{g}", blocks[g],
                                      sum(blocks[g] * int(self._ratio[r]) for r in sel),
                                      sum(blocks[g] * self.regions[r].block_len for r in sel)))
+        # non-HMA: one group, so one block size S (the lcm); a layer of group g keeps its bytes
+        # per token, so its page (and kernel descriptors per block) scale by S / bs_g
         nd = nb = 0
         l2g = self.layout.layer_to_group
+        sizes = [s.block_size for s in self.layout.groups if s.transfer]
+        S = int(np.lcm.reduce(sizes)) if sizes else 1
+        n = cdiv(int(num_tokens), S)
         for reg in self.regions:
             for name in reg.layers:
                 g = l2g[name]
                 if reg.group not in (SHARED, g):
                     continue
-                n = cdiv(int(num_tokens), self.layout.groups[g].block_size)
-                nd += n * reg.ratio
-                nb += n * reg.block_len
+                scale = 1 if reg.state else S // self.layout.groups[g].block_size
+                nd += n * reg.ratio * scale
+                nb += n * reg.block_len * scale
         return RequestFigures(int(num_tokens), tuple(figs), sum(f.descriptors for f in figs),
                               sum(f.bytes for f in figs), nd, nb)
 
@@ -479,6 +493,42 @@ class TransferPlan:
         lines.append(f"  saving:  {100 * f.descriptor_saving:.1f}% descriptors, "
                      f"{100 * f.byte_saving:.1f}% bytes")
         return "\n".join(lines)
+
+
+def describe_layout_plan(layout: KVLayout, num_tokens: int) -> tuple[str, dict[str, Any]]:
+    """``(text, dict)`` for ``hmacore plan``: the plan a connector would register for ``layout``
+    (classic HMA aliasing when page sizes agree) and one request's HMA vs non-HMA figures.
+
+    Uses ``layout.num_blocks`` (or just enough blocks for the request). Groups with unknown
+    ``page_bytes`` (0) get a placeholder page, and byte figures are then reported as None.
+    """
+    known = all(layout.groups[g].page_bytes > 0 for g in layout.transfer_group_ids)
+    nb = layout.num_blocks or max(2, sum(layout.blocks_for_tokens(int(num_tokens), clipped=False)) + 1)
+    if known:
+        plan = TransferPlan.from_layout(layout, nb)
+    else:
+        ratios = [s.kernel_ratio for s in layout.groups]
+        plan = TransferPlan.from_layout(layout, nb, page_bytes=16 * int(np.lcm.reduce(ratios)))
+    f = plan.request_figures(int(num_tokens))
+    text = plan.describe(int(num_tokens))
+    if not known:
+        text += "\n  (page_bytes unknown for some group: byte figures are placeholders)"
+    doc = {
+        "regions": len(plan.regions),
+        "shared_regions": sum(r.group == SHARED for r in plan.regions),
+        "state_regions": sum(r.state for r in plan.regions),
+        "dlist_descriptors": plan.num_descs,
+        "desc_id_order": "group-major" if plan.group_major else "region-major",
+        "groups": [{"group": g.group, "name": g.name, "blocks": g.blocks,
+                    "descriptors": g.descriptors, "bytes": g.bytes if known else None}
+                   for g in f.groups],
+        "hma": {"descriptors": f.hma_descriptors, "bytes": f.hma_bytes if known else None},
+        "non_hma": {"descriptors": f.non_hma_descriptors,
+                    "bytes": f.non_hma_bytes if known else None},
+        "descriptor_saving": f.descriptor_saving,
+        "byte_saving": f.byte_saving if known else None,
+    }
+    return text, doc
 
 
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1

@@ -1,6 +1,7 @@
 """The layering rule: the core imports numpy only; only integrations/vllm imports vLLM."""
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,10 @@ FORBIDDEN_IN_CORE = {"torch", "nixl", "mooncake", "vllm"}
 
 def _top_level_imports(path: pathlib.Path) -> set[str]:
     """Modules imported at module level (not inside functions: lazy imports are allowed)."""
+    if path.suffix == ".pyx":  # Cython is not Python syntax: read unindented import lines
+        pat = re.compile(r"^(?:from\s+(\w+)\S*\s+c?import\b|c?import\s+(\w+))")
+        return {m.group(1) or m.group(2) for line in path.read_text().splitlines()
+                if (m := pat.match(line))}
     tree = ast.parse(path.read_text())
     names = set()
     for node in tree.body:

@@ -38,8 +38,11 @@ def test_split_kv_and_state_parts_shapes():
     state = paged.kv_caches["model.layers.0.attn"]
     assert isinstance(state, tuple) and len(state) == 3
     assert sum(p.shape[1] for p in state) == 544 and all(p.strides[0] == 544 for p in state)
-    # state sub-pages and the attention page of the same slot alias one storage
-    assert np.shares_memory(state[0], paged.kv_caches["model.layers.1.attn"][0])
+    # packed pages: state sub-pages and the attention page of the same slot alias one storage
+    packed = allocate_paged_kv(layout, 4, page_bytes=544, state_parts=3)
+    assert packed.shared
+    assert np.shares_memory(packed.kv_caches["model.layers.0.attn"][0],
+                            packed.kv_caches["model.layers.3.attn"])
 
 
 def test_pattern_roundtrip_and_single_byte_corruption_detected():
@@ -106,3 +109,11 @@ def test_bad_table_and_layer():
         verify_pattern(paged, [[1], [2], [3]])
     with pytest.raises(LayoutError, match="not in the layout"):
         expected_bytes(layout, "nope", 0, 64)
+
+
+def test_kv_split_never_aliases_packed_pages():
+    layout = get_preset("qwen3-next")  # Mamba state pages are packed per block
+    auto = allocate_paged_kv(layout, 4, page_bytes=544, kv_split=True)
+    assert not auto.shared
+    with pytest.raises(LayoutError, match="kv_split with shared slots"):
+        allocate_paged_kv(layout, 4, page_bytes=544, kv_split=True, shared=True)

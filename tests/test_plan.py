@@ -229,3 +229,20 @@ def test_request_figures_qwen3_next_state_and_ratio():
 def test_request_figures_zero_tokens():
     f = TransferPlan.from_layout(get_preset("dsv4"), 64).request_figures(0)
     assert f.hma_descriptors == f.non_hma_descriptors == 0 and f.descriptor_saving == 0.0
+
+
+def test_table_bytes_matches_desc_bytes():
+    plan = TransferPlan.from_layout(get_preset("qwen3-next"), 64, page_bytes=544, kernel_block_size=272)
+    table = [[1], [2], [3], [4, 5, 6]]
+    assert plan.table_bytes([len(t) for t in table]) == plan.desc_bytes(plan.desc_ids(table))
+
+
+def test_non_hma_uses_one_block_size_for_mixed_groups():
+    layout = get_preset("dsv4")  # block sizes 256/64/64/4/8 -> one group of 256-token blocks
+    plan = TransferPlan.from_layout(layout, 64)
+    f = plan.request_figures(300)  # 2 blocks of 256 tokens = 512 tokens of every layer
+    per_token = sum(len(s.layer_names) * s.page_bytes // s.block_size for s in layout.groups)
+    assert f.non_hma_bytes == 512 * per_token
+    assert f.non_hma_descriptors == sum(len(s.layer_names) * 512 // s.block_size for s in layout.groups)
+    # HMA: mla 2 blocks, windows clip: swa cdiv(128,64)+1 = 3 of 5, c4 3 of 75, c128 17 of 38
+    assert [g.blocks for g in f.groups] == [2, 3, 3, 3, 17]

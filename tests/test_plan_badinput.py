@@ -180,3 +180,10 @@ def test_torch_like_duck_typing():
     p1 = TransferPlan.from_kv_caches(layout, as_f16, num_blocks=8)
     p2 = TransferPlan.from_kv_caches(layout, paged.kv_caches, num_blocks=8)
     assert p1.regions == p2.regions
+
+
+def test_readonly_and_int64_inputs_accepted(plan):
+    ro = np.array([1, 2], np.int32)
+    ro.flags.writeable = False
+    assert plan.desc_ids((ro, np.array([3], np.int64))).tolist() == \
+        [2, 3, 4, 5, 6, 7, 202, 203, 204, 205, 206, 207, 402, 403, 404, 405, 406, 407]

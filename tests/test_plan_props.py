@@ -111,18 +111,30 @@ def paged_layouts(draw):
     if draw(st.booleans()):
         pages = [pages[0]] * n  # classic HMA: one page size, aliased slots
     kv_split = draw(st.booleans())
-    return KVLayout(groups=tuple(groups)), pages, kv_split
+    kernel = draw(st.sampled_from([None, 8, 4]))  # bs 16 -> kernel ratio 1, 2 or 4
+    return KVLayout(groups=tuple(groups)), pages, kv_split, kernel
+
+
+def _merged(intervals):
+    out = []
+    for a, n in sorted(intervals):
+        if out and a == out[-1][0] + out[-1][1]:
+            out[-1][1] += n
+        else:
+            out.append([a, n])
+    return out
 
 
 @given(data=st.data(), lp=paged_layouts())
 def test_groups_address_only_their_own_pages(data, lp):
-    layout, pages, kv_split = lp
+    layout, pages, kv_split, kernel = lp
     nb = 9
     paged = allocate_paged_kv(layout, nb, page_bytes=pages, kv_split=kv_split, state_parts=2)
-    plan = TransferPlan.from_kv_caches(layout, paged.kv_caches, num_blocks=nb)
+    plan = TransferPlan.from_kv_caches(layout, paged.kv_caches, num_blocks=nb,
+                                       kernel_block_size=kernel)
     twin = allocate_paged_kv(layout, nb, page_bytes=pages, kv_split=kv_split, state_parts=2)
     remote = TransferPlan.from_region_table(layout, TransferPlan.from_kv_caches(
-        layout, twin.kv_caches, num_blocks=nb).region_table())
+        layout, twin.kv_caches, num_blocks=nb, kernel_block_size=kernel).region_table())
     rows = plan.descriptors()
     ids_all = data.draw(st.permutations(range(1, nb)))
     table, k = [], 0
@@ -132,17 +144,26 @@ def test_groups_address_only_their_own_pages(data, lp):
         k += m
     ids = plan.desc_ids(table)
     assert ids.tolist() == remote.desc_ids(table).tolist()
-    got = {}
-    for i in ids:
-        a, n = int(rows[i, 0]), int(rows[i, 1])
-        got[a] = got.get(a, 0) + n
-    want = {}
+    got = [(int(rows[i, 0]), int(rows[i, 1])) for i in ids]
+    assert len(set(got)) == len(got)  # no byte range moved twice
+    want = []
     for g, blocks in enumerate(table):
         for name in layout.groups[g].layer_names:
             arr = paged.kv_caches[name]
             parts = list(arr) if isinstance(arr, tuple) else ([arr[0], arr[1]] if arr.ndim == 3 else [arr])
             for p in parts:
-                for b in blocks:
-                    want[p[b].ctypes.data] = want.get(p[b].ctypes.data, 0) + p[b].nbytes
-    assert got == want
-    assert plan.desc_bytes(ids) == sum(want.values())
+                want += [(p[b].ctypes.data, p[b].nbytes) for b in blocks]
+    assert _merged(got) == _merged(want)
+    assert plan.desc_bytes(ids) == sum(n for _, n in want)
+
+
+@given(data=st.data(), pg=plans(), r=st.sampled_from([1, 2, 4]))
+def test_peer_block_size_ratio_matches_oracle(data, pg, r):
+    plan, gstate = pg
+    split = plan.with_block_size_ratio(r)
+    logical = plan.regions[0].logical_blocks
+    table = [data.draw(st.lists(st.integers(1, logical - 1), max_size=6))
+             if _served(plan, gstate, g) else [] for g in range(plan.layout.num_groups)]
+    want = oracle_desc_ids([(x.logical_blocks, x.ratio * (1 if x.state else r), x.group, x.state)
+                            for x in plan.regions], gstate, table, group_major=plan.group_major)
+    assert split.desc_ids(table).tolist() == want
