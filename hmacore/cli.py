@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -66,18 +65,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_figures(layout: KVLayout, num_tokens: int):
-    """(text, dict) of the transfer plan over virtual addresses (nothing is allocated), or None
-    when the layout has no page sizes to plan bytes with."""
-    from .plan import TransferPlan
-    if not all(s.page_bytes for s in layout.groups):
-        return None
-    plan = TransferPlan.from_layout(layout, layout.num_blocks or 65536)
-    fig = plan.request_figures(num_tokens)
-    doc = {"regions": len(plan.regions), "dlist_descriptors": plan.num_descs,
-           "hma_descriptors": fig.hma_descriptors, "hma_bytes": fig.hma_bytes,
-           "non_hma_descriptors": fig.non_hma_descriptors, "non_hma_bytes": fig.non_hma_bytes,
-           "groups": [dataclasses.asdict(g) for g in fig.groups]}
-    return plan.describe(num_tokens), doc
+    """(text, dict) of the transfer plan a connector would register (virtual addresses)."""
+    from .plan import describe_layout_plan
+    return describe_layout_plan(layout, num_tokens)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
