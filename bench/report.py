@@ -80,13 +80,32 @@ def build_report(raw: dict) -> dict:
     }
 
 
+def markdown(report: dict) -> str:
+    """A Markdown table of every case (for docs/performance.md)."""
+    lines = ["| case | hmacore | baseline | baseline time | speed-up |",
+             "|---|---:|---|---:|---:|"]
+    for e in report["cases"]:
+        extra = f" (oracle x{e['oracle_ratio']:.1f})" if "oracle_ratio" in e else ""
+        lines.append(f"| {e['name']} | {_t(e['hmacore_s'])} | {e['baseline']} | "
+                     f"{_t(e['baseline_s'])} | x{e['ratio']:.1f}{extra} |")
+    return "\n".join(lines)
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e6:,.1f} us" if s < 1e-3 else f"{s * 1e3:,.2f} ms"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("raw", help="pytest-benchmark --benchmark-json output")
     ap.add_argument("-o", "--output", default="bench/results/latest.json")
+    ap.add_argument("--markdown", default=None, help="also write a Markdown table here")
     args = ap.parse_args(argv)
     with open(args.raw) as f:
         report = build_report(json.load(f))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(report) + "\n")
     with open(args.output, "w") as f:
         json.dump(report, f, indent=1)
     for e in report["cases"]:

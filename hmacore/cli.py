@@ -65,11 +65,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_figures(layout: KVLayout, num_tokens: int):
-    """(text, dict) describing the transfer plan, or None before the plan module is present."""
-    try:
-        from .plan import describe_layout_plan
-    except ImportError:
-        return None
+    """(text, dict) of the transfer plan a connector would register (virtual addresses)."""
+    from .plan import describe_layout_plan
     return describe_layout_plan(layout, num_tokens)
 
 
