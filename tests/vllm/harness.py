@@ -166,19 +166,121 @@ def make_request(rid: str, prompt: list[int], hash_bs: int, *, max_tokens: int =
                    block_hasher=get_request_block_hasher(hash_bs, sha256))
 
 
-def runner_output(so: Any, *, token: int = 7, finished_sending=None, finished_recving=None,
-                  failed_recving=None, worker_meta=None) -> ModelRunnerOutput:
-    """One sampled token for every request that completed its prompt this step."""
+def runner_output(so: Any, sched: Scheduler | None = None, *, token: int = 7,
+                  finished_sending=None, finished_recving=None, failed_recving=None,
+                  worker_meta=None) -> ModelRunnerOutput:
+    """One sampled token for every scheduled request whose prompt is complete after this
+    step (a partial prefill chunk samples nothing, as in the real model runner)."""
     req_ids = list(so.num_scheduled_tokens)
+
+    def sampled(rid):
+        r = sched.requests.get(rid) if sched is not None else None
+        if r is not None and r.num_computed_tokens < r.num_tokens:
+            return []
+        return [token]
     kvo = KVConnectorOutput(finished_sending=set(finished_sending or ()) or None,
                             finished_recving=set(finished_recving or ()) or None,
                             failed_recving=set(failed_recving or ()),
                             kv_connector_worker_meta=worker_meta)
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=[[token] for _ in req_ids], logprobs=None,
+                             sampled_token_ids=[sampled(r) for r in req_ids], logprobs=None,
                              prompt_logprobs_dict={}, pooler_output=[],
                              kv_connector_output=kvo)
 
 
 def free_blocks(sched: Scheduler) -> int:
     return sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+# -- driving -------------------------------------------------------------------------------
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def oracle_clip(table, kcc: KVCacheConfig) -> list[list[int]]:
+    """Independent statement of the NIXL clip rule for a hybrid config (vllm-hma.md §4.2):
+    sliding window keeps the last cdiv(window, bs) + 1 entries, Mamba its last entry (less
+    speculative scratch), full attention everything."""
+    out = []
+    for ids, grp in zip(table, kcc.kv_cache_groups):
+        spec, ids = grp.kv_cache_spec, list(ids)
+        if isinstance(spec, SlidingWindowSpec):
+            n = cdiv(spec.sliding_window, spec.block_size) + 1
+            ids = ids[-n:] if len(ids) > n else ids
+        elif isinstance(spec, MambaSpec) and ids:
+            ids = ids[:len(ids) - min(spec.num_speculative_blocks, len(ids) - 1)][-1:]
+        out.append(ids)
+    return out
+
+
+def remote_params(rid: str, kcc: KVCacheConfig, num_tokens: int, *, first_id: int = 1000):
+    """kv_transfer_params a P node would send (per-group ids; values are P's namespace)."""
+    ids, nxt = [], first_id
+    for grp in kcc.kv_cache_groups:
+        n = cdiv(num_tokens, grp.kv_cache_spec.block_size)
+        ids.append(list(range(nxt, nxt + n)))
+        nxt += n
+    return dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=ids,
+                remote_engine_id="P-engine", remote_request_id="P-" + rid,
+                remote_host="127.0.0.1", remote_port=5600, tp_size=1,
+                remote_num_tokens=num_tokens)
+
+
+class Driver:
+    """Steps a real Scheduler with fake model output; records the connector metadata."""
+
+    def __init__(self, sched: Scheduler):
+        self.s = sched
+        self.metas: list = []
+        self.outputs: list = []
+        self.table_at_meta: list[dict] = []   # manager tables of scheduled reqs at meta time
+        self.tracked_at_meta: list[dict] = []  # connector tracker tables at meta time
+        self.preempted: set[str] = set()
+
+    @property
+    def conn(self):
+        return self.s.connector.scheduler
+
+    def step(self, **kv) -> Any:
+        so = self.s.schedule()
+        meta = so.kv_connector_metadata
+        self.metas.append(meta)
+        mgr = self.s.kv_cache_manager
+        self.table_at_meta.append({rid: mgr.get_block_ids(rid) for rid in
+                                   list(meta.reqs_to_recv) + list(meta.producer_block_ids)
+                                   if rid in self.s.requests
+                                   and rid in mgr.coordinator.single_type_managers[0].req_to_blocks})
+        trk = self.s.connector.scheduler.trackers
+        self.tracked_at_meta.append({rid: [list(map(int, g)) for g in trk.block_ids(rid)]
+                                     for rid in so.num_scheduled_tokens if rid in trk})
+        self.table_at_meta[-1].update({rid: mgr.get_block_ids(rid)
+                                       for rid in so.num_scheduled_tokens})
+        self.preempted |= set(so.preempted_req_ids or ())
+        out = self.s.update_from_output(so, runner_output(so, self.s, **kv))
+        self.outputs.append(out)
+        return so
+
+    def finished_params(self) -> dict[str, dict]:
+        """kv_transfer_params of every finished request seen so far."""
+        res = {}
+        for out in self.outputs:
+            for eco in out.values():
+                for o in eco.outputs:
+                    if o.finish_reason is not None:
+                        res[o.request_id] = o.kv_transfer_params
+        return res
+
+    def run(self, max_steps: int = 60, **kv) -> int:
+        n = 0
+        while self.s.has_unfinished_requests() and n < max_steps:
+            self.step(**kv)
+            n += 1
+        assert not self.s.has_unfinished_requests(), f"not done after {max_steps} steps"
+        return n
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    """Every request gone and every block back: free == num_blocks - 1 (the null block)."""
+    assert not sched.requests, f"requests still held: {list(sched.requests)}"
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

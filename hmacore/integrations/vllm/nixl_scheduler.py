@@ -49,7 +49,9 @@ class HmaNixlScheduler:
         vllm_config: the engine's ``VllmConfig`` (``kv_transfer_config`` must be set).
             ``kv_connector_extra_config`` keys read: ``kv_lease_duration`` (s, default 30),
             ``side_channel_host`` (default ``"127.0.0.1"``), ``side_channel_port`` (default
-            5600 + data-parallel index).
+            5600 + data-parallel index), ``sync_load`` (bool, default False: D loads
+            asynchronously, the request waits in WAITING_FOR_REMOTE_KVS; True: the worker
+            must finish the read in ``start_load_kv`` before the forward pass).
         kv_cache_config: the scheduler's ``KVCacheConfig``.
         clock: monotonic seconds; injectable for lease tests.
     """
@@ -72,6 +74,7 @@ class HmaNixlScheduler:
         self.port = int(ktc.get_from_extra_config(
             "side_channel_port", 5600 + int(getattr(pc, "data_parallel_index", 0) or 0)))
         self.tp_size = int(pc.tensor_parallel_size)
+        self.sync_load = bool(ktc.get_from_extra_config("sync_load", False))
         has_mamba = any(s.kind == GroupKind.MAMBA for s in self.layout.groups)
         # Tokens D recomputes itself (Mamba needs h(N-1) to derive h(N)); P stops short.
         self.backoff = max(1 if has_mamba else 0, C.prefill_lookahead_tokens(vllm_config) - 1)
@@ -80,6 +83,7 @@ class HmaNixlScheduler:
         # D side
         self._recv_pending: dict[str, RecvRequest] = {}
         self._awaiting: dict[str, tuple[str, str]] = {}   # req -> (P engine, P request id)
+        self._local_tokens: dict[str, int] = {}           # req -> local hit (tokens)
         self._last_heartbeat = float("-inf")
         self.failed_recving: set[str] = set()            # observed, for callers/tests
         # P side
@@ -121,6 +125,30 @@ class HmaNixlScheduler:
         else:
             self.trackers.update_after_alloc(req_id, table)
 
+    def _load_window(self, table, hashed, start: int, end: int):
+        """Restrict fill candidates to the positions holding tokens ``[start, end)``.
+
+        Attention group g: positions ``[start // bs, cdiv(end, bs))`` (earlier positions are
+        the local prefix hit, later ones hold tokens computed this step). Mamba groups keep
+        their whole table (the state slot is picked by the clip). For async loads this equals
+        vLLM's "unhashed, non-null" set; for sync loads vLLM has already hashed the loaded
+        blocks, so the hash flags alone would select nothing.
+        """
+        out_t, out_h = [], []
+        for ids, h, spec in zip(table, hashed, self.layout.groups):
+            if spec.kind == GroupKind.MAMBA:
+                out_t.append(ids)
+                out_h.append(h)
+                continue
+            first, stop = start // spec.block_size, -(-end // spec.block_size)
+            ids = ids[:stop]
+            h = h[:stop].copy()
+            h[:first] = True
+            h[first:] = False
+            out_t.append(ids)
+            out_h.append(h)
+        return tuple(out_t), tuple(out_h)
+
     def _empty(self) -> list[list[int]]:
         return [[] for _ in range(self.layout.num_groups)]
 
@@ -134,19 +162,27 @@ class HmaNixlScheduler:
                 params["_hma_p_truncated"] = True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """D side: prompt tokens (less ``backoff``) beyond ``num_computed_tokens`` to pull
-        asynchronously; ``(0, False)`` otherwise (P side, no params, nothing left, bad params).
+        """D side: prompt tokens (less ``backoff``) beyond ``num_computed_tokens`` to pull,
+        asynchronously unless ``sync_load``; ``(0, False)`` otherwise (P side, no params,
+        nothing left, bad params).
         """
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         if self._remote(params) is None:
             return 0, False
+        # Where the load starts (tokens); update_state_after_alloc needs it for sync loads,
+        # whose loaded blocks vLLM already hashed at allocation. Overwritten on every call.
+        self._local_tokens[request.request_id] = int(num_computed_tokens)
         n = C.prompt_len(request)
         if self.backoff and n > self.backoff:
             n -= self.backoff
+        if self.sync_load:
+            # A sync load is computed-on-arrival: leave >= 1 prompt token for the forward pass
+            # (async loads get this from vLLM's finished_recving path instead).
+            n = min(n, C.prompt_len(request) - 1)
         count = n - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        return (count, not self.sync_load) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Track the full table; schedule the D-side load on the first call with params."""
@@ -163,16 +199,23 @@ class HmaNixlScheduler:
             return  # second call of an async load, or a D request already handled
         remote = self._remote(params)
         if remote is not None:
+            computed = count_hashed(table, hashed)
+            start = self._local_tokens.pop(rid, None)
             if num_external_tokens > 0:
+                if start is not None:
+                    table, hashed = self._load_window(table, hashed, start,
+                                                      start + int(num_external_tokens))
                 local = clip_table(fill_blocks(table, hashed), self.layout)
-                self._awaiting[rid] = (remote.engine_id, remote.request_id)
-                self.trackers.set_state(rid, RequestState.WAITING_FOR_REMOTE)
+                if not self.sync_load:  # a sync load completes inside the step
+                    self._awaiting[rid] = (remote.engine_id, remote.request_id)
+                    self.trackers.set_state(rid, RequestState.WAITING_FOR_REMOTE)
             else:  # full local prefix hit: nothing to read, only let P free its blocks
                 local = self._empty()
             self._recv_pending[rid] = RecvRequest(
                 request_id=rid, local_block_ids=local,
-                local_num_computed_blocks=count_hashed(table, hashed), remote=remote,
-                awaiting=num_external_tokens > 0, num_external_tokens=int(num_external_tokens))
+                local_num_computed_blocks=computed, remote=remote,
+                awaiting=num_external_tokens > 0 and not self.sync_load,
+                num_external_tokens=int(num_external_tokens))
         params["do_remote_prefill"] = False
         params["_hma_remote_processed"] = True
 
@@ -186,17 +229,18 @@ class HmaNixlScheduler:
         for rid, ids, full in C.iter_scheduled(scheduler_output):
             if rid not in self.trackers:
                 continue
-            if full:
+            if self._kv_cache_manager is not None:
+                # The manager's full table: vLLM nulls out-of-window / superseded-state
+                # blocks in place, which appended ids never show.
+                self._track_full(rid, self._kv_cache_manager.get_block_ids(rid),
+                                 self.trackers.num_prompt_tokens(rid))
+            elif full:
                 self._track_full(rid, ids, self.trackers.num_prompt_tokens(rid))
             elif ids is not None:
                 self.trackers.append(rid, ids)
             if self.trackers.state(rid) != RequestState.RUNNING:
                 self.trackers.set_state(rid, RequestState.RUNNING)
             if rid in self._producers:
-                if self._kv_cache_manager is not None:
-                    # vLLM nulls out-of-window blocks in place: merge them (never appended).
-                    self.trackers.update_after_alloc(
-                        rid, self._kv_cache_manager.get_block_ids(rid))
                 meta.producer_block_ids[rid] = clip_table(self.trackers.block_ids(rid),
                                                           self.layout)
         meta.reqs_to_recv, self._recv_pending = self._recv_pending, {}
@@ -218,6 +262,10 @@ class HmaNixlScheduler:
         for rid in connector_output.failed_recving or ():
             self._awaiting.pop(rid, None)
             self.failed_recving.add(rid)
+            if rid in self.trackers:
+                # vLLM frees (recompute policy, nothing valid) and reallocates the table:
+                # the next full table replaces ours, as after a preemption.
+                self.trackers.preempt(rid)
         now = self.clock()
         wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
         for rid in getattr(wmeta, "renewed", None) or ():
