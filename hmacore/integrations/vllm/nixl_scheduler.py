@@ -85,7 +85,7 @@ class HmaNixlScheduler:
         self._awaiting: dict[str, tuple[str, str]] = {}   # req -> (P engine, P request id)
         self._local_tokens: dict[str, int] = {}           # req -> local hit (tokens)
         self._last_heartbeat = float("-inf")
-        self.failed_recving: set[str] = set()            # observed, for callers/tests
+        self.failed_recving: set[str] = set()  # loads reported failed, until the request ends
         # P side
         self._leases: dict[str, float] = {}
         self._new_leases: dict[str, float] = {}
@@ -301,6 +301,8 @@ class HmaNixlScheduler:
         if rid in self.trackers:
             self.trackers.finish(rid)
         self._producers.discard(rid)
+        self._local_tokens.pop(rid, None)
+        self.failed_recving.discard(rid)
         if not params:
             return False, None
         self._awaiting.pop(rid, None)
