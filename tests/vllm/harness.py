@@ -117,12 +117,21 @@ def dsv4_like(num_blocks: int = 2000) -> KVCacheConfig:
     ])
 
 
-def derived_gemma(vc: VllmConfig, window: int = 128, bs: int = 16) -> KVCacheConfig:
-    """vLLM's own grouping (get_kv_cache_configs) of the tiny gemma2 per-layer specs."""
+def derived_gemma(vc: VllmConfig) -> KVCacheConfig:
+    """vLLM's own grouping (get_kv_cache_configs) of the tiny gemma2's per-layer specs.
+
+    The per-layer specs are what the model's attention layers report, built here from the
+    fixture's config.json (layer_types, sliding_window, KV heads, head_dim) and the cache
+    block size: instantiating the model needs the CUDA/CPU kernels this setup does not have.
+    """
+    hf = vc.model_config.hf_config
+    bs = vc.cache_config.block_size
     specs = {}
-    for i in range(4):
+    for i, kind in enumerate(hf.layer_types):
         name = f"model.layers.{i}.self_attn.attn"
-        specs[name] = swa(bs, window) if i % 2 == 0 else attn(bs)
+        specs[name] = (swa(bs, hf.sliding_window, hf.num_key_value_heads, hf.head_dim)
+                       if kind == "sliding_attention"
+                       else attn(bs, hf.num_key_value_heads, hf.head_dim))
     cfgs = C.get_kv_cache_configs(vc, [specs], [64 << 20])
     return C.generate_scheduler_kv_cache_config(cfgs)
 

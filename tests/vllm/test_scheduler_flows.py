@@ -17,6 +17,8 @@ CASES = {
     "qwen3next": (dict(block_size=64, mamba_cache_mode="align"),
                   lambda n: H.qwen3_next_like(num_blocks=n), 200),
     "dsv4": (dict(max_num_batched_tokens=1024), lambda n: H.dsv4_like(num_blocks=n), 600),
+    # grouped by vLLM itself (get_kv_cache_configs) from the tiny gemma2 config.json
+    "gemma_derived": (dict(), lambda n: H.derived_gemma(H.vllm_config()), 300),
 }
 
 
