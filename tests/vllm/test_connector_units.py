@@ -51,6 +51,8 @@ def connector(kcc=None, **kw):
     dict(remote_block_ids=[[1, 2], [-4]]),                     # negative id
     dict(remote_block_ids=[[1.5], [2]]),                       # not ints
     dict(remote_host=None),                                    # missing peer address
+    dict(remote_port="not-a-port"),
+    dict(hma_layout_fingerprint="0" * 32),                     # P's layout differs
 ])
 def test_bad_remote_params_fall_back_to_local_compute(bad):
     s = H.make_scheduler(H.vllm_config(), H.gemma_like())

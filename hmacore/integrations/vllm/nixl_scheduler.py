@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import BlockTableError, TrackerStateError
+from ...errors import BlockTableError
 from ...spec import GroupKind
 from ...tables import RequestState, TrackerSet, as_block_table, count_hashed, fill_blocks, \
     from_wire
@@ -104,18 +104,24 @@ class HmaNixlScheduler:
         if not all(params.get(k) is not None for k in _REMOTE_KEYS):
             logger.warning("kv_transfer_params lack %s; no remote load", _REMOTE_KEYS)
             return None
+        fp = params.get("hma_layout_fingerprint")
+        if fp is not None and fp != self.layout.fingerprint():
+            logger.warning("P's KV layout fingerprint %s differs from ours %s (groups, block "
+                           "sizes or windows disagree); no remote load", fp,
+                           self.layout.fingerprint())
+            return None
         try:
             table = from_wire(params.get("remote_block_ids") or [], self.layout.num_groups)
-        except BlockTableError as e:
-            logger.warning("remote_block_ids rejected (%s); no remote load", e)
+            return RemotePeer(engine_id=str(params["remote_engine_id"]),
+                              request_id=str(params["remote_request_id"]),
+                              host=str(params["remote_host"]), port=int(params["remote_port"]),
+                              block_ids=[[int(x) for x in g] for g in table],
+                              num_tokens=int(params.get("remote_num_tokens") or 0),
+                              expiry_time=params.get("remote_blocks_expiry_time"),
+                              tp_size=int(params.get("tp_size") or 1))
+        except (BlockTableError, TypeError, ValueError) as e:
+            logger.warning("kv_transfer_params rejected (%s); no remote load", e)
             return None
-        return RemotePeer(engine_id=str(params["remote_engine_id"]),
-                          request_id=str(params["remote_request_id"]),
-                          host=str(params["remote_host"]), port=int(params["remote_port"]),
-                          block_ids=[[int(x) for x in g] for g in table],
-                          num_tokens=int(params.get("remote_num_tokens") or 0),
-                          expiry_time=params.get("remote_blocks_expiry_time"),
-                          tp_size=int(params.get("tp_size") or 1))
 
     def _track_full(self, req_id: str, table: Any, num_prompt_tokens: int) -> None:
         if req_id not in self.trackers:
