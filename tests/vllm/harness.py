@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
                                         MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec,
                                         SlidingWindowSpec)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus  # noqa: F401 (re-exported for tests)
 from vllm.v1.structured_output import StructuredOutputManager
 
 from hmacore.integrations.vllm import _compat as C
