@@ -148,3 +148,22 @@ def test_layout_is_the_translation():
     assert c.get_loaded_kv_cache_group_ids(None) == (0, 1, 2, 3, 4)
     assert c.supports_divergent_local_hybrid_hits
     assert np.array_equal(c.layout.window_blocks(), (0, 3, 5, 3, 17))
+
+
+def test_p_side_prompt_cut_for_mamba_backoff_once():
+    c = connector(H.qwen3_next_like(), block_size=64, mamba_cache_mode="align")
+    assert c.scheduler.backoff == 1
+    r = H.make_request("p", list(range(1, 201)), 64, params={"do_remote_decode": True},
+                       max_tokens=9)
+    c.on_new_request(r)
+    assert r.num_prompt_tokens == 199 and len(r.prompt_token_ids) == 199 and r.max_tokens == 1
+    assert r.num_tokens == 199
+    c.on_new_request(r)                       # guarded: a re-added request is not cut again
+    assert r.num_prompt_tokens == 199
+    d = H.make_request("d", list(range(1, 201)), 64,
+                       params=H.remote_params("d", H.qwen3_next_like(), 200))
+    assert c.get_num_new_matched_tokens(d, 0) == (199, True)   # D recomputes the last token
+    g = connector()                            # gemma-like: no backoff, nothing cut
+    r2 = H.make_request("q", list(range(1, 101)), 16, params={"do_remote_decode": True})
+    g.on_new_request(r2)
+    assert r2.num_prompt_tokens == 100

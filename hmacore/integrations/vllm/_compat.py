@@ -154,6 +154,9 @@ def truncate_prompt(request: Any, n: int) -> bool:
     """
     if n <= 0 or request.num_prompt_tokens <= n or request.prompt_token_ids is None:
         return False
+    skip = getattr(request, "get_skip_reading_prefix_cache", None)
+    if skip is not None and skip():
+        return False  # D recomputes the whole prompt (e.g. prompt logprobs): P must not cut
     del request.prompt_token_ids[-n:]
     del request._all_token_ids[-n:]
     request.num_prompt_tokens -= n
