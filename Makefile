@@ -24,8 +24,12 @@ $(VENV)/.stamp-mooncake: requirements/mooncake.txt $(VENV)/.stamp-base
 	$(PIP) install -q -r requirements/mooncake.txt
 	touch $@
 
+$(VENV)/.stamp-vllm: requirements/vllm-lean.txt scripts/install_vllm.sh $(VENV)/.stamp-base
+	bash scripts/install_vllm.sh $(VENV)
+	touch $@
+
 venv: $(VENV)/.stamp-base
-deps: $(VENV)/.stamp-base $(VENV)/.stamp-mooncake
+deps: $(VENV)/.stamp-base $(VENV)/.stamp-mooncake $(VENV)/.stamp-vllm
 
 build: $(VENV)/.stamp-base
 	$(PY) setup.py -q build_ext --inplace --parallel 2
@@ -37,7 +41,8 @@ test-fast: build
 	$(PY) -m pytest -q -m "not nixl and not mooncake and not vllm and not slow"
 
 demo: $(VENV)/.stamp-base build
-	$(PY) -m hmacore demo
+	@if $(PY) -c 'import hmacore.demo' 2>/dev/null; then $(PY) -m hmacore demo $(DEMO_ARGS); \
+	else $(PY) -m hmacore plan --preset gpt-oss-120b --tokens 32768; fi
 
 plan: build
 	$(PY) -m hmacore plan --preset deepseek-v4 --tokens 32768

@@ -306,6 +306,25 @@ class KVLayout:
         """Per group: blocks kept by the window clip (0 = unclipped). See GroupSpec.window_blocks."""
         return tuple(s.window_blocks(exact) for s in self.groups)
 
+    def blocks_for_tokens(self, num_tokens: int, *, clipped: bool = True,
+                          exact: bool = False) -> tuple[int, ...]:
+        """Per group: blocks of that group a ``num_tokens``-token request holds (``clipped=False``)
+        or that a connector must move for it (``clipped=True``: sliding windows cut to
+        ``window_blocks``, Mamba to its one running-state slot). Units: blocks of group g.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise LayoutError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        out = []
+        for spec in self.groups:
+            n = cdiv(num_tokens, spec.block_size)
+            if clipped:
+                if spec.kind == GroupKind.SLIDING_WINDOW:
+                    n = min(n, spec.window_blocks(exact))
+                elif spec.kind == GroupKind.MAMBA:
+                    n = min(n, 1)
+            out.append(n)
+        return tuple(out)
+
     def check_hash_addressable(self) -> None:
         """Raise LayoutError unless every transferred group can be looked up by block hash.
 

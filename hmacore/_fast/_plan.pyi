@@ -1,0 +1,15 @@
+"""Typed stub of hmacore._fast._plan (descriptor-id flattening)."""
+import numpy as np
+import numpy.typing as npt
+
+def count_desc_ids(block_ids: tuple[npt.NDArray[np.int32], ...],
+                   region_ratio: npt.NDArray[np.int32], region_group: npt.NDArray[np.int32],
+                   region_state: npt.NDArray[np.uint8], group_state: npt.NDArray[np.uint8],
+                   kernel_ids: bool) -> int: ...
+
+def flatten_desc_ids(block_ids: tuple[npt.NDArray[np.int32], ...],
+                     region_offset: npt.NDArray[np.int64], region_logical: npt.NDArray[np.int64],
+                     region_ratio: npt.NDArray[np.int32], region_group: npt.NDArray[np.int32],
+                     region_state: npt.NDArray[np.uint8], group_state: npt.NDArray[np.uint8], *,
+                     group_major: bool, kernel_ids: bool = ..., allow_null: bool = ...,
+                     out: npt.NDArray[np.int64] | None = ...) -> npt.NDArray[np.int64]: ...

@@ -1,0 +1,214 @@
+# cython: language_level=3
+"""Descriptor-id flattening: per-group block ids -> int64 indices into a prepared dlist.
+
+The plan (hmacore.plan.TransferPlan) describes regions as parallel arrays; this module only
+does the per-request arithmetic. Every entry validates its arguments completely before any
+unchecked memory access (the build turns boundscheck/wraparound off).
+"""
+import numpy as np
+cimport numpy as cnp
+from libc.stdlib cimport malloc, free
+from libc.stdint cimport int32_t, int64_t, uint8_t
+
+from hmacore.errors import BlockTableError
+
+from ._types cimport block_id_t, desc_id_t
+
+cnp.import_array()
+
+
+cdef inline bint _serves(int r, int g, const int32_t* rgroup, const uint8_t* rstate,
+                         const uint8_t* gstate) noexcept nogil:
+    return rstate[r] == gstate[g] and (rgroup[r] == -1 or rgroup[r] == g)
+
+
+cdef object _bad_id(str msg, int g, Py_ssize_t i):
+    err = BlockTableError(msg)
+    err.group = g
+    err.block_index = i
+    return err
+
+
+def _region_array(name, arr, dtype, Py_ssize_t n):
+    if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1 \
+            or not arr.flags.c_contiguous or arr.shape[0] != n:
+        raise BlockTableError(f"{name} must be a C-contiguous 1-D {np.dtype(dtype).name} array "
+                              f"of length {n}")
+    return arr
+
+
+def count_desc_ids(tuple block_ids, cnp.ndarray region_ratio, cnp.ndarray region_group,
+                   cnp.ndarray region_state, cnp.ndarray group_state, bint kernel_ids):
+    """Number of descriptor ids ``flatten_desc_ids`` emits for these per-group id arrays."""
+    cdef Py_ssize_t R = region_ratio.shape[0], G = group_state.shape[0]
+    _region_array("region_ratio", region_ratio, np.int32, R)
+    _region_array("region_group", region_group, np.int32, R)
+    _region_array("region_state", region_state, np.uint8, R)
+    _region_array("group_state", group_state, np.uint8, G)
+    cdef const int32_t[::1] ratio = region_ratio
+    cdef const int32_t[::1] rgroup = region_group
+    cdef const uint8_t[::1] rstate = region_state
+    cdef const uint8_t[::1] gstate = group_state
+    cdef Py_ssize_t g, r, n = 0, m
+    if len(block_ids) != G:
+        raise BlockTableError(f"block_ids has {len(block_ids)} groups, the plan has {G}")
+    for g in range(G):
+        m = len(block_ids[g])
+        if m == 0:
+            continue
+        for r in range(R):
+            if _serves(r, g, &rgroup[0], &rstate[0], &gstate[0]):
+                n += m if (kernel_ids or rstate[r]) else m * ratio[r]
+    return n
+
+
+def flatten_desc_ids(tuple block_ids, cnp.ndarray region_offset, cnp.ndarray region_logical,
+                     cnp.ndarray region_ratio, cnp.ndarray region_group,
+                     cnp.ndarray region_state, cnp.ndarray group_state, *,
+                     bint group_major, bint kernel_ids=False, bint allow_null=False, out=None):
+    """Descriptor ids (int64) of one request's blocks, region-major or group-major.
+
+    Args:
+        block_ids: G C-contiguous 1-D int32 arrays, group g's block ids in table order.
+            Attention groups: logical ids (expanded to ``id*ratio + k``) or, with
+            ``kernel_ids``, kernel-block ids. State groups: logical ids, never expanded.
+        region_offset: int64[R], first descriptor index of region r in the dlist.
+        region_logical: int64[R], logical blocks of region r (ids must be below it).
+        region_ratio: int32[R], descriptors per logical block (kernel x peer ratio; 1 for state).
+        region_group: int32[R], owning group or -1 (shared by every group of its kind).
+        region_state: uint8[R], 1 for Mamba/state regions.
+        group_state: uint8[G], 1 for Mamba/state groups.
+        group_major: False = ``for r: for g: ids`` (classic HMA, every region shared);
+            True = ``for g: for r serving g: ids`` (owned regions, state regions).
+        kernel_ids: attention ids are already kernel-granular.
+        allow_null: accept id 0 (logical) / ids below the ratio (kernel).
+        out: optional C-contiguous int64 buffer with room for the result; written in place.
+
+    Returns:
+        int64 array (a prefix view of ``out`` when given). Empty groups are skipped; all-empty
+        input gives an empty int64 array. Raises BlockTableError (with ``group`` and
+        ``block_index`` attributes where an id is at fault) and writes nothing on bad input.
+    """
+    cdef Py_ssize_t R = region_offset.shape[0], G = group_state.shape[0]
+    _region_array("region_offset", region_offset, np.int64, R)
+    _region_array("region_logical", region_logical, np.int64, R)
+    n_obj = count_desc_ids(block_ids, region_ratio, region_group, region_state, group_state,
+                           kernel_ids)
+    cdef Py_ssize_t n = n_obj
+    cdef const int64_t[::1] off = region_offset
+    cdef const int64_t[::1] logical = region_logical
+    cdef const int32_t[::1] ratio = region_ratio
+    cdef const int32_t[::1] rgroup = region_group
+    cdef const uint8_t[::1] rstate = region_state
+    cdef const uint8_t[::1] gstate = group_state
+    cdef Py_ssize_t g, r, i, m
+    cdef int64_t lo, hi, v, rr, mn, mx
+    cdef bint served
+    cdef const int32_t[::1] ids
+    for r in range(R):
+        if ratio[r] < 1 or logical[r] < 1 or off[r] < 0:
+            raise BlockTableError(f"region {r}: ratio, logical block count must be >= 1 and "
+                                  "offset >= 0")
+    # Validate every group's ids before writing anything.
+    for g in range(G):
+        a = block_ids[g]
+        if not isinstance(a, np.ndarray) or a.dtype != np.int32 or a.ndim != 1 \
+                or not a.flags.c_contiguous:
+            raise BlockTableError(f"block_ids[{g}] must be a C-contiguous 1-D int32 array")
+        m = a.shape[0]
+        if m == 0:
+            continue
+        ids = a
+        mn = ids[0]
+        mx = ids[0]
+        with nogil:
+            for i in range(1, m):
+                if ids[i] < mn:
+                    mn = ids[i]
+                elif ids[i] > mx:
+                    mx = ids[i]
+        served = False
+        for r in range(R):
+            if not _serves(r, g, &rgroup[0], &rstate[0], &gstate[0]):
+                continue
+            served = True
+            rr = 1 if (rstate[r] or not kernel_ids) else ratio[r]
+            hi = logical[r] * rr
+            lo = 0 if allow_null else rr
+            if mn >= lo and mx < hi:
+                continue
+            for i in range(m):
+                v = ids[i]
+                if v < lo or v >= hi:
+                    why = (" (id 0 and its kernel blocks are the null block)"
+                           if 0 <= v < lo else "")
+                    raise _bad_id(f"block_ids[{g}][{i}] = {v} is out of range [{lo}, {hi}) "
+                                  f"of region {r}{why}", g, i)
+        if not served:
+            raise _bad_id(f"block_ids[{g}] has {m} ids but no region serves group {g}", g, 0)
+    if out is None:
+        result = np.empty(n, dtype=np.int64)
+    else:
+        if not isinstance(out, np.ndarray) or out.dtype != np.int64 or out.ndim != 1 \
+                or not out.flags.c_contiguous or not out.flags.writeable:
+            raise BlockTableError("out must be a writeable C-contiguous 1-D int64 array")
+        if out.shape[0] < n:
+            raise BlockTableError(f"out has room for {out.shape[0]} descriptor ids, {n} needed")
+        result = out[:n]
+    if n == 0:
+        return result
+    cdef desc_id_t[::1] dst = result
+    cdef const block_id_t** ptrs = <const block_id_t**>malloc(G * sizeof(block_id_t*))
+    cdef Py_ssize_t* lens = <Py_ssize_t*>malloc(G * sizeof(Py_ssize_t))
+    if ptrs == NULL or lens == NULL:
+        free(ptrs); free(lens)
+        raise MemoryError()
+    cdef cnp.ndarray arr
+    for g in range(G):
+        arr = block_ids[g]
+        lens[g] = arr.shape[0]
+        ptrs[g] = <const block_id_t*>cnp.PyArray_DATA(arr)
+    with nogil:
+        _emit(ptrs, lens, G, R, &off[0], &ratio[0], &rgroup[0], &rstate[0], &gstate[0],
+              group_major, kernel_ids, &dst[0])
+    free(ptrs)
+    free(lens)
+    return result
+
+
+cdef Py_ssize_t _emit_run(const block_id_t* ids, Py_ssize_t m, int64_t base, int64_t ratio,
+                          desc_id_t* dst) noexcept nogil:
+    cdef Py_ssize_t i, k = 0
+    cdef int64_t j, b
+    if ratio == 1:
+        for i in range(m):
+            dst[i] = base + ids[i]
+        return m
+    for i in range(m):
+        b = base + <int64_t>ids[i] * ratio
+        for j in range(ratio):
+            dst[k] = b + j
+            k += 1
+    return k
+
+
+cdef void _emit(const block_id_t** ptrs, const Py_ssize_t* lens, Py_ssize_t G, Py_ssize_t R,
+                const int64_t* off, const int32_t* ratio, const int32_t* rgroup,
+                const uint8_t* rstate, const uint8_t* gstate, bint group_major,
+                bint kernel_ids, desc_id_t* dst) noexcept nogil:
+    cdef Py_ssize_t g, r, pos = 0
+    cdef int64_t rr
+    if group_major:
+        for g in range(G):
+            if lens[g] == 0:
+                continue
+            for r in range(R):
+                if _serves(r, g, rgroup, rstate, gstate):
+                    rr = 1 if (rstate[r] or kernel_ids) else ratio[r]
+                    pos += _emit_run(ptrs[g], lens[g], off[r], rr, dst + pos)
+    else:
+        for r in range(R):
+            for g in range(G):
+                if lens[g] != 0 and _serves(r, g, rgroup, rstate, gstate):
+                    rr = 1 if (rstate[r] or kernel_ids) else ratio[r]
+                    pos += _emit_run(ptrs[g], lens[g], off[r], rr, dst + pos)

@@ -1,0 +1,331 @@
+"""NIXL agent driver: register a TransferPlan's regions and move a request's blocks.
+
+``nixl`` is imported lazily (only when an agent is created). Units: block ids are per group
+(lists or int arrays, window-clipped, null ids stripped); descriptor ids come from the plans;
+every wait is bounded in seconds.
+
+Contract: a request's local blocks are recorded as valid only after its transfer reported
+DONE. A dead peer, an expired lease, a bad block id (descriptor), a transfer error or a
+timeout makes the request failed: TransferError(request_id=, group=, block_index= where
+known) is raised and remembered (:meth:`NixlAgent.failure`), and the agent stays usable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import BlockTableError, HandshakeError, TransferError
+from ..plan import TransferPlan
+from .handshake import HandshakePayload
+
+__all__ = ["NixlAgent", "Transfer", "registration_args"]
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+def registration_args(plan: TransferPlan) -> tuple[list[tuple[int, int, int, str]], str]:
+    """``(ranges, mem_type)`` for ``nixl_agent.register_memory``: one ``(addr, bytes, dev_id,
+    "")`` per disjoint memory range of the plan (aliased regions registered once)."""
+    return [(a, n, dev, "") for a, n, dev in plan.registration_ranges()], plan.mem_type
+
+
+def _nixl_ids(ids: np.ndarray) -> np.ndarray:
+    """int32 when every id fits (NIXL's fast path), else int64."""
+    if ids.size == 0 or int(ids.max()) <= _INT32_MAX:
+        return ids.astype(np.int32)
+    return ids
+
+
+@dataclasses.dataclass
+class Transfer:
+    """One posted READ/WRITE of one request. ``descriptors``/``bytes``: what it moves."""
+
+    request_id: str
+    op: str
+    peer: str
+    local_block_ids: tuple[np.ndarray, ...]
+    descriptors: int
+    bytes: int
+    handle: Any = None
+    state: str = "PROC"   # PROC, DONE, FAILED
+    posted_at: float = 0.0
+
+
+@dataclasses.dataclass
+class _Peer:
+    name: str
+    payload: HandshakePayload
+    plan: TransferPlan
+    dlist: Any
+
+
+class NixlAgent:
+    """A NIXL agent (UCX backend) over one TransferPlan's memory.
+
+    Args:
+        name: agent name (unique among peers).
+        plan: the local plan; its regions are registered and a local dlist prepared.
+        backends: NIXL backends (default UCX).
+        hma: HMA on/off, carried in the handshake (peers must agree).
+    """
+
+    def __init__(self, name: str, plan: TransferPlan, *, backends: Sequence[str] = ("UCX",),
+                 hma: bool = True):
+        from . import configure_ucx_env
+        configure_ucx_env()  # before nixl loads UCX (exit-time SIGSEGV with libibverbs present)
+        from nixl._api import nixl_agent, nixl_agent_config  # lazy: core never imports nixl
+
+        self.name = name
+        self.plan = plan
+        self.hma = hma
+        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        ranges, mem = registration_args(plan)
+        self._reg = self._agent.register_memory(ranges, mem)
+        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", plan.descriptors(), mem)
+        self._peers: dict[str, _Peer] = {}
+        self._valid: dict[str, tuple[np.ndarray, ...]] = {}
+        self._failed: dict[str, TransferError] = {}
+        self._notifs: dict[str, list[bytes]] = {}
+        self._closed = False
+
+    # -- peers -------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata (bytes) for the handshake."""
+        return self._agent.get_agent_metadata()
+
+    def handshake_payload(self) -> HandshakePayload:
+        return HandshakePayload.for_plan(self.plan, self.name, self.metadata(), hma=self.hma)
+
+    def add_peer(self, payload: HandshakePayload) -> str:
+        """Accept a peer from its handshake payload: check compatibility, load its agent
+        metadata, prepare its dlist from its region table. Returns the peer name."""
+        self.handshake_payload().check_compatible(payload)
+        if payload.agent_name in self._peers:
+            self.remove_peer(payload.agent_name)
+        name = self._agent.add_remote_agent(payload.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != payload.agent_name:
+            raise HandshakeError(f"agent metadata names {name!r}, payload says {payload.agent_name!r}")
+        plan = payload.remote_plan(self.plan.layout)
+        dlist = self._agent.prep_xfer_dlist(name, plan.descriptors(), plan.mem_type)
+        self._peers[name] = _Peer(name, payload, plan, dlist)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer: release its dlist and remote agent entry (idempotent)."""
+        peer = self._peers.pop(name, None)
+        if peer is None:
+            return
+        try:
+            self._agent.release_dlist_handle(peer.dlist)
+        finally:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - a dead peer may already be gone from UCX
+                pass
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
+    # -- transfers ---------------------------------------------------------------------
+    def read(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
+             remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
+             expires_at: float | None = None) -> Transfer:
+        """Post a READ (pull) of the peer's ``remote_block_ids`` into ``local_block_ids``.
+
+        ``expires_at``: the peer's lease end on ``time.monotonic()``'s clock; a READ after it
+        fails. ``notif``: message the peer receives as ``b"<request_id>:<notif>"`` when done.
+        """
+        return self._post("READ", request_id, peer, local_block_ids, remote_block_ids, notif,
+                          expires_at)
+
+    def write(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
+              remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
+              expires_at: float | None = None) -> Transfer:
+        """Post a WRITE (push) of ``local_block_ids`` into the peer's ``remote_block_ids``."""
+        return self._post("WRITE", request_id, peer, local_block_ids, remote_block_ids, notif,
+                          expires_at)
+
+    def _fail(self, request_id: str, msg: str, *, group=None, block_index=None,
+              transfer: Transfer | None = None) -> TransferError:
+        err = TransferError(f"request {request_id!r}: {msg}", request_id=request_id, group=group,
+                            block_index=block_index)
+        self._failed[request_id] = err
+        self._valid.pop(request_id, None)
+        if transfer is not None:
+            transfer.state = "FAILED"
+            self._release(transfer)
+        return err
+
+    def _post(self, op, request_id, peer, local_ids, remote_ids, notif, expires_at) -> Transfer:
+        self._check_open()
+        self._failed.pop(request_id, None)
+        self._valid.pop(request_id, None)
+        if peer not in self._peers:
+            raise self._fail(request_id, f"unknown peer {peer!r} (handshake first)")
+        if expires_at is not None and time.monotonic() >= expires_at:
+            raise self._fail(request_id, f"the lease on peer {peer!r}'s blocks expired "
+                                         f"{time.monotonic() - expires_at:.3f} s ago")
+        p = self._peers[peer]
+        try:
+            lids = self.plan.desc_ids(local_ids)
+        except BlockTableError as e:
+            raise self._fail(request_id, f"bad local block ids: {e}", group=getattr(e, "group", None),
+                             block_index=getattr(e, "block_index", None)) from None
+        try:
+            rids = p.plan.desc_ids(remote_ids)
+        except BlockTableError as e:
+            raise self._fail(request_id, f"bad remote block ids: {e}", group=getattr(e, "group", None),
+                             block_index=getattr(e, "block_index", None)) from None
+        # pairing is positional per group: equal totals with unequal groups would mispair blocks
+        g = next((g for g in range(len(local_ids)) if len(local_ids[g]) != len(remote_ids[g])), None)
+        if g is not None or lids.size != rids.size:
+            raise self._fail(request_id, f"group {g}: {len(local_ids[g]) if g is not None else '?'} "
+                                         f"local vs {len(remote_ids[g]) if g is not None else '?'} "
+                                         f"remote blocks ({lids.size} vs {rids.size} descriptors); "
+                                         "per-group block counts must match", group=g)
+        # int32 copies (no Python object per block); recorded as valid only once DONE
+        table = tuple(np.array(g, dtype=np.int32) for g in local_ids)
+        t = Transfer(request_id, op, peer, table, int(lids.size),
+                     self.plan.table_bytes([len(g) for g in table]), posted_at=time.monotonic())
+        if lids.size == 0:  # full local hit: nothing to move
+            t.state = "DONE"
+            self._valid[request_id] = table
+            if notif is not None:
+                self.send_notif(peer, request_id, notif)
+            return t
+        msg = b"" if notif is None else request_id.encode() + b":" + bytes(notif)
+        try:
+            t.handle = self._agent.make_prepped_xfer(op, self._local, _nixl_ids(lids), p.dlist,
+                                                     _nixl_ids(rids), notif_msg=msg)
+            state = self._agent.transfer(t.handle)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
+            raise self._fail(request_id, f"{op} to {peer!r} could not be posted: {e}",
+                             transfer=t) from None
+        if state == "ERR":
+            raise self._fail(request_id, f"{op} to {peer!r} failed when posted", transfer=t)
+        if state == "DONE":
+            self._done(t)
+        return t
+
+    def poll(self, transfer: Transfer) -> str:
+        """Non-blocking state: ``"PROC"`` or ``"DONE"``; raises TransferError on failure."""
+        if transfer.state != "PROC":
+            if transfer.state == "FAILED":
+                raise self._failed.get(transfer.request_id) or TransferError(
+                    "transfer failed", request_id=transfer.request_id)
+            return transfer.state
+        try:
+            state = self._agent.check_xfer_state(transfer.handle)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(transfer.request_id, f"{transfer.op} from {transfer.peer!r} failed: {e}",
+                             transfer=transfer) from None
+        if state == "ERR":
+            raise self._fail(transfer.request_id, f"{transfer.op} with peer {transfer.peer!r} "
+                             "reported an error (peer dead or unreachable?)", transfer=transfer)
+        if state == "DONE":
+            self._done(transfer)
+        return transfer.state
+
+    def wait(self, transfer: Transfer, timeout: float = 10.0) -> Transfer:
+        """Poll until DONE; raises TransferError on error or after ``timeout`` seconds.
+
+        Spins for the first 2 ms (small transfers finish within that), then sleeps with a
+        backoff capped at 1 ms between polls."""
+        start = time.monotonic()
+        deadline = start + timeout
+        nap = 0.0
+        while self.poll(transfer) == "PROC":
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._fail(transfer.request_id, f"{transfer.op} with peer {transfer.peer!r} "
+                                 f"did not complete within {timeout} s", transfer=transfer)
+            if now - start > 0.002:
+                nap = min(0.001, nap * 2 or 0.00005)
+                time.sleep(nap)
+        return transfer
+
+    def _done(self, t: Transfer) -> None:
+        t.state = "DONE"
+        self._valid[t.request_id] = t.local_block_ids
+        self._release(t)
+
+    def _release(self, t: Transfer) -> None:
+        if t.handle is not None:
+            try:
+                self._agent.release_xfer_handle(t.handle)
+            except Exception:  # noqa: BLE001 - an errored handle may refuse release; drop it
+                pass
+            t.handle = None
+
+    def valid_blocks(self, request_id: str) -> tuple[np.ndarray, ...] | None:
+        """Local per-group block ids (int32 arrays) that arrived for a request (None unless its
+        transfer is DONE)."""
+        return self._valid.get(request_id)
+
+    def failure(self, request_id: str) -> TransferError | None:
+        """The error a request failed with, if it failed."""
+        return self._failed.get(request_id)
+
+    # -- notifications -------------------------------------------------------------------
+    def send_notif(self, peer: str, request_id: str, msg: bytes = b"done") -> None:
+        """Send ``b"<request_id>:<msg>"`` to a peer."""
+        if peer not in self._peers:
+            raise TransferError(f"unknown peer {peer!r}", request_id=request_id)
+        self._agent.send_notif(peer, request_id.encode() + b":" + bytes(msg))
+
+    def _drain_notifs(self) -> None:
+        for msgs in self._agent.get_new_notifs().values():
+            for m in msgs:
+                rid, sep, body = bytes(m).partition(b":")
+                self._notifs.setdefault(rid.decode(errors="replace"), []).append(body if sep else b"")
+
+    def notifications(self, request_id: str) -> list[bytes]:
+        """Messages received so far for a request (consumed)."""
+        self._drain_notifs()
+        return self._notifs.pop(request_id, [])
+
+    def wait_notif(self, request_id: str, timeout: float = 10.0) -> bytes:
+        """First message for ``request_id`` (request ids must not contain ``:``), waiting at most
+        ``timeout`` s; raises TransferError on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._drain_notifs()
+            queue = self._notifs.get(request_id)
+            if queue:
+                return queue.pop(0)
+            if time.monotonic() >= deadline:
+                raise TransferError(f"no notification for request {request_id!r} within {timeout} s",
+                                    request_id=request_id)
+            time.sleep(0.001)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("the agent is closed")
+
+    def close(self) -> None:
+        """Release dlists, forget peers, deregister memory (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in list(self._peers):
+            try:
+                self.remove_peer(name)
+            except Exception:  # noqa: BLE001 - keep tearing down
+                pass
+        try:
+            self._agent.release_dlist_handle(self._local)
+        finally:
+            self._agent.deregister_memory(self._reg)
+
+    def __enter__(self) -> NixlAgent:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,58 @@
+"""The benchmark report and ratio gate other projects run in their CI."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gate  # noqa: E402
+import report  # noqa: E402
+
+
+def _bench(group, impl, median, **extra):
+    return {"group": group, "name": f"test_x[{impl}]", "params": {}, "stats": {"median": median},
+            "extra_info": {"impl": impl, **extra}}
+
+
+def test_report_pairs_cases_and_prefers_vllm_baseline():
+    raw = {"benchmarks": [
+        _bench("hit/dsv4/4k", "hmacore", 1e-5),
+        _bench("hit/dsv4/4k", "oracle", 4e-4),
+        _bench("hit/dsv4/4k", "vllm", 8e-4, bytes_per_key=40),
+        _bench("clip/2g/4k", "hmacore", 2e-6),
+        _bench("clip/2g/4k", "oracle", 1e-5),
+        _bench("lonely", "oracle", 1.0),          # no hmacore side: not a case
+    ]}
+    rep = report.build_report(raw)
+    cases = {c["name"]: c for c in rep["cases"]}
+    assert set(cases) == {"hit/dsv4/4k", "clip/2g/4k"}
+    hit = cases["hit/dsv4/4k"]
+    assert hit["baseline"] == "vllm-0.32.0"
+    assert abs(hit["ratio"] - 80.0) < 1e-9 and abs(hit["oracle_ratio"] - 40.0) < 1e-9
+    assert hit["bytes_per_key"] == 40
+    assert cases["clip/2g/4k"]["baseline"] == "oracle"
+    assert abs(cases["clip/2g/4k"]["ratio"] - 5.0) < 1e-9
+
+
+def test_gate_fails_only_below_fraction_of_baseline():
+    results = {"cases": [{"name": "a", "ratio": 10.0}, {"name": "b", "ratio": 2.0}]}
+    baseline = {"ratios": {"a": 12.0, "b": 5.0, "c": 3.0}}
+    failures, lines = gate.gate(baseline, results, fraction=0.5)
+    assert [f.split()[1] for f in failures] == ["b"]          # 2.0 < 0.5 * 5.0
+    assert any(line.startswith("MISSING c") for line in lines)
+    failures, _ = gate.gate(baseline, results, fraction=0.5, require_all=True)
+    assert len(failures) == 2
+
+
+def test_gate_cli_exit_codes(tmp_path):
+    (tmp_path / "base.json").write_text(json.dumps({"ratios": {"a": 4.0}}))
+    (tmp_path / "ok.json").write_text(json.dumps({"cases": [{"name": "a", "ratio": 3.0}]}))
+    (tmp_path / "bad.json").write_text(json.dumps({"cases": [{"name": "a", "ratio": 1.0}]}))
+    run = lambda res: subprocess.run(  # noqa: E731
+        [sys.executable, str(ROOT / "bench" / "gate.py"), "--baseline", str(tmp_path / "base.json"),
+         "--results", str(tmp_path / res), "--fraction", "0.5"], capture_output=True, text=True)
+    assert run("ok.json").returncode == 0
+    bad = run("bad.json")
+    assert bad.returncode == 1 and "FAIL" in bad.stdout
