@@ -238,8 +238,9 @@ def remote_params(rid: str, kcc: KVCacheConfig, num_tokens: int, *, first_id: in
 class Driver:
     """Steps a real Scheduler with fake model output; records the connector metadata."""
 
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: Scheduler, worker: Any = None):
         self.s = sched
+        self.worker = worker   # a WORKER-role connector: real transfers instead of fakes
         self.metas: list = []
         self.outputs: list = []
         self.table_at_meta: list[dict] = []   # manager tables of scheduled reqs at meta time
@@ -265,6 +266,8 @@ class Driver:
         self.table_at_meta[-1].update({rid: mgr.get_block_ids(rid)
                                        for rid in so.num_scheduled_tokens})
         self.preempted |= set(so.preempted_req_ids or ())
+        if self.worker is not None:
+            kv = {**kv, **worker_step(self.worker, so)}
         out = self.s.update_from_output(so, runner_output(so, self.s, **kv))
         self.outputs.append(out)
         return so
@@ -293,3 +296,15 @@ def assert_no_leak(sched: Scheduler) -> None:
     assert not sched.requests, f"requests still held: {list(sched.requests)}"
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def worker_step(worker: Any, so: Any) -> dict:
+    """What the model runner's KV connector mixin does around a forward pass (no forward)."""
+    worker.bind_connector_metadata(so.kv_connector_metadata)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    r = worker.get_transfer_results(so.finished_req_ids)
+    meta = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    return dict(finished_sending=r.finished_sending, finished_recving=r.finished_recving,
+                failed_recving=r.failed_recving, worker_meta=meta)

@@ -310,10 +310,3 @@ def test_p_to_d_roundtrip_params():
     dd.step(finished_recving={"d"})
     dd.run()
     H.assert_no_leak(sd)
-
-
-def test_worker_role_not_implemented_yet():
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    vc = H.vllm_config()
-    with pytest.raises(NotImplementedError, match="worker side is not implemented"):
-        HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
