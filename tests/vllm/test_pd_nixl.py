@@ -26,9 +26,9 @@ def free_port() -> int:
 
 
 class Engine:
-    def __init__(self, make_kcc, **vkw):
+    def __init__(self, make_kcc, extra=None, **vkw):
         self.vc = H.vllm_config(extra={"side_channel_port": free_port(),
-                                       "kv_lease_duration": 30}, **vkw)
+                                       "kv_lease_duration": 30, **(extra or {})}, **vkw)
         self.kcc = make_kcc()
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
@@ -118,6 +118,66 @@ def test_dead_peer_is_a_failed_recv_and_recompute():
         D.d.run()
         assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
         H.assert_no_leak(D.s)
+    finally:
+        P.close()
+        D.close()
+
+
+def p_prefill(P, n, rid="req"):
+    prompt = [1 + i % 900 for i in range(n)]
+    P.s.add_request(H.make_request(rid, prompt, 16, params={"do_remote_decode": True},
+                                   max_tokens=1))
+    while rid not in P.d.finished_params():
+        P.d.step()
+    fill_pattern(P.paged, P.s.kv_cache_manager.get_block_ids(rid))
+    return prompt, P.d.finished_params()[rid]
+
+
+def drain_p(P):
+    deadline = time.monotonic() + 20
+    while P.s.requests:
+        assert time.monotonic() < deadline, "P never saw D's notification"
+        P.d.step()
+    H.assert_no_leak(P.s)
+
+
+def test_sync_load_completes_before_the_forward_pass():
+    P = Engine(lambda: H.gemma_like(num_blocks=64))
+    D = Engine(lambda: H.gemma_like(num_blocks=64), extra={"sync_load": True})
+    try:
+        prompt, params = p_prefill(P, 150)
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        D.d.step()                         # one step: READ posted and waited, request runs
+        assert r.status == H.RequestStatus.RUNNING
+        rr = D.d.metas[-1].reqs_to_recv["d"]
+        local, remote = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids,
+                                             D.w.layout)
+        assert sum(len(g) for g in local) > 0
+        for g, spec in enumerate(D.w.layout.groups):
+            for name in spec.layer_names:
+                assert (read_pages(D.paged.kv_caches[name], local[g]) ==
+                        read_pages(P.paged.kv_caches[name], remote[g])).all()
+        D.d.run()
+        H.assert_no_leak(D.s)
+        drain_p(P)
+    finally:
+        P.close()
+        D.close()
+
+
+def test_d_abort_before_scheduling_still_frees_p():
+    P = Engine(lambda: H.gemma_like(num_blocks=64))
+    D = Engine(lambda: H.gemma_like(num_blocks=64))
+    try:
+        prompt, params = p_prefill(P, 150)
+        assert P.s.requests                # P holds the blocks under its lease
+        D.s.add_request(H.make_request("d", prompt, 16, params=params))
+        D.s.finish_requests("d", H.RequestStatus.FINISHED_ABORTED)
+        D.d.step()                         # notify-only: nothing read, P told to free
+        assert not any(D.d.metas[-1].reqs_to_recv["d"].local_block_ids)
+        H.assert_no_leak(D.s)
+        drain_p(P)
     finally:
         P.close()
         D.close()
