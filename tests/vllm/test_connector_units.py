@@ -167,3 +167,16 @@ def test_p_side_prompt_cut_for_mamba_backoff_once():
     r2 = H.make_request("q", list(range(1, 101)), 16, params={"do_remote_decode": True})
     g.on_new_request(r2)
     assert r2.num_prompt_tokens == 100
+
+
+def test_worker_role_refuses_tensor_parallel():
+    vc = H.vllm_config()
+    vc.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
+        HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
+
+
+def test_role_methods_are_guarded():
+    c = connector()
+    with pytest.raises(RuntimeError, match="worker-side method called on a SCHEDULER-role"):
+        c.register_kv_caches({})

@@ -6,8 +6,9 @@ kv_connector_module_path="hmacore.integrations.vllm")`` works through vLLM's fac
 (``getattr(module, name)``).
 
 Exports:
-    HmaNixlConnector: P/D connector (KVConnectorBase_V1 + SupportsHMA). Scheduler side
-        complete; worker side not implemented yet (constructing the WORKER role raises).
+    HmaNixlConnector: P/D pull connector over NIXL (KVConnectorBase_V1 + SupportsHMA):
+        scheduler side (HmaNixlScheduler) and worker side (HmaNixlWorker; one worker per
+        engine: TP = PP = 1, other sizes are refused).
     HmaStoreConnector: hash-addressed store connector - NOT implemented yet (AttributeError
         naming the missing module until it lands).
     layout_from_kv_cache_config: vLLM KVCacheConfig -> hmacore KVLayout.
