@@ -14,6 +14,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")   # without it HMA is silentl
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "hmacore-vllm-cache"))
 os.environ.setdefault("PYTHONHASHSEED", "0")
+# Real-NIXL tests (test_pd_nixl.py): UCX traffic stays on loopback.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 _HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 

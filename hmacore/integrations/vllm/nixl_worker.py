@@ -29,6 +29,7 @@ from typing import Any
 
 from ...errors import HmacoreError, TransferError
 from ...plan import TransferPlan
+from ...transport import configure_ucx_env
 from ...transport.handshake import HandshakeServer, exchange_handshake
 from ...transport.nixl import NixlAgent, Transfer
 from ...windows import trim_remote_to_local
@@ -52,6 +53,7 @@ class HmaNixlWorker:
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  sync_timeout: float = 30.0) -> None:
+        configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
         self.layout = layout
         self.num_blocks = int(num_blocks)
         self.engine_id = engine_id
