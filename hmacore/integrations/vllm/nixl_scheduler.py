@@ -8,8 +8,9 @@ Units: block tables are per group, in blocks of that group (vLLM group order, nu
 token counts are tokens; times are seconds of ``clock`` (``time.perf_counter`` by default).
 
 Contracts kept (vllm-hma.md §1.6, §4.2, §4.7, §4.8):
-* ``get_num_new_matched_tokens`` is side-effect free and returns ``(0, False)``, never
-  ``(0, True)``; P side always 0.
+* ``get_num_new_matched_tokens`` returns the same answer however often it is called (its
+  only effect is a per-request hint, the local-hit length, overwritten on every call) and
+  returns ``(0, False)``, never ``(0, True)``; P side always 0.
 * ``update_state_after_alloc`` receives the request's FULL per-group table, may come twice
   (async loads) and decides on ``num_external_tokens`` (0 = nothing to load); only the first
   call with remote params schedules a load (or, with 0 external tokens, a notify-only entry).
