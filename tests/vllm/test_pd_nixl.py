@@ -44,6 +44,7 @@ CASES = {
     "gemma": (dict(), lambda: H.gemma_like(num_blocks=64), 150),
     "qwen3next": (dict(block_size=64, mamba_cache_mode="align"),
                   lambda: H.qwen3_next_like(num_blocks=64), 200),
+    "dsv4": (dict(max_num_batched_tokens=1024), lambda: H.dsv4_like(num_blocks=600), 600),
 }
 
 
