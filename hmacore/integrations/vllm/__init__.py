@@ -1,0 +1,49 @@
+"""vLLM adapters (pinned target: vLLM 0.32.0). The ONLY hmacore package that imports vLLM.
+
+Importing this package does not import vLLM; the names below load on first access
+(PEP 562), so ``KVTransferConfig(kv_connector="HmaNixlConnector",
+kv_connector_module_path="hmacore.integrations.vllm")`` works through vLLM's factory
+(``getattr(module, name)``).
+
+Exports:
+    HmaNixlConnector: P/D pull connector over NIXL (KVConnectorBase_V1 + SupportsHMA):
+        scheduler side (HmaNixlScheduler) and worker side (HmaNixlWorker; one worker per
+        engine: TP = PP = 1, other sizes are refused).
+    HmaStoreConnector: hash-addressed store connector - NOT implemented yet (AttributeError
+        naming the missing module until it lands).
+    layout_from_kv_cache_config: vLLM KVCacheConfig -> hmacore KVLayout.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["HmaNixlConnector", "HmaStoreConnector", "layout_from_kv_cache_config",
+           "HmaNixlConnectorMetadata"]
+
+_LAZY = {
+    "HmaNixlConnector": ".nixl_connector",
+    "HmaNixlConnectorMetadata": ".metadata",
+    "HmaStoreConnector": ".store_connector",
+    "layout_from_kv_cache_config": ".layout",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        module = importlib.import_module(mod, __name__)
+    except ModuleNotFoundError as e:
+        if e.name == __name__ + mod:
+            raise AttributeError(f"{name} is not implemented yet ({__name__}{mod} does not "
+                                 "exist)") from None
+        raise
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

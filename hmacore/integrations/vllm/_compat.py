@@ -1,0 +1,165 @@
+"""Every version-sensitive vLLM import and call used by hmacore, in one place.
+
+Pinned target: vLLM 0.32.0 (``TARGET_VLLM_VERSION``). Other versions are refused at import
+of this module unless ``HMACORE_ALLOW_VLLM_VERSION=1`` is set (internal vLLM APIs move
+every release: see docs and ``reference/vllm-on-cpu.md`` §6).
+
+This module imports vLLM when it is imported; nothing outside ``hmacore.integrations.vllm``
+imports it, and ``hmacore.integrations.vllm`` itself imports it lazily.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+TARGET_VLLM_VERSION = "0.32.0"
+
+import vllm  # noqa: E402
+
+VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
+if not VLLM_VERSION.startswith(TARGET_VLLM_VERSION) and \
+        os.environ.get("HMACORE_ALLOW_VLLM_VERSION") != "1":
+    raise ImportError(
+        f"hmacore.integrations.vllm targets vLLM {TARGET_VLLM_VERSION}, found {VLLM_VERSION}; "
+        "install the pinned version (scripts/install_vllm.sh) or set "
+        "HMACORE_ALLOW_VLLM_VERSION=1 to try anyway")
+
+# -- connector API -------------------------------------------------------------------------
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+# -- KV cache spec classes (0.32 names) -------------------------------------------------------
+from vllm.v1 import kv_cache_interface as _kci  # noqa: E402
+
+KVCacheConfig = _kci.KVCacheConfig
+KVCacheGroupSpec = _kci.KVCacheGroupSpec
+KVCacheTensor = _kci.KVCacheTensor
+FullAttentionSpec = _kci.FullAttentionSpec
+MLAAttentionSpec = _kci.MLAAttentionSpec
+SlidingWindowSpec = _kci.SlidingWindowSpec
+SlidingWindowMLASpec = _kci.SlidingWindowMLASpec
+ChunkedLocalAttentionSpec = _kci.ChunkedLocalAttentionSpec
+MambaSpec = _kci.MambaSpec
+CrossAttentionSpec = _kci.CrossAttentionSpec
+EncoderOnlyAttentionSpec = _kci.EncoderOnlyAttentionSpec
+UniformTypeKVCacheSpecs = _kci.UniformTypeKVCacheSpecs
+AttentionSpec = _kci.AttentionSpec
+
+#: Spec classes that are a FullAttentionSpec subclass but do NOT behave like plain full
+#: attention in vLLM's managers (gap freeing, sinks, hidden-state caches). Refused.
+UNSUPPORTED_FULL_SUBCLASSES: tuple[type, ...] = tuple(
+    c for c in (getattr(_kci, "RSWASpec", None), getattr(_kci, "SinkFullAttentionSpec", None),
+                getattr(_kci, "HiddenStateCacheSpec", None)) if c is not None)
+#: Other spec classes hmacore has no group kind for. Refused.
+UNSUPPORTED_OTHER: tuple[type, ...] = tuple(
+    c for c in (getattr(_kci, "CircularBufferSpec", None), getattr(_kci, "HiSparseHotSpec", None),
+                getattr(_kci, "HiSparseResidentSpec", None)) if c is not None)
+
+
+def resolve_kv_cache_block_sizes(kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
+    """vLLM's own ``(scheduler_block_size, hash_block_size)`` for a config (0.32 location)."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes as f
+    return f(kv_cache_config, vllm_config)
+
+
+def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: list[dict], available_memory: list[int]):
+    """0.32: ``kv_cache_utils.get_kv_cache_configs(vc, specs, mem)`` (0.33 moved it)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as f
+    return f(vllm_config, kv_cache_specs, available_memory)
+
+
+def generate_scheduler_kv_cache_config(kv_cache_configs: list) -> Any:
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config as f
+    return f(kv_cache_configs)
+
+
+def context_parallel_sizes(vllm_config: Any | None) -> tuple[int, int]:
+    """``(decode_context_parallel_size, prefill_context_parallel_size)``; (1, 1) without config."""
+    if vllm_config is None:
+        return 1, 1
+    pc = vllm_config.parallel_config
+    return (int(getattr(pc, "decode_context_parallel_size", 1) or 1),
+            int(getattr(pc, "prefill_context_parallel_size", 1) or 1))
+
+
+def hma_enabled(vllm_config: Any) -> bool:
+    """True unless the hybrid KV cache manager was disabled (explicitly or by vLLM)."""
+    return not bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
+
+
+def prefill_lookahead_tokens(vllm_config: Any) -> int:
+    """``vllm_config.num_prefill_lookahead_tokens`` (multi-module MTP), 0 when absent."""
+    return int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+
+
+# -- block tables -------------------------------------------------------------------------------
+def table_and_hashed(blocks: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """A ``KVCacheBlocks`` as (per-group int32 ids, per-group bool "has a block hash").
+
+    The one place that reads ``KVCacheBlock`` attributes (``block_id``, ``block_hash``).
+    """
+    ids, hashed = [], []
+    for group in blocks.blocks:
+        n = len(group)
+        a = np.fromiter((b.block_id for b in group), dtype=np.int32, count=n)
+        h = np.fromiter((b.block_hash is not None for b in group), dtype=np.bool_, count=n)
+        ids.append(a)
+        hashed.append(h)
+    return tuple(ids), tuple(hashed)
+
+
+def iter_scheduled(scheduler_output: Any) -> Iterator[tuple[str, Sequence | None, bool]]:
+    """``(req_id, block_ids per group or None, is_full_table)`` for every scheduled request.
+
+    New requests carry their full table; resumed cached requests carry a replacement full
+    table; other cached requests carry only appended ids (or None).
+    """
+    for req in scheduler_output.scheduled_new_reqs:
+        yield req.req_id, req.block_ids, True
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+        yield req_id, new_ids, req_id in resumed
+
+
+def preempted_ids(scheduler_output: Any) -> set[str]:
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+def finished_normally(request: Any) -> bool:
+    """True for FINISHED_STOPPED / FINISHED_LENGTH_CAPPED (not abort / error)."""
+    return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def prompt_len(request: Any) -> int:
+    ids = request.prompt_token_ids
+    return len(ids) if ids is not None else int(request.num_prompt_tokens)
+
+
+def truncate_prompt(request: Any, n: int) -> bool:
+    """Drop the last ``n`` prompt tokens of a not-yet-scheduled request and cap it at one
+    output token (P side of a P/D pair whose decoder recomputes those tokens).
+
+    Touches vLLM ``Request`` internals (``_all_token_ids``): 0.32 layout. Returns False when
+    the request holds no token ids (prompt embeds) and nothing was changed.
+    """
+    if n <= 0 or request.num_prompt_tokens <= n or request.prompt_token_ids is None:
+        return False
+    skip = getattr(request, "get_skip_reading_prefix_cache", None)
+    if skip is not None and skip():
+        return False  # D recomputes the whole prompt (e.g. prompt logprobs): P must not cut
+    del request.prompt_token_ids[-n:]
+    del request._all_token_ids[-n:]
+    request.num_prompt_tokens -= n
+    request.max_tokens = 1
+    return True

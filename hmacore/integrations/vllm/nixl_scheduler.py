@@ -1,0 +1,356 @@
+"""Scheduler side of :class:`~hmacore.integrations.vllm.nixl_connector.HmaNixlConnector`.
+
+P/D disaggregation by pull: the prefill node (P) finishes a request, keeps its blocks under a
+lease and returns ``kv_transfer_params`` naming them per KV cache group; the decode node (D)
+allocates blocks, its worker READs P's blocks, and reports ``finished_recving``.
+
+Units: block tables are per group, in blocks of that group (vLLM group order, null block 0);
+token counts are tokens; times are seconds of ``clock`` (``time.perf_counter`` by default).
+
+Contracts kept (vllm-hma.md §1.6, §4.2, §4.7, §4.8):
+* ``get_num_new_matched_tokens`` returns the same answer however often it is called (its
+  only effect is a per-request hint, the local-hit length, overwritten on every call) and
+  returns ``(0, False)``, never ``(0, True)``; P side always 0.
+* ``update_state_after_alloc`` receives the request's FULL per-group table, may come twice
+  (async loads) and decides on ``num_external_tokens`` (0 = nothing to load); only the first
+  call with remote params schedules a load (or, with 0 external tokens, a notify-only entry).
+* ``request_finished_all_groups`` is called exactly once per request; P delays the free only
+  for a normal finish with blocks, under a lease of ``kv_lease_duration`` seconds, renewed by
+  D heartbeats (worker metadata) and expired here: an expired lease is reported to vLLM as
+  ``finished_sending`` so the blocks are freed.
+* Failures are per request (``failed_recving``); vLLM's recompute/fail policy then applies.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import BlockTableError
+from ...spec import GroupKind
+from ...tables import RequestState, TrackerSet, as_block_table, count_hashed, fill_blocks, \
+    from_wire
+from . import _compat as C
+from ._clip import clip_table
+from .layout import layout_from_kv_cache_config
+from .metadata import HmaNixlConnectorMetadata, RecvRequest, RemotePeer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HmaNixlScheduler"]
+
+_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+class HmaNixlScheduler:
+    """Per-request P/D bookkeeping for one engine (scheduler process).
+
+    Args:
+        vllm_config: the engine's ``VllmConfig`` (``kv_transfer_config`` must be set).
+            ``kv_connector_extra_config`` keys read: ``kv_lease_duration`` (s, default 30),
+            ``side_channel_host`` (default ``"127.0.0.1"``), ``side_channel_port`` (default
+            5600 + data-parallel index), ``sync_load`` (bool, default False: D loads
+            asynchronously, the request waits in WAITING_FOR_REMOTE_KVS; True: the worker
+            must finish the read in ``start_load_kv`` before the forward pass).
+        kv_cache_config: the scheduler's ``KVCacheConfig``.
+        clock: monotonic seconds; injectable for lease tests.
+    """
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        ktc = vllm_config.kv_transfer_config
+        if ktc is None:
+            raise ValueError("HmaNixlConnector needs vllm_config.kv_transfer_config")
+        self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_config=vllm_config)
+        self.kv_cache_config = kv_cache_config
+        self.clock = clock
+        self.engine_id = str(ktc.engine_id)
+        self.lease_s = float(ktc.get_from_extra_config("kv_lease_duration", 30))
+        if self.lease_s <= 0:
+            raise ValueError(f"kv_lease_duration must be > 0 seconds, got {self.lease_s}")
+        self.heartbeat_s = self.lease_s / 6
+        pc = vllm_config.parallel_config
+        self.host = str(ktc.get_from_extra_config("side_channel_host", "127.0.0.1"))
+        self.port = int(ktc.get_from_extra_config(
+            "side_channel_port", 5600 + int(getattr(pc, "data_parallel_index", 0) or 0)))
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.sync_load = bool(ktc.get_from_extra_config("sync_load", False))
+        has_mamba = any(s.kind == GroupKind.MAMBA for s in self.layout.groups)
+        # Tokens D recomputes itself (Mamba needs h(N-1) to derive h(N)); P stops short.
+        self.backoff = max(1 if has_mamba else 0, C.prefill_lookahead_tokens(vllm_config) - 1)
+        self.trackers = TrackerSet(self.layout)
+        self._kv_cache_manager: Any = None
+        # D side
+        self._recv_pending: dict[str, RecvRequest] = {}
+        self._awaiting: dict[str, tuple[str, str]] = {}   # req -> (P engine, P request id)
+        self._local_tokens: dict[str, int] = {}           # req -> local hit (tokens)
+        self._last_heartbeat = float("-inf")
+        self.failed_recving: set[str] = set()  # loads reported failed, until the request ends
+        # P side
+        self._leases: dict[str, float] = {}
+        self._new_leases: dict[str, float] = {}
+        self._expired_pending: set[str] = set()
+        self._not_processed: set[str] = set()
+        self._producers: set[str] = set()
+
+    # -- binding --------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Keep vLLM's KVCacheManager: the authoritative per-group tables of producers."""
+        self._kv_cache_manager = kv_cache_manager
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _remote(self, params: dict) -> RemotePeer | None:
+        """Parse and validate P's params; None (with a warning) if unusable."""
+        if not all(params.get(k) is not None for k in _REMOTE_KEYS):
+            logger.warning("kv_transfer_params lack %s; no remote load", _REMOTE_KEYS)
+            return None
+        fp = params.get("hma_layout_fingerprint")
+        if fp is not None and fp != self.layout.fingerprint():
+            logger.warning("P's KV layout fingerprint %s differs from ours %s (groups, block "
+                           "sizes or windows disagree); no remote load", fp,
+                           self.layout.fingerprint())
+            return None
+        try:
+            table = from_wire(params.get("remote_block_ids") or [], self.layout.num_groups)
+            return RemotePeer(engine_id=str(params["remote_engine_id"]),
+                              request_id=str(params["remote_request_id"]),
+                              host=str(params["remote_host"]), port=int(params["remote_port"]),
+                              block_ids=[[int(x) for x in g] for g in table],
+                              num_tokens=int(params.get("remote_num_tokens") or 0),
+                              expiry_time=params.get("remote_blocks_expiry_time"),
+                              tp_size=int(params.get("tp_size") or 1))
+        except (BlockTableError, TypeError, ValueError) as e:
+            logger.warning("kv_transfer_params rejected (%s); no remote load", e)
+            return None
+
+    def _track_full(self, req_id: str, table: Any, num_prompt_tokens: int) -> None:
+        if req_id not in self.trackers:
+            self.trackers.add(req_id, table, num_prompt_tokens=num_prompt_tokens)
+        elif self.trackers.state(req_id) == RequestState.PREEMPTED:
+            self.trackers.replace(req_id, table)
+        else:
+            self.trackers.update_after_alloc(req_id, table)
+
+    def _load_window(self, table, hashed, start: int, end: int):
+        """Restrict fill candidates to the positions holding tokens ``[start, end)``.
+
+        Attention group g: positions ``[start // bs, cdiv(end, bs))`` (earlier positions are
+        the local prefix hit, later ones hold tokens computed this step). Mamba groups keep
+        their whole table (the state slot is picked by the clip). For async loads this equals
+        vLLM's "unhashed, non-null" set; for sync loads vLLM has already hashed the loaded
+        blocks, so the hash flags alone would select nothing.
+        """
+        out_t, out_h = [], []
+        for ids, h, spec in zip(table, hashed, self.layout.groups):
+            if spec.kind == GroupKind.MAMBA:
+                out_t.append(ids)
+                out_h.append(h)
+                continue
+            first, stop = start // spec.block_size, -(-end // spec.block_size)
+            ids = ids[:stop]
+            h = h[:stop].copy()
+            h[:first] = True
+            h[first:] = False
+            out_t.append(ids)
+            out_h.append(h)
+        return tuple(out_t), tuple(out_h)
+
+    def _empty(self) -> list[list[int]]:
+        return [[] for _ in range(self.layout.num_groups)]
+
+    # -- scheduler hooks ----------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """P side: drop the trailing ``backoff`` prompt tokens D will recompute (once)."""
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self.backoff \
+                and not params.get("_hma_p_truncated"):
+            if C.truncate_prompt(request, self.backoff):
+                params["_hma_p_truncated"] = True
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """D side: prompt tokens (less ``backoff``) beyond ``num_computed_tokens`` to pull,
+        asynchronously unless ``sync_load``; ``(0, False)`` otherwise (P side, no params,
+        nothing left, bad params).
+        """
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if self._remote(params) is None:
+            return 0, False
+        # Where the load starts (tokens); update_state_after_alloc needs it for sync loads,
+        # whose loaded blocks vLLM already hashed at allocation. Overwritten on every call.
+        self._local_tokens[request.request_id] = int(num_computed_tokens)
+        n = C.prompt_len(request)
+        if self.backoff and n > self.backoff:
+            n -= self.backoff
+        if self.sync_load:
+            # A sync load is computed-on-arrival: leave >= 1 prompt token for the forward pass
+            # (async loads get this from vLLM's finished_recving path instead).
+            n = min(n, C.prompt_len(request) - 1)
+        count = n - num_computed_tokens
+        return (count, not self.sync_load) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Track the full table; schedule the D-side load on the first call with params."""
+        params = request.kv_transfer_params
+        if not params:
+            return
+        rid = request.request_id
+        table, hashed = C.table_and_hashed(blocks)
+        self._track_full(rid, table, request.num_prompt_tokens)
+        if params.get("do_remote_decode"):
+            self._producers.add(rid)
+            return
+        if not params.get("do_remote_prefill"):
+            return  # second call of an async load, or a D request already handled
+        remote = self._remote(params)
+        if remote is not None:
+            computed = count_hashed(table, hashed)
+            start = self._local_tokens.pop(rid, None)
+            if num_external_tokens > 0:
+                if start is not None:
+                    table, hashed = self._load_window(table, hashed, start,
+                                                      start + int(num_external_tokens))
+                local = clip_table(fill_blocks(table, hashed), self.layout)
+                if not self.sync_load:  # a sync load completes inside the step
+                    self._awaiting[rid] = (remote.engine_id, remote.request_id)
+                    self.trackers.set_state(rid, RequestState.WAITING_FOR_REMOTE)
+            else:  # full local prefix hit: nothing to read, only let P free its blocks
+                local = self._empty()
+            self._recv_pending[rid] = RecvRequest(
+                request_id=rid, local_block_ids=local,
+                local_num_computed_blocks=computed, remote=remote,
+                awaiting=num_external_tokens > 0 and not self.sync_load,
+                num_external_tokens=int(num_external_tokens))
+        params["do_remote_prefill"] = False
+        params["_hma_remote_processed"] = True
+
+    def build_connector_meta(self, scheduler_output: Any) -> HmaNixlConnectorMetadata:
+        """This step's metadata; resets the per-step state."""
+        now = self.clock()
+        meta = HmaNixlConnectorMetadata(scheduler_clock=now)
+        for rid in C.preempted_ids(scheduler_output):
+            if rid in self.trackers:
+                self.trackers.preempt(rid)
+        for rid, ids, full in C.iter_scheduled(scheduler_output):
+            if rid not in self.trackers:
+                continue
+            if self._kv_cache_manager is not None:
+                # The manager's full table: vLLM nulls out-of-window / superseded-state
+                # blocks in place, which appended ids never show.
+                self._track_full(rid, self._kv_cache_manager.get_block_ids(rid),
+                                 self.trackers.num_prompt_tokens(rid))
+            elif full:
+                self._track_full(rid, ids, self.trackers.num_prompt_tokens(rid))
+            elif ids is not None:
+                self.trackers.append(rid, ids)
+            if self.trackers.state(rid) != RequestState.RUNNING:
+                self.trackers.set_state(rid, RequestState.RUNNING)
+            if rid in self._producers:
+                meta.producer_block_ids[rid] = clip_table(self.trackers.block_ids(rid),
+                                                          self.layout)
+        meta.reqs_to_recv, self._recv_pending = self._recv_pending, {}
+        meta.reqs_to_send, self._new_leases = self._new_leases, {}
+        meta.expired, self._expired_pending = self._expired_pending, set()
+        meta.reqs_not_processed, self._not_processed = self._not_processed, set()
+        if self._awaiting and now - self._last_heartbeat >= self.heartbeat_s:
+            self._last_heartbeat = now
+            for engine, remote_rid in self._awaiting.values():
+                meta.heartbeats.setdefault(engine, []).append(remote_rid)
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Fold the workers' report: finished/failed loads, lease renewals, finished sends;
+        expire leases (expired requests are added to ``finished_sending`` so vLLM frees
+        their blocks; a later worker report for them is dropped)."""
+        for rid in connector_output.finished_recving or ():
+            self._awaiting.pop(rid, None)
+        for rid in connector_output.failed_recving or ():
+            self._awaiting.pop(rid, None)
+            self.failed_recving.add(rid)
+            if rid in self.trackers:
+                # vLLM frees (recompute policy, nothing valid) and reallocates the table:
+                # the next full table replaces ours, as after a preemption.
+                self.trackers.preempt(rid)
+        now = self.clock()
+        wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
+        for rid in getattr(wmeta, "renewed", None) or ():
+            if rid in self._leases:
+                self._leases[rid] = self._new_leases[rid] = now + self.lease_s
+        sending = set()
+        for rid in connector_output.finished_sending or ():
+            if self._leases.pop(rid, None) is not None:
+                sending.add(rid)
+                self._new_leases.pop(rid, None)
+            else:
+                logger.warning("finished_sending for %s, which holds no lease; ignored", rid)
+        for rid, deadline in list(self._leases.items()):
+            if deadline <= now:
+                del self._leases[rid]
+                self._new_leases.pop(rid, None)
+                self._expired_pending.add(rid)
+                sending.add(rid)
+                logger.warning("lease of %s expired after %.1f s; freeing its blocks", rid,
+                               self.lease_s)
+        connector_output.finished_sending = sending or None
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        """Called exactly once, before the blocks are freed, with one id list per group.
+
+        P side (``do_remote_decode``), normal finish with blocks: keep them under a lease and
+        return ``kv_transfer_params`` whose ``remote_block_ids`` is one list per group,
+        clipped to the window / state slot. Abort: forget (``reqs_not_processed``). D side
+        aborted before scheduling: queue a notify-only entry so P frees its blocks.
+        """
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if rid in self.trackers:
+            self.trackers.finish(rid)
+        self._producers.discard(rid)
+        self._local_tokens.pop(rid, None)
+        self.failed_recving.discard(rid)
+        if not params:
+            return False, None
+        self._awaiting.pop(rid, None)
+        if params.get("do_remote_prefill"):
+            remote = self._remote(params)
+            params["do_remote_prefill"] = False
+            if remote is not None:
+                self._recv_pending[rid] = RecvRequest(
+                    request_id=rid, local_block_ids=self._empty(),
+                    local_num_computed_blocks=(0,) * self.layout.num_groups, remote=remote,
+                    awaiting=False)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if not C.finished_normally(request):
+            self._not_processed.add(rid)
+            return False, None
+        table = as_block_table(block_ids, self.layout.num_groups, name="block_ids")
+        delay = any(len(g) for g in table)
+        expiry = None
+        if delay:
+            expiry = self.clock() + self.lease_s
+            self._leases[rid] = self._new_leases[rid] = expiry
+        return delay, dict(
+            do_remote_prefill=True, do_remote_decode=False,
+            remote_block_ids=clip_table(table, self.layout) if delay else self._empty(),
+            remote_engine_id=self.engine_id, remote_request_id=rid,
+            remote_host=self.host, remote_port=self.port, tp_size=self.tp_size,
+            remote_num_tokens=int(request.num_computed_tokens),
+            remote_blocks_expiry_time=expiry,
+            hma_layout_fingerprint=self.layout.fingerprint())
+
+    # -- queries ---------------------------------------------------------------------------
+    def has_pending_block_frees(self) -> bool:
+        """True while some P-side request holds blocks under a lease."""
+        return bool(self._leases)
+
+    def leases(self) -> dict[str, float]:
+        """Request id -> lease deadline (seconds of ``clock``); a copy."""
+        return dict(self._leases)
+
+    def awaiting(self) -> set[str]:
+        """D-side requests whose load is in flight."""
+        return set(self._awaiting)

@@ -1,0 +1,182 @@
+"""HmaNixlConnector pieces outside a full flow: clip golden vectors (vllm-hma.md §13.2),
+parameter validation, single-group finish, heartbeats, metadata serialization."""
+import pickle
+
+import numpy as np
+import pytest
+
+import harness as H
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.request import RequestStatus
+
+from hmacore import GroupKind, GroupSpec, KVLayout
+from hmacore.integrations.vllm._clip import clip_table
+from hmacore.integrations.vllm.metadata import HmaNixlWorkerMeta
+from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
+
+
+def test_clip_golden_vectors():
+    lay = KVLayout(groups=(GroupSpec(GroupKind.FULL, 16),
+                           GroupSpec(GroupKind.SLIDING_WINDOW, 16, sliding_window=32)))
+    full = list(range(1, 21))
+    assert clip_table((full, [0, 0, 0, 0, 7, 8]), lay) == [full, [0, 7, 8]]
+    assert clip_table(([], []), lay) == [[], []]
+    assert clip_table(([1], [5, 6]), lay) == [[1], [5, 6]]          # shorter than the window
+    # 4096-token window of 32-token blocks needs 129 blocks, not 128
+    big = KVLayout(groups=(GroupSpec(GroupKind.FULL, 32),
+                           GroupSpec(GroupKind.SLIDING_WINDOW, 32, sliding_window=4096)))
+    assert len(clip_table(([1], list(range(1, 201))), big)[1]) == 129
+
+
+def test_clip_state_and_non_transfer_groups():
+    lay = KVLayout(groups=(GroupSpec(GroupKind.FULL, 64),
+                           GroupSpec(GroupKind.MAMBA, 64, num_speculative_blocks=2),
+                           GroupSpec(GroupKind.SLIDING_WINDOW, 64, sliding_window=64,
+                                     transfer=False)))
+    assert clip_table(([1, 2], [0, 5, 6, 7], [8, 9]), lay) == [[1, 2], [5], []]
+    assert clip_table(([1], [4], [8]), lay) == [[1], [4], []]
+    assert clip_table(([1], [], []), lay) == [[1], [], []]
+    assert clip_table(([1], [0, 5, 6, 7], []), lay, clip_state=False)[1] == [0, 5, 6, 7]
+    with pytest.raises(ValueError, match="2 groups, the layout has 3"):
+        clip_table(([1], [2]), lay)
+
+
+def connector(kcc=None, **kw):
+    vc = H.vllm_config(**kw)
+    return HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, kcc or H.gemma_like())
+
+
+@pytest.mark.parametrize("bad", [
+    dict(remote_block_ids=[[1, 2, 3]]),                        # 1 group for a 2-group layout
+    dict(remote_block_ids=[[1, 2], [-4]]),                     # negative id
+    dict(remote_block_ids=[[1.5], [2]]),                       # not ints
+    dict(remote_host=None),                                    # missing peer address
+    dict(remote_port="not-a-port"),
+    dict(hma_layout_fingerprint="0" * 32),                     # P's layout differs
+])
+def test_bad_remote_params_fall_back_to_local_compute(bad):
+    s = H.make_scheduler(H.vllm_config(), H.gemma_like())
+    params = {**H.remote_params("a", s.kv_cache_config, 100), **bad}
+    r = H.make_request("a", list(range(1, 101)), 16, params=params)
+    assert s.connector.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.add_request(r)
+    d = H.Driver(s)
+    d.step()
+    assert r.status == RequestStatus.RUNNING and not d.metas[-1].reqs_to_recv
+    d.run()
+    H.assert_no_leak(s)
+
+
+def test_p_side_matches_nothing_and_never_async_zero():
+    c = connector()
+    r = H.make_request("p", list(range(1, 101)), 16, params={"do_remote_decode": True})
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    d = H.make_request("d", list(range(1, 101)), 16,
+                       params=H.remote_params("d", H.gemma_like(), 100))
+    assert c.get_num_new_matched_tokens(d, 100) == (0, False)   # nothing left: not (0, True)
+    assert c.get_num_new_matched_tokens(d, 32) == (68, True)
+    assert c.get_num_new_matched_tokens(d, 32) == (68, True)    # side-effect free
+
+
+def test_single_group_request_finished_path():
+    single = H.KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                             kv_cache_groups=[H.group(["a"], H.attn(16))])
+    c = connector(single)
+    r = H.make_request("p", list(range(1, 41)), 16, params={"do_remote_decode": True})
+    r.status = RequestStatus.FINISHED_STOPPED
+    r.num_computed_tokens = 40
+    delay, params = c.request_finished(r, [3, 4, 5])
+    assert delay and params["remote_block_ids"] == [[3, 4, 5]]
+    assert params["remote_num_tokens"] == 40
+    two = connector()
+    with pytest.raises(ValueError, match="has 2 groups"):
+        two.request_finished(r, [3, 4, 5])
+
+
+def test_group_count_mismatch_at_finish_raises():
+    c = connector()
+    r = H.make_request("p", list(range(1, 41)), 16, params={"do_remote_decode": True})
+    r.status = RequestStatus.FINISHED_STOPPED
+    with pytest.raises(Exception, match="3 groups, the layout has 2"):
+        c.request_finished_all_groups(r, ([1], [2], [3]))
+
+
+def test_heartbeats_throttled_to_a_sixth_of_the_lease():
+    s = H.make_scheduler(H.vllm_config(extra={"kv_lease_duration": 12}), H.gemma_like())
+    now = [0.0]
+    s.connector.scheduler.clock = lambda: now[0]
+    d = H.Driver(s)
+    H_req = H.make_request("a", list(range(1, 101)), 16,
+                           params=H.remote_params("a", s.kv_cache_config, 100))
+    s.add_request(H_req)
+    d.step()
+    assert d.metas[-1].heartbeats == {"P-engine": ["P-a"]}
+    now[0] = 1.0
+    d.step()
+    assert d.metas[-1].heartbeats == {}
+    now[0] = 2.5
+    d.step()
+    assert d.metas[-1].heartbeats == {"P-engine": ["P-a"]}
+    d.step(finished_recving={"a"})
+    now[0] = 10.0
+    d.run()
+    assert all(not m.heartbeats for m in d.metas[-2:])
+    H.assert_no_leak(s)
+
+
+def test_metadata_pickles_and_worker_meta_aggregates():
+    s = H.make_scheduler(H.vllm_config(), H.gemma_like())
+    s.add_request(H.make_request("a", list(range(1, 101)), 16,
+                                 params=H.remote_params("a", s.kv_cache_config, 100)))
+    so = s.schedule()
+    meta = pickle.loads(pickle.dumps(so.kv_connector_metadata))
+    assert meta.reqs_to_recv["a"].local_block_ids == \
+        so.kv_connector_metadata.reqs_to_recv["a"].local_block_ids
+    assert all(isinstance(x, int) for g in meta.reqs_to_recv["a"].local_block_ids for x in g)
+    agg = HmaNixlWorkerMeta(renewed={"a"}).aggregate(HmaNixlWorkerMeta(renewed={"b"}))
+    assert agg.renewed == {"a", "b"}
+
+
+def test_lease_must_be_positive():
+    with pytest.raises(ValueError, match="kv_lease_duration must be > 0"):
+        connector(extra={"kv_lease_duration": 0})
+
+
+def test_layout_is_the_translation():
+    c = connector(H.dsv4_like())
+    assert c.layout.block_sizes == (256, 64, 64, 4, 8)
+    assert c.get_loaded_kv_cache_group_ids(None) == (0, 1, 2, 3, 4)
+    assert c.supports_divergent_local_hybrid_hits
+    assert np.array_equal(c.layout.window_blocks(), (0, 3, 5, 3, 17))
+
+
+def test_p_side_prompt_cut_for_mamba_backoff_once():
+    c = connector(H.qwen3_next_like(), block_size=64, mamba_cache_mode="align")
+    assert c.scheduler.backoff == 1
+    r = H.make_request("p", list(range(1, 201)), 64, params={"do_remote_decode": True},
+                       max_tokens=9)
+    c.on_new_request(r)
+    assert r.num_prompt_tokens == 199 and len(r.prompt_token_ids) == 199 and r.max_tokens == 1
+    assert r.num_tokens == 199
+    c.on_new_request(r)                       # guarded: a re-added request is not cut again
+    assert r.num_prompt_tokens == 199
+    d = H.make_request("d", list(range(1, 201)), 64,
+                       params=H.remote_params("d", H.qwen3_next_like(), 200))
+    assert c.get_num_new_matched_tokens(d, 0) == (199, True)   # D recomputes the last token
+    g = connector()                            # gemma-like: no backoff, nothing cut
+    r2 = H.make_request("q", list(range(1, 101)), 16, params={"do_remote_decode": True})
+    g.on_new_request(r2)
+    assert r2.num_prompt_tokens == 100
+
+
+def test_worker_role_refuses_tensor_parallel():
+    vc = H.vllm_config()
+    vc.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
+        HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
+
+
+def test_role_methods_are_guarded():
+    c = connector()
+    with pytest.raises(RuntimeError, match="worker-side method called on a SCHEDULER-role"):
+        c.register_kv_caches({})

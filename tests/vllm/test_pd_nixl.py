@@ -1,0 +1,184 @@
+"""P/D end to end with real NIXL (UCX, DRAM): two engines in one process, each a real vLLM
+Scheduler with a SCHEDULER-role HmaNixlConnector and a WORKER-role one over paged KV memory.
+P prefills and holds its blocks; D pulls them by READ; the bytes D holds equal P's; P frees
+on D's notification; neither engine leaks a block."""
+import os
+import socket
+import time
+
+import pytest
+
+import harness as H
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
+from hmacore.paged import allocate_paged_kv, fill_pattern, read_pages, verify_pattern
+from hmacore.windows import trim_remote_to_local
+
+pytestmark = pytest.mark.nixl
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    def __init__(self, make_kcc, extra=None, **vkw):
+        self.vc = H.vllm_config(extra={"side_channel_port": free_port(),
+                                       "kv_lease_duration": 30, **(extra or {})}, **vkw)
+        self.kcc = make_kcc()
+        self.s = H.make_scheduler(self.vc, self.kcc)
+        self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
+        self.paged = allocate_paged_kv(self.w.layout, self.kcc.num_blocks, page_bytes=64)
+        self.w.register_kv_caches(self.paged.kv_caches)
+        self.d = H.Driver(self.s, worker=self.w)
+
+    def close(self):
+        self.w.shutdown()
+
+
+CASES = {
+    "gemma": (dict(), lambda: H.gemma_like(num_blocks=64), 150),
+    "qwen3next": (dict(block_size=64, mamba_cache_mode="align"),
+                  lambda: H.qwen3_next_like(num_blocks=64), 200),
+    "dsv4": (dict(max_num_batched_tokens=1024), lambda: H.dsv4_like(num_blocks=600), 600),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pd_pull_moves_the_right_bytes(case):
+    vkw, make, n = CASES[case]
+    P, D = Engine(make, **vkw), Engine(make, **vkw)
+    try:
+        prompt = [1 + i % 900 for i in range(n)]
+        p_req = H.make_request("req", prompt, H.C.resolve_kv_cache_block_sizes(
+            P.kcc, P.vc)[1], params={"do_remote_decode": True}, max_tokens=1)
+        P.s.add_request(p_req)
+        while "req" not in P.d.finished_params():
+            P.d.step()
+        params = P.d.finished_params()["req"]
+        # the "model" wrote the prompt's KV: pattern by table position
+        p_table = P.s.kv_cache_manager.get_block_ids("req")
+        fill_pattern(P.paged, p_table)
+
+        hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+        d_req = H.make_request("d-req", prompt, hbs, params=params, max_tokens=3)
+        D.s.add_request(d_req)
+        D.d.step()                                       # READ posted
+        rr = D.d.metas[-1].reqs_to_recv["d-req"]
+        assert rr.awaiting and rr.remote.block_ids == params["remote_block_ids"]
+        deadline = time.monotonic() + 20
+        while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
+            assert time.monotonic() < deadline, "READ did not complete"
+            D.d.step()
+        # D's blocks hold P's bytes, group by group, position by position
+        local, remote = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids,
+                                             D.w.layout)
+        for g, spec in enumerate(D.w.layout.groups):
+            for name in spec.layer_names:
+                assert (read_pages(D.paged.kv_caches[name], local[g]) ==
+                        read_pages(P.paged.kv_caches[name], remote[g])).all()
+        d_table = D.s.kv_cache_manager.get_block_ids("d-req")
+        positions = [[j for j, b in enumerate(g) if b in set(loc.tolist())]
+                     for g, loc in zip(d_table, local)]
+        only = [[b for b in g if b in set(loc.tolist())] for g, loc in zip(d_table, local)]
+        assert verify_pattern(D.paged, only, positions) == []
+        assert sum(len(g) for g in only) > 0
+        D.d.run()
+        H.assert_no_leak(D.s)
+        # P frees once D's "done" notification arrives
+        deadline = time.monotonic() + 20
+        while P.s.requests:
+            assert time.monotonic() < deadline, "P never saw D's notification"
+            P.d.step()
+        H.assert_no_leak(P.s)
+        assert P.s.connector.scheduler.leases() == {}
+    finally:
+        P.close()
+        D.close()
+
+
+def test_dead_peer_is_a_failed_recv_and_recompute():
+    P = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute")
+    D = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute")
+    try:
+        n = 100
+        params = H.remote_params("x", D.kcc, n)
+        params["remote_port"] = free_port()              # nobody listens there
+        r = H.make_request("x", [1 + i for i in range(n)], 16, params=params)
+        D.s.add_request(r)
+        D.d.step()
+        deadline = time.monotonic() + 20
+        while "x" not in D.s.connector.scheduler.failed_recving:
+            assert time.monotonic() < deadline, "the failed handshake was never reported"
+            D.d.step()
+        assert r.num_computed_tokens == 0                # recompute policy: start over
+        D.d.run()
+        assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        H.assert_no_leak(D.s)
+    finally:
+        P.close()
+        D.close()
+
+
+def p_prefill(P, n, rid="req"):
+    prompt = [1 + i % 900 for i in range(n)]
+    P.s.add_request(H.make_request(rid, prompt, 16, params={"do_remote_decode": True},
+                                   max_tokens=1))
+    while rid not in P.d.finished_params():
+        P.d.step()
+    fill_pattern(P.paged, P.s.kv_cache_manager.get_block_ids(rid))
+    return prompt, P.d.finished_params()[rid]
+
+
+def drain_p(P):
+    deadline = time.monotonic() + 20
+    while P.s.requests:
+        assert time.monotonic() < deadline, "P never saw D's notification"
+        P.d.step()
+    H.assert_no_leak(P.s)
+
+
+def test_sync_load_completes_before_the_forward_pass():
+    P = Engine(lambda: H.gemma_like(num_blocks=64))
+    D = Engine(lambda: H.gemma_like(num_blocks=64), extra={"sync_load": True})
+    try:
+        prompt, params = p_prefill(P, 150)
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        D.d.step()                         # one step: READ posted and waited, request runs
+        assert r.status == H.RequestStatus.RUNNING
+        rr = D.d.metas[-1].reqs_to_recv["d"]
+        local, remote = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids,
+                                             D.w.layout)
+        assert sum(len(g) for g in local) > 0
+        for g, spec in enumerate(D.w.layout.groups):
+            for name in spec.layer_names:
+                assert (read_pages(D.paged.kv_caches[name], local[g]) ==
+                        read_pages(P.paged.kv_caches[name], remote[g])).all()
+        D.d.run()
+        H.assert_no_leak(D.s)
+        drain_p(P)
+    finally:
+        P.close()
+        D.close()
+
+
+def test_d_abort_before_scheduling_still_frees_p():
+    P = Engine(lambda: H.gemma_like(num_blocks=64))
+    D = Engine(lambda: H.gemma_like(num_blocks=64))
+    try:
+        prompt, params = p_prefill(P, 150)
+        assert P.s.requests                # P holds the blocks under its lease
+        D.s.add_request(H.make_request("d", prompt, 16, params=params))
+        D.s.finish_requests("d", H.RequestStatus.FINISHED_ABORTED)
+        D.d.step()                         # notify-only: nothing read, P told to free
+        assert not any(D.d.metas[-1].reqs_to_recv["d"].local_block_ids)
+        H.assert_no_leak(D.s)
+        drain_p(P)
+    finally:
+        P.close()
+        D.close()
