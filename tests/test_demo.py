@@ -45,8 +45,10 @@ def test_demo_moves_exactly_the_clipped_blocks_and_verifies_every_byte(tmp_path,
         assert fig["bytes"] == fig["blocks"] * fig["layers"] * page
     assert v["pages_checked"] == sum(f["blocks"] * f["layers"] for f in rep["groups"])
     assert v["bytes_checked"] == rep["hma"]["bytes"]
-    # non-HMA: every layer of every group moves every block covering the request
-    non = sum(len(s.layer_names) * page * cdiv(n, s.block_size)
+    # non-HMA: one group at the lcm block size, every layer moves every block covering the
+    # request, each layer keeping its bytes per token (page / its own block size)
+    lcm = layout.scheduler_block_size
+    non = sum(len(s.layer_names) * cdiv(n, lcm) * lcm * page // s.block_size
               for n in sc.request_lengths() for s in layout.groups)
     assert rep["non_hma"]["bytes"] == non
     assert rep["hma"]["bytes"] < rep["non_hma"]["bytes"]

@@ -19,6 +19,7 @@ def report_dict(sc, decode, final: dict) -> dict:
         "preset": sc.preset, "layout_file": sc.layout_file, "requests": sc.requests,
         "tokens": sc.request_lengths(), "page_bytes": sc.page_size(),
         "layout_fingerprint": layout.fingerprint(),
+        "scheduler_block_size": layout.scheduler_block_size,
         "groups": groups,
         "hma": {"descriptors": moved_d, "bytes": moved_b,
                 "plan_descriptors": decode.plan_hma_descriptors, "plan_bytes": decode.plan_hma_bytes},
@@ -81,11 +82,13 @@ def plot_bytes(rep: dict, path: str) -> None:
 
     names = [g["name"] for g in rep["groups"]]
     hma = [g["bytes"] / 2**20 for g in rep["groups"]]
-    # non-HMA: every layer of the group moves every block of the request
+    # non-HMA (as the plan counts it): one group at the lcm block size, no clip; every layer
+    # of the group moves every token of the request rounded up to that block size
+    lcm = rep["scheduler_block_size"]
     non = []
     for g in rep["groups"]:
         per_block = g["bytes"] / g["blocks"] if g["blocks"] else 0
-        full = sum(-(-n // g["block_size"]) for n in rep["tokens"])
+        full = sum(-(-n // lcm) * lcm // g["block_size"] for n in rep["tokens"])
         non.append(per_block * full / 2**20)
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(names) + 2), 3.6))
     x = range(len(names))
