@@ -1,8 +1,19 @@
-"""hmacore: multi-group KV block bookkeeping for hybrid-attention KV-cache connectors."""
-from .errors import (BlockTableError, HandshakeError, HmacoreError, LayoutError,
-                     TrackerStateError, TransferError)
+"""hmacore: multi-group KV block bookkeeping for hybrid-attention KV-cache connectors.
+
+The core (everything importable from here) needs numpy only. Transports live in
+``hmacore.transport`` (NIXL, stores) and the vLLM connectors in ``hmacore.integrations.vllm``.
+"""
+from .errors import (BlockTableError, HandshakeError, HashInputError, HmacoreError, LayoutError,
+                     StoreError, TrackerStateError, TransferError)
 from .grain import blocks_covering, cdiv, coarse_block_count, complete_blocks, grain_slice
+from .hits import ExistenceSet, ExternalBlockPool, HitFinder, HitResult
+from .keys import KeyBuilder, RankNamespace
+from .paged import allocate_paged_kv, fill_pattern, verify_pattern
+from .plan import TransferPlan
 from .presets import DEFAULT_PRESET, get_preset, preset_names
 from .spec import GroupKind, GroupSpec, KVLayout, MambaMode
+from .tables import (RequestState, TrackerSet, as_block_table, count_hashed, fill_blocks,
+                     from_wire, to_wire)
+from .windows import (clip_to_window, expand_to_kernel, map_block_size, trim_remote_to_local)
 
 __version__ = "0.1.0"
