@@ -122,3 +122,66 @@ def rank_pages(shardings, head_block_bytes, tp):
     for (h, k, repl), hbb in zip(shardings, head_block_bytes):
         out.append(hbb if repl else k * len(oracle_heads(h, tp, 0)) * hbb)
     return out
+
+
+# -- TP byte pattern: derived from (layer, token position, chunk, GLOBAL head, byte) ------------
+
+def tp_pattern(layer, positions, block_size, page_bytes, heads=None, chunks=1):
+    """uint8 pages ``(len(positions), page_bytes)`` of one layer on one rank.
+
+    Sharded (``heads`` = the rank's global heads): byte (chunk c, head slot j, offset o) of
+    block position p derives from (layer, token p*bs + o*bs//hb, c, heads[j], o), so every TP
+    size lays out the same values by global head. Replicated (``heads`` None): from (layer,
+    token, 0, 0, byte)."""
+    import zlib
+    import numpy as np
+    pos = np.asarray(positions, dtype=np.uint64).reshape(-1, 1)
+    i = np.arange(page_bytes, dtype=np.uint64)
+    bs = np.uint64(block_size)
+    if heads is None:
+        c = np.zeros_like(i)
+        head = np.zeros_like(i)
+        o = i
+        hb = np.uint64(page_bytes)
+    else:
+        n = len(heads)
+        assert page_bytes % (chunks * n) == 0
+        chunk = page_bytes // chunks
+        hb = np.uint64(chunk // n)
+        c = i // np.uint64(chunk)
+        j = (i % np.uint64(chunk)) // hb
+        head = np.asarray(heads, dtype=np.uint64)[j.astype(np.int64)]
+        o = i % hb
+    tok = pos * bs + (o * bs // hb).reshape(1, -1)
+    key = np.uint64(zlib.crc32(layer.encode()) + 1)
+    with np.errstate(over="ignore"):
+        x = key * np.uint64(0x9E3779B97F4A7C15) + tok * np.uint64(0x94D049BB133111EB) \
+            + (c * np.uint64(1 << 20) + head * np.uint64(1 << 8) + o).reshape(1, -1) * np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(29)
+    return (x & np.uint64(0xFF)).astype(np.uint8)
+
+
+def tp_case_layout(name, scale=1):
+    """(layout, shardings as (heads, chunks, replicated), head_block_bytes) of the NIXL cases;
+    ``scale`` multiplies every page."""
+    if name == "full_sliding":
+        lay = full_sliding_layout(16, 2)
+        return lay, [(4, 2, False)] * 2, [64 * scale, 64 * scale]
+    lay = dsv4_like_layout(1, 2)
+    return lay, [(1, 1, True)] * 3 + [(4, 1, False)] * 2, [b * scale for b in (256, 64, 64, 32, 64)]
+
+
+def request_ids(layout, num_tokens, first=1):
+    """Per group: block positions a request moves (window clipped) and fresh ids for them."""
+    from hmacore.grain import cdiv
+    pos, ids, nxt = [], [], first
+    for spec in layout.groups:
+        n = cdiv(num_tokens, spec.block_size)
+        w = spec.window_blocks()
+        keep = min(n, w) if w else n
+        pos.append(list(range(n - keep, n)))
+        ids.append(list(range(nxt, nxt + keep)))
+        nxt += keep
+    return pos, ids, nxt
