@@ -15,7 +15,7 @@ import pytest
 from hmacore.layerwise import LayerPlan, LayerwiseReceiver, PushState
 from hmacore.transport.nixl_desc import DescAgent
 
-from conftest import TpPeer
+from tp_proc import TpPeer
 from oracle_tp import rank_pages, request_ids, tp_case_layout, tp_pattern
 
 pytestmark = pytest.mark.nixl

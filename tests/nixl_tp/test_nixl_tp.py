@@ -14,7 +14,7 @@ from hmacore.plan import TransferPlan
 from hmacore.tp import GroupSharding, TpMapping, build_pair_plans
 from hmacore.transport.nixl_desc import DescAgent
 
-from conftest import TpPeer
+from tp_proc import TpPeer
 from oracle_tp import oracle_heads, rank_pages, request_ids, tp_case_layout, tp_pattern
 
 pytestmark = pytest.mark.nixl

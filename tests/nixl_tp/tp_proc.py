@@ -1,12 +1,11 @@
-"""Helpers for the heterogeneous-TP / layer-wise NIXL tests: bounded peer subprocesses,
-always killed by PID; loopback-only UCX."""
+"""TpPeer: a bounded peer_tp.py subprocess (spawned, never forked; killed by PID), and the
+UCX environment of these tests (loopback only). Not a conftest.py on purpose: tests/nixl's
+modules import their helpers as ``conftest`` and a second conftest module would shadow it."""
 import json
 import os
 import selectors
 import subprocess
 import sys
-
-import pytest
 
 from hmacore.transport import configure_ucx_env
 
@@ -14,7 +13,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 configure_ucx_env()
 
-PEER = os.path.join(os.path.dirname(__file__), "peer_tp.py")
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_tp.py")
 
 
 class TpPeer:
@@ -46,17 +45,3 @@ class TpPeer:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
-
-
-@pytest.fixture
-def start_tp_peer():
-    peers = []
-
-    def start(args):
-        p = TpPeer(args)
-        peers.append(p)
-        return p
-
-    yield start
-    for p in peers:
-        p.kill()
