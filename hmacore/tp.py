@@ -271,8 +271,13 @@ class TpPairPlan:
                 if (lr.state, lr.ratio) != (rr.state, rr.ratio):
                     raise LayoutError(f"region {r}: local (state {lr.state}, ratio {lr.ratio}) and "
                                       f"remote (state {rr.state}, ratio {rr.ratio}) differ")
-                lo = dataclasses.replace(lr, group=owner)
-                ro = dataclasses.replace(rr, group=owner)
+                if owner == -1:
+                    lo, ro = lr, rr
+                else:  # an owned virtual region names only its group's layers (per-layer plans)
+                    lo = dataclasses.replace(lr, group=owner,
+                                             layers=tuple(n for n in lr.layers if l2g[n] == g))
+                    ro = dataclasses.replace(rr, group=owner,
+                                             layers=tuple(n for n in rr.layers if l2g[n] == g))
                 for s in mapping.slices[g]:
                     if s.remote_rank == remote_rank:
                         self._emit(r, lo, ro, mapping.shardings[g], s, bsr, lregs, rregs)

@@ -168,3 +168,45 @@ def test_bad_desc_id_args_write_nothing():
     pair2 = TpPairPlan(m, 0, lplan, rplan.with_block_size_ratio(1))
     with pytest.raises(BlockTableError, match="remote must be 1 x local"):
         pair2.desc_ids([[1, 2], []], [[1], []])
+
+
+def test_block_size_ratio_two_splits_each_head_into_token_halves():
+    # D block 16 tokens = 2 P blocks of 8 tokens; 2 heads, K/V chunks, 32 B/head/chunk on D
+    lay16, lay8 = full_sliding_layout(16), full_sliding_layout(8)
+    sh = [(2, 2, False)] * 2
+    lplan = TransferPlan.from_layout(lay16, 4, page_bytes=rank_pages(sh, [32, 32], 1), base=0)
+    rplan = TransferPlan.from_layout(lay8, 8, page_bytes=rank_pages(sh, [16, 16], 1), base=1 << 20)
+    m = TpMapping(lay16, [GroupSharding(2, 2)] * 2, local_tp=1, local_rank=0, remote_tp=1)
+    pair = TpPairPlan(m, 0, lplan, rplan, block_size_ratio=2)
+    lids, rids = pair.desc_ids([[1], []], [[5, 6], []])
+    ld, rd = pair.local.descriptors()[lids], pair.remote.descriptors()[rids]
+    # region 0 (layer slot 0), chunk K head 0: tokens 0-7 <- P block 5, tokens 8-15 <- P block 6
+    assert ld[:2, :2].tolist() == [[128, 16], [144, 16]]
+    assert rd[:2, :2].tolist() == [[(1 << 20) + 5 * 64, 16], [(1 << 20) + 6 * 64, 16]]
+    assert len(lids) == 2 * 2 * 2 * 2  # slots x chunks x heads x halves
+
+
+def test_pair_plans_split_per_layer_in_matching_order():
+    from hmacore.layerwise import LayerPlan
+    lay = dsv4_like_layout()
+    sh = [(1, 1, True)] * 3 + [(4, 1, False)] * 2
+    hbb = [256, 64, 64, 32, 64]
+    lplan = TransferPlan.from_layout(lay, 8, page_bytes=rank_pages(sh, hbb, 1))
+    rplans = {p: TransferPlan.from_layout(lay, 8, page_bytes=rank_pages(sh, hbb, 2), base=(p + 2) << 30)
+              for p in range(2)}
+    m = TpMapping(lay, [GroupSharding(*s) for s in sh], local_tp=1, local_rank=0, remote_tp=2)
+    pairs = build_pair_plans(m, lplan, rplans)
+    ids = [[1], [2], [3], [4], [5]]
+    for p, pair in pairs.items():
+        ll, rl = LayerPlan(pair.local), LayerPlan(pair.remote)
+        assert ll.layers == rl.layers
+        lsum = rsum = 0
+        for layer in ll.layers:
+            a, b = ll.desc_ids(layer, ids), rl.desc_ids(layer, ids)
+            assert (pair.local.descriptors()[a][:, 1] == pair.remote.descriptors()[b][:, 1]).all()
+            lsum += len(a)
+            rsum += len(b)
+        full_l, full_r = pair.desc_ids(ids, ids)
+        assert lsum == rsum == len(full_l) == len(full_r)
+    # rank 1 serves only the sharded compressor groups' heads 2-3 to a TP=1 decode rank
+    assert pairs[1].groups == (3, 4)
