@@ -202,16 +202,22 @@ def _region_groups(layout: KVLayout, reg: Region) -> list[int]:
 class TpPairPlan:
     """Sub-block descriptors for one (local rank, remote rank) pair, in matching order.
 
-    ``local`` and ``remote`` are TransferPlans over virtual regions (one per original region,
-    chunk and head run; one per head when a kernel or block-size ratio splits blocks): their
-    ``descriptors()`` are the N x 3 ``(addr, len, dev)`` rows of each side's dlist and
-    :meth:`desc_ids` gives index-for-index matching ids. Built once per pair.
+    ``local`` and ``remote`` are TransferPlans over virtual regions (per local region, chunk
+    and head run; per head when a block-size ratio splits blocks): their ``descriptors()`` are
+    the N x 3 ``(addr, len, dev)`` rows of each side's dlist and :meth:`desc_ids` gives
+    index-for-index matching ids. Built once per pair.
+
+    Regions are paired by (group, layer), not by index: whether layers of several groups alias
+    one slot depends on page sizes, which differ across TP sizes (a replicated MLA page and a
+    head-sharded page may be equal at one TP size only). A slot aliased on both sides with the
+    same layers and one sharding stays shared (group -1); otherwise one owned virtual region
+    per group is emitted (its descriptors then count once per group).
 
     Args:
         mapping: the local rank's TpMapping.
         remote_rank: one of ``mapping.remote_ranks``.
-        local_plan / remote_plan: each side's full TransferPlan (same layout, same region count
-            and order, e.g. the remote one from its handshake region table).
+        local_plan / remote_plan: each side's full TransferPlan over the same layers (the
+            remote one e.g. from its handshake region table).
         block_size_ratio: local block size / remote block size for attention groups (>= 1).
             Local logical blocks are split into that many token sub-blocks per head.
     """
@@ -224,9 +230,6 @@ class TpPairPlan:
             raise LayoutError(f"remote_rank {remote_rank} serves nothing to local rank "
                               f"{mapping.local_rank}; sources are {list(mapping.remote_ranks)}")
         bsr = _int("block_size_ratio", block_size_ratio, 1)
-        if len(local_plan.regions) != len(remote_plan.regions):
-            raise LayoutError(f"local plan has {len(local_plan.regions)} regions, remote plan "
-                              f"{len(remote_plan.regions)}: both sides must register the same layers")
         self.mapping, self.remote_rank, self.block_size_ratio = mapping, remote_rank, bsr
         self.groups = mapping.groups_of(remote_rank)
         l2g = layout.layer_to_group

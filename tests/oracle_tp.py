@@ -30,14 +30,27 @@ def expected_sources(layout, shardings, local_plan, remote_plans, tp_l, d, tp_r,
                      remote_ids, ratio=1):
     """dict local address -> (remote rank, remote address) for every byte the request needs.
 
-    shardings: per group (num_heads, chunks, replicated). remote_plans: rank -> plan (regions
-    in the same order as local_plan's)."""
+    shardings: per group (num_heads, chunks, replicated). remote_plans: rank -> plan; regions
+    pair by (group, layer, ordinal among that layer's regions), not by index (aliasing can
+    differ between TP sizes)."""
+    l2g = layout.layer_to_group
+
+    def holders(plan, g, layer):
+        """Regions of a plan holding ``layer``'s pages for group g, in dlist order."""
+        return [r for r, reg in enumerate(plan.regions)
+                if layer in reg.layers and reg.group in (-1, g)]
+
     out = {}
     for r, reg in enumerate(local_plan.regions):
         groups = [reg.group] if reg.group >= 0 else [
             g for g in layout.transfer_group_ids
             if (layout.groups[g].kind.name == "MAMBA") == reg.state]
         for g in groups:
+            mine = [n for n in reg.layers if l2g[n] == g]
+            if not mine:
+                continue
+            nth = holders(local_plan, g, mine[0]).index(r)
+            rr_of = {p: holders(remote_plans[p], g, mine[0])[nth] for p in remote_plans}
             h, k, repl = shardings[g]
             split = 1 if reg.state else ratio
             for idx, b in enumerate(local_ids[g]):
@@ -45,7 +58,7 @@ def expected_sources(layout, shardings, local_plan, remote_plans, tp_l, d, tp_r,
                     laddr = reg.base + b * reg.stride + i
                     if repl:
                         p = d % tp_r
-                        rreg = remote_plans[p].regions[r]
+                        rreg = remote_plans[p].regions[rr_of[p]]
                         q, off = idx * split + i // rreg.block_len, i % rreg.block_len
                         out[laddr] = (p, rreg.base + remote_ids[g][q] * rreg.stride + off)
                         continue
@@ -55,7 +68,7 @@ def expected_sources(layout, shardings, local_plan, remote_plans, tp_l, d, tp_r,
                     c, j, o = i // chunk, (i % chunk) // hb, i % hb
                     head = lheads[j]
                     p = oracle_source(h, tp_r, d, head)
-                    rreg = remote_plans[p].regions[r]
+                    rreg = remote_plans[p].regions[rr_of[p]]
                     rheads = oracle_heads(h, tp_r, p)
                     rchunk = rreg.block_len // k
                     hbr = rchunk // len(rheads)
