@@ -38,7 +38,7 @@ from .plan import Region, TransferPlan
 from .spec import GroupKind, KVLayout
 
 __all__ = ["GroupSharding", "HeadSlice", "TpMapping", "TpPairPlan", "kv_heads_of_rank",
-           "default_shardings", "build_pair_plans"]
+           "default_shardings", "build_pair_plans", "expected_consumers"]
 
 
 def _int(name: str, v: Any, lo: int) -> int:
@@ -376,3 +376,16 @@ def build_pair_plans(mapping: TpMapping, local_plan: TransferPlan,
         raise LayoutError(f"remote_plans lacks source ranks {missing}")
     return {p: TpPairPlan(mapping, p, local_plan, remote_plans[p], block_size_ratio=block_size_ratio)
             for p in mapping.remote_ranks}
+
+
+def expected_consumers(layout: KVLayout, shardings: Sequence[GroupSharding], *, local_tp: int,
+                       remote_tp: int, remote_rank: int) -> int:
+    """How many local (decode) ranks read from ``remote_rank`` of the remote (prefill) side:
+    the count of completion notifications that prefill rank waits for (vLLM's
+    ``expected_consumers``). Computed once per deployment pair."""
+    remote_rank = _int("remote_rank", remote_rank, 0)
+    if remote_rank >= _int("remote_tp", remote_tp, 1):
+        raise LayoutError(f"remote_rank must be in [0, {remote_tp}), got {remote_rank}")
+    return sum(remote_rank in TpMapping(layout, shardings, local_tp=local_tp, local_rank=d,
+                                        remote_tp=remote_tp).remote_ranks
+               for d in range(_int("local_tp", local_tp, 1)))

@@ -210,3 +210,24 @@ def test_pair_plans_split_per_layer_in_matching_order():
         assert lsum == rsum == len(full_l) == len(full_r)
     # rank 1 serves only the sharded compressor groups' heads 2-3 to a TP=1 decode rank
     assert pairs[1].groups == (3, 4)
+
+
+@pytest.mark.parametrize("tp_p,tp_d,h,want", [
+    (2, 1, 4, [1, 1]), (1, 2, 4, [2]), (2, 2, 4, [1, 1]), (4, 1, 2, [1, 0, 1, 0]),
+    (4, 2, 2, [1, 0, 0, 1]), (1, 4, 2, [4])])
+def test_expected_consumers(tp_p, tp_d, h, want):
+    from hmacore.tp import expected_consumers
+    sh = [GroupSharding(h, 2)] * 2
+    got = [expected_consumers(FS, sh, local_tp=tp_d, remote_tp=tp_p, remote_rank=p)
+           for p in range(tp_p)]
+    assert got == want
+    with pytest.raises(LayoutError, match=r"remote_rank must be in \[0, 2\)"):
+        expected_consumers(FS, sh, local_tp=1, remote_tp=2, remote_rank=2)
+
+
+def test_mla_consumers_include_replicated_groups():
+    from hmacore.tp import expected_consumers
+    lay = dsv4_like_layout()
+    sh = default_shardings(lay, 4, kv_chunks=1)
+    # decode tp=4 over prefill tp=2: MLA from rank d % 2, heads from rank d // 2
+    assert [expected_consumers(lay, sh, local_tp=4, remote_tp=2, remote_rank=p) for p in (0, 1)] == [3, 3]
