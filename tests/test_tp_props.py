@@ -1,6 +1,5 @@
 """Hypothesis: heterogeneous-TP pair plans read every needed local byte exactly once, from the
 remote byte the plain-Python oracle names (head order, chunks, block pairing, ratios)."""
-import dataclasses
 
 from hypothesis import assume, given, strategies as st
 

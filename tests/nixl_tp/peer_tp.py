@@ -5,7 +5,7 @@ argv[1] is JSON ``{"role": "prefill" | "pusher", "agents": [cfg, ...], "serve_s"
 
 prefill: each cfg ``{name, case, tp, rank, nb, tokens}`` hosts one TP rank's paged KV (pages
 sized for its heads), filled with tp_pattern for the request's P ids, and a DescAgent over it.
-It prints ``{"agents": {name: {"meta": b64, "regions": region table}}}`` and serves (the test
+It prints ``{"agents": {name: TpPeerInfo JSON}}`` and serves (the test
 READs) until stdin closes or S passes.
 
 pusher: one cfg ``{name, case, nb, tokens, scale, layers_before_stall (opt), compute_s}``; prints its
@@ -31,7 +31,9 @@ import numpy as np  # noqa: E402
 from hmacore.layerwise import LayerPlan, LayerwisePusher, PushState  # noqa: E402
 from hmacore.paged import allocate_paged_kv  # noqa: E402
 from hmacore.plan import TransferPlan  # noqa: E402
+from hmacore.tp import GroupSharding  # noqa: E402
 from hmacore.transport.nixl_desc import DescAgent  # noqa: E402
+from hmacore.transport.tp_peer import TpPeerInfo  # noqa: E402
 from oracle_tp import (oracle_heads, rank_pages, request_ids, tp_case_layout,  # noqa: E402
                        tp_pattern)
 
@@ -74,7 +76,9 @@ def prefill(args):
         _, paged, plan = build_rank(cfg["case"], cfg["tp"], cfg["rank"], cfg["nb"], ids, pos)
         agent = DescAgent(cfg["name"], plan.registration_ranges())
         hosted.append((agent, paged))
-        out[cfg["name"]] = info(agent, plan)
+        shard = [GroupSharding(*s) for s in tp_case_layout(cfg["case"])[1]]
+        out[cfg["name"]] = TpPeerInfo.for_plan(plan, cfg["name"], agent.metadata(), tp_size=cfg["tp"],
+                                               tp_rank=cfg["rank"], shardings=shard).to_bytes().decode()
     print(json.dumps({"agents": out}), flush=True)
     deadline = time.monotonic() + args["serve_s"]
     while time.monotonic() < deadline:

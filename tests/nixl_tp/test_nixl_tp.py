@@ -4,15 +4,12 @@ are head-sharded the way vLLM shards KV heads and filled with a pattern derived 
 token, global head); every decode rank READs its head slices from its source ranks through
 TpPairPlan descriptors and checks every byte of every layer, and that nothing else was written.
 """
-import base64
-import time
-
 import numpy as np
 import pytest
 
-from hmacore.plan import TransferPlan
 from hmacore.tp import GroupSharding, TpMapping, build_pair_plans
 from hmacore.transport.nixl_desc import DescAgent
+from hmacore.transport.tp_peer import TpPeerInfo
 
 from tp_proc import TpPeer
 from oracle_tp import oracle_heads, rank_pages, request_ids, tp_case_layout, tp_pattern
@@ -30,7 +27,7 @@ def _name(case, tp, rank):
 
 @pytest.fixture(scope="module")
 def prefill():
-    """{(case, tp, rank): (agent name, metadata bytes, region table)} from two processes."""
+    """{(case, tp, rank): TpPeerInfo} of the prefill ranks, from two processes."""
     r0 = [dict(name=_name(c, tp, 0), case=c, tp=tp, rank=0, nb=NB, tokens=TOKENS)
           for c in CASES for tp in (1, 2)]
     r1 = [dict(name=_name(c, 2, 1), case=c, tp=2, rank=1, nb=NB, tokens=TOKENS) for c in CASES]
@@ -40,9 +37,8 @@ def prefill():
         for p, cfgs in zip(peers, (r0, r1)):
             info = p.line()["agents"]
             for cfg in cfgs:
-                i = info[cfg["name"]]
-                out[(cfg["case"], cfg["tp"], cfg["rank"])] = (cfg["name"], base64.b64decode(i["meta"]),
-                                                              i["regions"])
+                out[(cfg["case"], cfg["tp"], cfg["rank"])] = TpPeerInfo.from_bytes(
+                    info[cfg["name"]].encode())
         yield out
     finally:
         for p in peers:
@@ -70,15 +66,18 @@ def test_hetero_tp_pull_every_byte(prefill, case, tp_p, tp_d):
         _, p_ids, _ = request_ids(layout, TOKENS)
         m = TpMapping(layout, [GroupSharding(*s) for s in shard], local_tp=tp_d, local_rank=d,
                       remote_tp=tp_p)
-        remote_plans = {p: TransferPlan.from_region_table(layout, prefill[(case, tp_p, p)][2])
-                        for p in m.remote_ranks}
-        pairs = build_pair_plans(m, plan, remote_plans)
+        me = TpPeerInfo.for_plan(plan, "me", b"", tp_size=tp_d, tp_rank=d,
+                                 shardings=[GroupSharding(*s) for s in shard])
+        infos = {p: prefill[(case, tp_p, p)] for p in m.remote_ranks}
+        assert all(i.tp_size == tp_p and i.tp_rank == p and i.block_size_ratio(me) == 1
+                   for p, i in infos.items())
+        pairs = build_pair_plans(m, plan, {p: i.remote_plan(layout) for p, i in infos.items()})
         agent = DescAgent(f"D-{case}-{tp_p}{tp_d}-r{d}", plan.registration_ranges())
         try:
             handles = []
             for p, pair in pairs.items():
-                name, meta, _ = prefill[(case, tp_p, p)]
-                agent.add_remote(meta)
+                name = infos[p].agent_name
+                assert agent.add_remote(infos[p].agent_metadata) == name
                 agent.prep_pair(name, name, pair.local.descriptors(), pair.remote.descriptors())
                 lids, rids = pair.desc_ids(d_ids, p_ids)
                 assert lids.size > 0
