@@ -143,9 +143,9 @@ def tp_pattern(layer, positions, block_size, page_bytes, heads=None, chunks=1):
     """uint8 pages ``(len(positions), page_bytes)`` of one layer on one rank.
 
     Sharded (``heads`` = the rank's global heads): byte (chunk c, head slot j, offset o) of
-    block position p derives from (layer, token p*bs + o*bs//hb, c, heads[j], o), so every TP
-    size lays out the same values by global head. Replicated (``heads`` None): from (layer,
-    token, 0, 0, byte)."""
+    block position p derives from (layer, token p*bs + o // (hb/bs), c, heads[j], byte within
+    the token), so every TP size and block size lays out the same values by global head and
+    token. Replicated (``heads`` None): from (layer, token, 0, 0, byte within the token)."""
     import zlib
     import numpy as np
     pos = np.asarray(positions, dtype=np.uint64).reshape(-1, 1)
@@ -165,23 +165,28 @@ def tp_pattern(layer, positions, block_size, page_bytes, heads=None, chunks=1):
         j = (i % np.uint64(chunk)) // hb
         head = np.asarray(heads, dtype=np.uint64)[j.astype(np.int64)]
         o = i % hb
-    tok = pos * bs + (o * bs // hb).reshape(1, -1)
+    assert int(hb) % block_size == 0, "whole bytes per token"
+    per_tok = hb // bs
+    tok = pos * bs + (o // per_tok).reshape(1, -1)
+    byte = o % per_tok  # byte within the token: the same at every block size
     key = np.uint64(zlib.crc32(layer.encode()) + 1)
     with np.errstate(over="ignore"):
         x = key * np.uint64(0x9E3779B97F4A7C15) + tok * np.uint64(0x94D049BB133111EB) \
-            + (c * np.uint64(1 << 20) + head * np.uint64(1 << 8) + o).reshape(1, -1) * np.uint64(0xBF58476D1CE4E5B9)
+            + (c * np.uint64(1 << 20) + head * np.uint64(1 << 8) + byte).reshape(1, -1) \
+            * np.uint64(0xBF58476D1CE4E5B9)
         x ^= x >> np.uint64(31)
         x *= np.uint64(0x94D049BB133111EB)
         x ^= x >> np.uint64(29)
     return (x & np.uint64(0xFF)).astype(np.uint8)
 
 
-def tp_case_layout(name, scale=1):
+def tp_case_layout(name, scale=1, bs_div=1):
     """(layout, shardings as (heads, chunks, replicated), head_block_bytes) of the NIXL cases;
-    ``scale`` multiplies every page."""
+    ``scale`` multiplies every page; ``bs_div`` divides the (full_sliding) block size and pages."""
     if name == "full_sliding":
-        lay = full_sliding_layout(16, 2)
-        return lay, [(4, 2, False)] * 2, [64 * scale, 64 * scale]
+        lay = full_sliding_layout(16 // bs_div, 2)
+        return lay, [(4, 2, False)] * 2, [64 * scale // bs_div] * 2
+    assert bs_div == 1
     lay = dsv4_like_layout(1, 2)
     return lay, [(1, 1, True)] * 3 + [(4, 1, False)] * 2, [b * scale for b in (256, 64, 64, 32, 64)]
 

@@ -3,7 +3,7 @@ subprocess, never forked; the test kills it by PID and bounds its life with ``se
 
 argv[1] is JSON ``{"role": "prefill" | "pusher", "agents": [cfg, ...], "serve_s": S}``.
 
-prefill: each cfg ``{name, case, tp, rank, nb, tokens}`` hosts one TP rank's paged KV (pages
+prefill: each cfg ``{name, case, tp, rank, nb, tokens, bs_div (opt), positions (opt)}`` hosts one TP rank's paged KV (pages
 sized for its heads), filled with tp_pattern for the request's P ids, and a DescAgent over it.
 It prints ``{"agents": {name: TpPeerInfo JSON}}`` and serves (the test
 READs) until stdin closes or S passes.
@@ -38,9 +38,9 @@ from oracle_tp import (oracle_heads, rank_pages, request_ids, tp_case_layout,  #
                        tp_pattern)
 
 
-def build_rank(case, tp, rank, nb, table, positions, fill=True, scale=1):
+def build_rank(case, tp, rank, nb, table, positions, fill=True, scale=1, bs_div=1):
     """Paged KV of one TP rank, filled with the pattern at ``table``'s ids; its plan."""
-    layout, shard, hbb = tp_case_layout(case, scale)
+    layout, shard, hbb = tp_case_layout(case, scale, bs_div)
     pages = rank_pages(shard, hbb, tp)
     paged = allocate_paged_kv(layout, nb, page_bytes=pages)
     if fill:
@@ -71,12 +71,20 @@ def stdin_line(deadline):
 def prefill(args):
     hosted, out = [], {}
     for cfg in args["agents"]:
-        layout, _, _ = tp_case_layout(cfg["case"])
-        pos, ids, _ = request_ids(layout, cfg["tokens"])
-        _, paged, plan = build_rank(cfg["case"], cfg["tp"], cfg["rank"], cfg["nb"], ids, pos)
+        bs_div = cfg.get("bs_div", 1)
+        layout, _, _ = tp_case_layout(cfg["case"], 1, bs_div)
+        if "positions" in cfg:  # explicit P block positions (block-size-ratio case), ids 1..
+            pos, nxt, ids = cfg["positions"], 1, []
+            for g in pos:
+                ids.append(list(range(nxt, nxt + len(g))))
+                nxt += len(g)
+        else:
+            pos, ids, _ = request_ids(layout, cfg["tokens"])
+        _, paged, plan = build_rank(cfg["case"], cfg["tp"], cfg["rank"], cfg["nb"], ids, pos,
+                                    bs_div=bs_div)
         agent = DescAgent(cfg["name"], plan.registration_ranges())
         hosted.append((agent, paged))
-        shard = [GroupSharding(*s) for s in tp_case_layout(cfg["case"])[1]]
+        shard = [GroupSharding(*s) for s in tp_case_layout(cfg["case"], 1, bs_div)[1]]
         out[cfg["name"]] = TpPeerInfo.for_plan(plan, cfg["name"], agent.metadata(), tp_size=cfg["tp"],
                                                tp_rank=cfg["rank"], shardings=shard).to_bytes().decode()
     print(json.dumps({"agents": out}), flush=True)

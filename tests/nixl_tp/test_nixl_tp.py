@@ -31,13 +31,20 @@ def prefill():
     r0 = [dict(name=_name(c, tp, 0), case=c, tp=tp, rank=0, nb=NB, tokens=TOKENS)
           for c in CASES for tp in (1, 2)]
     r1 = [dict(name=_name(c, 2, 1), case=c, tp=2, rank=1, nb=NB, tokens=TOKENS) for c in CASES]
+    # block-size ratio: prefill TP=2 with 8-token blocks holding the decode's 16-token positions
+    dpos, _, _ = request_ids(tp_case_layout("full_sliding")[0], TOKENS)
+    ppos = [[2 * j + h for j in g for h in (0, 1)] for g in dpos]
+    for rank, lst in ((0, r0), (1, r1)):
+        lst.append(dict(name=_name("bs8", 2, rank), case="full_sliding", tp=2, rank=rank, nb=NB,
+                        tokens=TOKENS, bs_div=2, positions=ppos))
     peers = [TpPeer({"role": "prefill", "agents": a, "serve_s": 50}) for a in (r0, r1)]
     try:
         out = {}
         for p, cfgs in zip(peers, (r0, r1)):
             info = p.line()["agents"]
             for cfg in cfgs:
-                out[(cfg["case"], cfg["tp"], cfg["rank"])] = TpPeerInfo.from_bytes(
+                case = "bs8" if cfg.get("bs_div") else cfg["case"]
+                out[(case, cfg["tp"], cfg["rank"])] = TpPeerInfo.from_bytes(
                     info[cfg["name"]].encode())
         yield out
     finally:
@@ -104,3 +111,41 @@ def test_hetero_tp_pull_every_byte(prefill, case, tp_p, tp_d):
             assert not arr[others].any(), name
         assert checked == sum(len(d_ids[g]) * pages[g] * len(s.layer_names)
                               for g, s in enumerate(layout.groups))
+
+
+def test_hetero_tp_with_block_size_ratio_every_byte(prefill):
+    """P TP=2 with 8-token blocks -> D TP=1 with 16-token blocks: each D block's head slice is
+    read as two token halves from two P blocks of the head's owner."""
+    case, tp_p, tp_d, d = "full_sliding", 2, 1, 0
+    layout, shard, hbb, pos, d_ids, paged, plan = _decode_rank(case, tp_d, d)
+    m = TpMapping(layout, [GroupSharding(*s) for s in shard], local_tp=tp_d, local_rank=d,
+                  remote_tp=tp_p)
+    me = TpPeerInfo.for_plan(plan, "me", b"", tp_size=tp_d, tp_rank=d,
+                             shardings=[GroupSharding(*s) for s in shard])
+    infos = {p: prefill[("bs8", tp_p, p)] for p in m.remote_ranks}
+    ratio = infos[0].block_size_ratio(me)
+    assert ratio == 2
+    pairs = build_pair_plans(m, plan, {p: i.remote_plan(layout) for p, i in infos.items()},
+                             block_size_ratio=ratio)
+    p_ids, nxt = [], 1  # the peer numbered its blocks 1.. in position order, group by group
+    for g in pos:
+        p_ids.append(list(range(nxt, nxt + 2 * len(g))))
+        nxt += 2 * len(g)
+    agent = DescAgent("D-bs8", plan.registration_ranges())
+    try:
+        handles = []
+        for p, pair in pairs.items():
+            name = infos[p].agent_name
+            agent.add_remote(infos[p].agent_metadata)
+            agent.prep_pair(name, name, pair.local.descriptors(), pair.remote.descriptors())
+            handles.append(agent.post("READ", name, *pair.desc_ids(d_ids, p_ids)))
+        for h in handles:
+            agent.wait(h, timeout=10)
+    finally:
+        agent.close()
+    pages = rank_pages(shard, hbb, tp_d)
+    for g, spec in enumerate(layout.groups):
+        h, k, _ = shard[g]
+        for name in spec.layer_names:
+            want = tp_pattern(name, pos[g], spec.block_size, pages[g], oracle_heads(h, tp_d, d), k)
+            assert (paged.kv_caches[name][np.asarray(d_ids[g])] == want).all(), name
