@@ -101,3 +101,30 @@ def test_slices_partition_local_heads_in_order(h, tp_l, tp_r):
             for s in m.slices[g]:
                 rheads = oracle_heads(h, tp_r, s.remote_rank)
                 assert rheads[s.remote_index:s.remote_index + s.num_heads] == list(range(s.start, s.stop))
+
+
+@given(cases())
+def test_per_layer_pair_ids_partition_the_pair_ids(case):
+    """Layer-wise push over a TP pair: the layers' descriptor ids (local and remote) are a
+    partition of the pair's request ids, paired index-for-index with equal lengths."""
+    from hmacore.layerwise import LayerPlan
+    layout, shard, tp_l, d, tp_r, ratio, lplan, rplans, lids, rids = case
+    assume(ratio == 1)
+    m = TpMapping(layout, [GroupSharding(*s) for s in shard], local_tp=tp_l, local_rank=d,
+                  remote_tp=tp_r)
+    for p, pair in build_pair_plans(m, lplan, {p: rplans[p] for p in m.remote_ranks}).items():
+        full_l, full_r = pair.desc_ids(lids, rids)
+        ll, rl = LayerPlan(pair.local), LayerPlan(pair.remote)
+        assert ll.layers == rl.layers
+        served = [ids if g in pair.groups else [] for g, ids in enumerate(lids)]
+        rserved = [ids if g in pair.groups else [] for g, ids in enumerate(rids)]
+        got = {}
+        ldesc, rdesc = pair.local.descriptors(), pair.remote.descriptors()
+        for layer in ll.layers:
+            a, b = ll.desc_ids(layer, served), rl.desc_ids(layer, rserved)
+            assert len(a) == len(b)
+            assert (ldesc[a, 1] == rdesc[b, 1]).all()
+            for x, y in zip(a.tolist(), b.tolist()):
+                assert x not in got
+                got[x] = y
+        assert got == dict(zip(full_l.tolist(), full_r.tolist()))
