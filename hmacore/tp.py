@@ -331,7 +331,8 @@ class TpPairPlan:
                 lregs.append(dataclasses.replace(lr, base=lr.base + loff, block_len=n * hb))
                 rregs.append(dataclasses.replace(rr, base=rr.base + roff, block_len=n * hbr))
 
-    def desc_ids(self, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any]
+    def desc_ids(self, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any], *,
+                 out_local: np.ndarray | None = None, out_remote: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
         """``(local, remote)`` int64 descriptor ids into :attr:`local` / :attr:`remote`'s dlists,
         equal length, paired index-for-index.
@@ -341,6 +342,9 @@ class TpPairPlan:
         For attention groups the remote list must be ``block_size_ratio`` times as long as
         the local one (local block b pairs with remote blocks ``b*ratio .. b*ratio+ratio-1``);
         state groups pair 1:1. Raises BlockTableError (nothing computed) otherwise.
+        ``out_local``/``out_remote``: reusable int64 buffers (see TransferPlan.desc_ids); the
+        results are then prefix views of them (no allocation per request; on an error the
+        buffers may hold partial ids, but nothing is returned).
         """
         G = self.mapping.layout.num_groups
         for name, ids in (("local_block_ids", local_block_ids), ("remote_block_ids", remote_block_ids)):
@@ -360,8 +364,8 @@ class TpPairPlan:
                                       f"{m} x local")
             loc.append(local_block_ids[g])
             rem.append(remote_block_ids[g])
-        lids = self.local.desc_ids(loc)
-        rids = self.remote.desc_ids(rem)
+        lids = self.local.desc_ids(loc, out=out_local)
+        rids = self.remote.desc_ids(rem, out=out_remote)
         if lids.size != rids.size:  # unreachable if the regions pair up; guard the contract
             raise BlockTableError(f"{lids.size} local vs {rids.size} remote descriptors")
         return lids, rids

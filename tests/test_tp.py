@@ -231,3 +231,17 @@ def test_mla_consumers_include_replicated_groups():
     sh = default_shardings(lay, 4, kv_chunks=1)
     # decode tp=4 over prefill tp=2: MLA from rank d % 2, heads from rank d // 2
     assert [expected_consumers(lay, sh, local_tp=4, remote_tp=2, remote_rank=p) for p in (0, 1)] == [3, 3]
+
+
+def test_desc_ids_into_reused_buffers():
+    m = TpMapping(FS, KV4, local_tp=1, local_rank=0, remote_tp=2)
+    sh = [(4, 2, False)] * 2
+    lplan = TransferPlan.from_layout(FS, 8, page_bytes=rank_pages(sh, [16, 16], 1))
+    rplan = TransferPlan.from_layout(FS, 8, page_bytes=rank_pages(sh, [16, 16], 2))
+    pair = TpPairPlan(m, 0, lplan, rplan)
+    ol, orr = np.full(64, -1, np.int64), np.full(64, -1, np.int64)
+    a, b = pair.desc_ids([[1, 2], [3]], [[4, 5], [6]], out_local=ol, out_remote=orr)
+    ra, rb = pair.desc_ids([[1, 2], [3]], [[4, 5], [6]])
+    assert (a == ra).all() and (b == rb).all() and np.shares_memory(a, ol)
+    with pytest.raises(BlockTableError, match="room for 2 descriptor ids"):
+        pair.desc_ids([[1, 2], [3]], [[4, 5], [6]], out_local=ol[:2])
