@@ -1,0 +1,147 @@
+"""A descriptor-level NIXL driver: several local/remote dlist pairs per agent, transfers by
+descriptor ids. Used for heterogeneous TP (one dlist pair per (local rank, remote rank):
+hmacore.tp.TpPairPlan) and layer-wise push (hmacore.layerwise), where one plan per agent and
+one dlist per peer (hmacore.transport.nixl.NixlAgent) do not fit.
+
+``nixl`` is imported lazily. Units: descriptor rows are N x 3 uint64 ``(addr, bytes, dev)``;
+descriptor ids int64; every wait is bounded in seconds.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import TransferError
+
+__all__ = ["DescAgent"]
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _ids(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype=np.int64)
+    return a.astype(np.int32) if a.size == 0 or int(a.max()) <= _INT32_MAX else a
+
+
+class DescAgent:
+    """A NIXL (UCX) agent over registered memory ranges, with named dlist pairs.
+
+    Args:
+        name: agent name.
+        ranges: ``(addr, bytes, dev_id)`` memory to register (e.g. ``plan.registration_ranges()``).
+        mem_type: ``"DRAM"`` or ``"VRAM"``.
+    """
+
+    def __init__(self, name: str, ranges: Sequence[tuple[int, int, int]], *, mem_type: str = "DRAM",
+                 backends: Sequence[str] = ("UCX",)):
+        from . import configure_ucx_env
+        configure_ucx_env()
+        from nixl._api import nixl_agent, nixl_agent_config  # lazy: core never imports nixl
+
+        self.name = name
+        self.mem_type = mem_type
+        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self._reg = self._agent.register_memory([(a, n, d, "") for a, n, d in ranges], mem_type)
+        self._pairs: dict[str, tuple[str, Any, Any, int, int]] = {}
+        self._remotes: set[str] = set()
+        self._closed = False
+
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata (the peer loads it with :meth:`add_remote`)."""
+        return self._agent.get_agent_metadata()
+
+    def add_remote(self, agent_metadata: bytes) -> str:
+        """Load a peer's NIXL metadata; returns its agent name."""
+        name = self._agent.add_remote_agent(agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._remotes.add(name)
+        return name
+
+    def prep_pair(self, key: str, remote: str, local_descs: np.ndarray,
+                  remote_descs: np.ndarray) -> None:
+        """Prepare the local and the remote dlist of one pairing (``key`` names it in
+        :meth:`post`). Rows: ``(addr, bytes, dev)``."""
+        if remote not in self._remotes:
+            raise TransferError(f"unknown remote agent {remote!r} (add_remote first)")
+        if key in self._pairs:
+            raise TransferError(f"dlist pair {key!r} already prepared")
+        ld = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.asarray(local_descs, np.uint64),
+                                         self.mem_type)
+        rd = self._agent.prep_xfer_dlist(remote, np.asarray(remote_descs, np.uint64), self.mem_type)
+        self._pairs[key] = (remote, ld, rd, len(local_descs), len(remote_descs))
+
+    def post(self, op: str, key: str, local_ids: np.ndarray, remote_ids: np.ndarray,
+             notif: bytes = b"") -> Any:
+        """Post a READ/WRITE between the pair's dlists; returns a handle for :meth:`state`.
+
+        Raises TransferError for an unknown pair, unequal lengths, out-of-range ids or a post
+        NIXL refuses."""
+        if op not in ("READ", "WRITE"):
+            raise TransferError(f"op must be 'READ' or 'WRITE', got {op!r}")
+        if key not in self._pairs:
+            raise TransferError(f"unknown dlist pair {key!r}")
+        remote, ld, rd, nl, nr = self._pairs[key]
+        li, ri = np.asarray(local_ids), np.asarray(remote_ids)
+        if li.shape != ri.shape or li.ndim != 1:
+            raise TransferError(f"{li.size} local vs {ri.size} remote descriptor ids")
+        for name, a, n in (("local", li, nl), ("remote", ri, nr)):
+            if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
+                raise TransferError(f"{name} descriptor ids must lie in [0, {n})")
+        h = self._agent.make_prepped_xfer(op, ld, _ids(li), rd, _ids(ri), notif_msg=bytes(notif))
+        st = self._agent.transfer(h)
+        if st == "ERR":
+            self.release(h)
+            raise TransferError(f"{op} on {key!r} failed when posted")
+        return h
+
+    def state(self, handle: Any) -> str:
+        """``"PROC"``, ``"DONE"`` or ``"ERR"``."""
+        return self._agent.check_xfer_state(handle)
+
+    def release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - an errored handle may refuse release
+            pass
+
+    def wait(self, handle: Any, timeout: float = 10.0) -> None:
+        """Wait until DONE (then release); TransferError on error or after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.state(handle)
+            if st == "DONE":
+                self.release(handle)
+                return
+            if st == "ERR" or time.monotonic() >= deadline:
+                self.release(handle)
+                raise TransferError("transfer failed" if st == "ERR"
+                                    else f"transfer did not complete within {timeout} s")
+            time.sleep(0.0005)
+
+    def send_notif(self, remote: str, msg: bytes) -> None:
+        self._agent.send_notif(remote, bytes(msg))
+
+    def notifs(self) -> list[bytes]:
+        """New notification messages (from every peer), consumed."""
+        return [bytes(m) for msgs in self._agent.get_new_notifs().values() for m in msgs]
+
+    def close(self) -> None:
+        """Release dlists, forget remotes, deregister memory (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for _, ld, rd, _, _ in self._pairs.values():
+            for h in (ld, rd):
+                try:
+                    self._agent.release_dlist_handle(h)
+                except Exception:  # noqa: BLE001
+                    pass
+        for r in self._remotes:
+            try:
+                self._agent.remove_remote_agent(r)
+            except Exception:  # noqa: BLE001
+                pass
+        self._agent.deregister_memory(self._reg)
