@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_TARGET_DEVICE := cpu
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv deps build test test-fast demo plan bench bench-gate clean
+.PHONY: venv deps build test test-fast demo plan bench bench-gate bench-gate-short clean
 
 $(VENV)/.stamp-base: requirements/test.txt requirements/nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,14 +41,30 @@ test-fast: build
 	$(PY) -m pytest -q -m "not nixl and not mooncake and not vllm and not slow"
 
 demo: $(VENV)/.stamp-base build
-	@if $(PY) -c 'import hmacore.demo' 2>/dev/null; then $(PY) -m hmacore demo $(DEMO_ARGS); \
-	else $(PY) -m hmacore plan --preset gpt-oss-120b --tokens 32768; fi
+	$(PY) -m hmacore demo $(DEMO_ARGS)
 
 plan: build
 	$(PY) -m hmacore plan --preset deepseek-v4 --tokens 32768
 
+BENCH_ARGS ?= --benchmark-max-time=0.25 --benchmark-min-rounds=3
+GATE_FRACTION ?= 0.5
+
 bench: deps build
-	$(PY) -m pytest -q bench --benchmark-only
+	mkdir -p bench/results
+	$(PY) -m pytest -q bench --benchmark-only --benchmark-json=bench/results/raw.json $(BENCH_ARGS)
+	$(PY) bench/report.py bench/results/raw.json -o bench/results/latest.json --markdown bench/results/latest.md
+	$(PY) bench/plot.py bench/results/latest.json -o docs/img
+
+bench-gate:
+	$(PY) bench/gate.py --baseline bench/baseline.json --results bench/results/latest.json --fraction $(GATE_FRACTION)
+
+# CI's short form: the 4k cases only, few rounds, a wide threshold for a noisy 2-core machine.
+bench-gate-short: deps build
+	mkdir -p bench/results
+	$(PY) -m pytest -q bench --benchmark-only -k "4096 or 4k" --benchmark-json=bench/results/short.json \
+	  --benchmark-max-time=0.1 --benchmark-min-rounds=3
+	$(PY) bench/report.py bench/results/short.json -o bench/results/short-latest.json
+	$(PY) bench/gate.py --baseline bench/baseline.json --results bench/results/short-latest.json --fraction 0.25
 
 clean:
 	rm -rf build hmacore/_fast/*.c hmacore/_fast/*.so .pytest_cache .benchmarks

@@ -56,7 +56,9 @@ def main(argv=None) -> int:
         results = json.load(f)
     failures, lines = gate(baseline, results, args.fraction, args.require_all, args.only)
     print("\n".join(lines))
-    print(f"bench-gate: {len(lines) - len(failures)} ok, {len(failures)} failed "
+    missing = sum(line.startswith("MISSING") for line in lines)
+    ok = sum(line.startswith("ok") for line in lines)
+    print(f"bench-gate: {ok} ok, {len(failures)} failed, {missing} not run "
           f"(fraction {args.fraction})")
     return 1 if failures else 0
 
