@@ -118,31 +118,25 @@ class MooncakeStore:
         return [int(r) for r in res]
 
     def batch_put(self, keys: Sequence[str], parts) -> list[int]:
-        keys = list(keys)
-        if not keys:
-            return []
-        ptrs = [[int(a) for a, _ in p] for p in parts]
-        sizes = [[int(s) for _, s in p] for p in parts]
-        if len(ptrs) != len(keys):
-            raise StoreError(f"parts has {len(ptrs)} entries for {len(keys)} keys")
-        self.calls["put"] += 1
-        try:
-            return [int(r) for r in self._store.batch_put_from_multi_buffers(keys, ptrs, sizes)]
-        except Exception:
-            return [RPC_FAIL] * len(keys)
+        """Write each key's value from its (addr, size) buffers in registered memory."""
+        return self._batch_buffers("put", "batch_put_from_multi_buffers", keys, parts)
 
     def batch_get(self, keys: Sequence[str], parts) -> list[int]:
+        """Read each key's value into its (addr, size) buffers in registered memory."""
+        return self._batch_buffers("get", "batch_get_into_multi_buffers", keys, parts)
+
+    def _batch_buffers(self, call: str, method: str, keys: Sequence[str], parts) -> list[int]:
         keys = list(keys)
-        if not keys:
+        if not keys:   # an empty batch never reaches the RPC
             return []
         ptrs = [[int(a) for a, _ in p] for p in parts]
         sizes = [[int(s) for _, s in p] for p in parts]
         if len(ptrs) != len(keys):
             raise StoreError(f"parts has {len(ptrs)} entries for {len(keys)} keys")
-        self.calls["get"] += 1
+        self.calls[call] += 1
         try:
-            return [int(r) for r in self._store.batch_get_into_multi_buffers(keys, ptrs, sizes)]
-        except Exception:
+            return [int(r) for r in getattr(self._store, method)(keys, ptrs, sizes)]
+        except Exception:  # noqa: BLE001 - master down / RPC failure: a failed batch, not a crash
             return [RPC_FAIL] * len(keys)
 
     def batch_remove(self, keys: Sequence[str]) -> list[int]:
