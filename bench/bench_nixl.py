@@ -36,9 +36,16 @@ def agents():
     b.close()
 
 
-def test_read_hmacore(benchmark, agents):
+INPUTS = ["lists", "int32"]   # block ids as Python lists (proxy JSON) or int32 arrays (tracker/clip)
+
+
+@pytest.mark.parametrize("ids", INPUTS)
+def test_read_hmacore(benchmark, agents, ids):
     a, _, peer, table, dst = agents
-    benchmark.group = "nixl-read-gemma3-2048tok"
+    benchmark.group = f"nixl-read-gemma3-2048tok-{ids}"
+    benchmark.extra_info["impl"] = "hmacore"
+    if ids == "int32":
+        table = tuple(np.asarray(g, dtype=np.int32) for g in table)
 
     def run():
         a.wait(a.read("bench", peer, table, table), timeout=30)
@@ -48,9 +55,11 @@ def test_read_hmacore(benchmark, agents):
     benchmark(run)
 
 
-def test_read_raw_nixl(benchmark, agents):
+@pytest.mark.parametrize("ids", INPUTS)
+def test_read_raw_nixl(benchmark, agents, ids):
     a, _, peer, table, dst = agents
-    benchmark.group = "nixl-read-gemma3-2048tok"
+    benchmark.group = f"nixl-read-gemma3-2048tok-{ids}"
+    benchmark.extra_info["impl"] = "raw"
     agent, local = a._agent, a._local
     remote = a._peers[peer].dlist
     lids = a.plan.desc_ids(table).astype(np.int32)
