@@ -76,3 +76,32 @@ def test_desc_ids(benchmark, preset_plan, tokens, impl):
         got = benchmark.pedantic(oracle_desc_ids, args=(regions, gstate, lists),
                                  kwargs={"group_major": plan.group_major}, rounds=3, iterations=1)
     assert np.array_equal(np.asarray(got, dtype=np.int64), want)
+
+
+# vLLM 0.32.0's own NixlBaseConnectorWorker._compute_desc_ids on the same regions. Its SSM path
+# needs the worker's conv-state decomposition, so the Mamba preset (qwen3-next) is left out.
+VLLM_PRESETS = [p for p in preset_names() if p != "qwen3-next-80b"]
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("preset", VLLM_PRESETS)
+def test_desc_ids_vllm(benchmark, preset, tokens):
+    from types import SimpleNamespace
+
+    from hmacore.integrations.vllm import _compat  # noqa: F401  (pins the vLLM version)
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+        NixlBaseConnectorWorker)
+    plan = TransferPlan.from_layout(get_preset(preset, num_blocks=65536))
+    assert not any(r.state or r.ratio != 1 for r in plan.regions)
+    table = request_table(plan, tokens)
+    want = plan.desc_ids(table)
+    lists = tuple(t.tolist() for t in table)          # vLLM's BlockIds arrive as lists
+    groups = [r.group for r in plan.regions]
+    worker = SimpleNamespace(_has_mamba=False, _conv_decomp=None, _transfer_layer_group_ids=[],
+                             num_regions=len(plan.regions), block_len_per_layer=groups,
+                             region_group_ids=groups, _uses_region_group_mapping=plan.group_major)
+    benchmark.group = f"desc_ids-{preset}-{tokens}"
+    benchmark.extra_info["impl"] = "vllm"
+    got = benchmark(NixlBaseConnectorWorker._compute_desc_ids, worker, lists, 65536, None, 1,
+                    [r.logical_blocks for r in plan.regions], groups, plan.group_major)
+    assert np.array_equal(np.asarray(got, dtype=np.int64), want)
