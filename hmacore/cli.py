@@ -108,3 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     except HmacoreError as e:
         print(f"hmacore: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:   # `hmacore plan | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
