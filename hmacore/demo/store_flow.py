@@ -69,7 +69,7 @@ def run_store_demo(sc: Scenario, store_kind: str, master: str | None) -> dict:
     prefill, decode = _Instance(sc, layout), _Instance(sc, layout)
     if store_kind == "mooncake":
         from ..transport.mooncake import MooncakeStore
-        store = MooncakeStore(master or "127.0.0.1:50051", global_segment_size=1 << 30)
+        store = MooncakeStore(master or "127.0.0.1:50051", global_segment_size=256 << 20)
     else:
         store = EmbeddedStore(capacity_bytes=4 << 30)
     for inst in (prefill, decode):

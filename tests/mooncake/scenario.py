@@ -8,6 +8,7 @@ line, and kills every process it started by PID. Modes:
 * ``roundtrip``: a saver process (with a pool segment) stores a DeepSeek-V4-shaped hybrid
   request; a loader process with NO segment (bytes cross the TCP transport) looks it up and
   loads it into its own memory, then compares every byte.
+* ``demo``: ``hmacore demo --store mooncake`` against this master; prints the demo's report.
 * ``master_killed``: store, look up (hit), SIGKILL the master, look up again (miss, bounded
   time), save again (failures counted, no exception).
 """
@@ -156,6 +157,18 @@ def netns_main(mode, port):
             return 1
         if mode == "master_killed":
             print(json.dumps(mode_master_killed(port, master)), flush=True)
+            return 0
+        if mode == "demo":   # `hmacore demo --store mooncake` against this master
+            out = os.path.join(os.environ.get("HMACORE_MC_LOGDIR", "/tmp"), f"demo_{os.getpid()}.json")
+            root = os.path.dirname(os.path.dirname(HERE))
+            run = subprocess.run([sys.executable, "-m", "hmacore", "demo", "--store", "mooncake",
+                                  "--master", f"127.0.0.1:{port}", "--preset", "deepseek-v4",
+                                  "--requests", "2", "--tokens", "3000", "--json", out],
+                                 cwd=root, capture_output=True, text=True, timeout=180,
+                                 env=dict(os.environ, PYTHONPATH=root))
+            rep = json.load(open(out)) if os.path.exists(out) else {"error": run.stderr[-2000:]}
+            rep["returncode"] = run.returncode
+            print(json.dumps(rep), flush=True)
             return 0
         me = os.path.abspath(__file__)
         saver = subprocess.Popen([sys.executable, me, "saver", str(port)], stdin=subprocess.PIPE,

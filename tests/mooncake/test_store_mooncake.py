@@ -27,3 +27,13 @@ def test_master_killed_gives_misses_not_errors():
     assert r["lookup_s"] < 30 and r["save_s"] < 30
     assert r["save_written"] == 0 and r["save_failed"] > 0
     assert r["empty_ok"] is True
+
+
+def test_demo_store_path_against_a_real_master():
+    r = run_scenario("demo", port=50071)
+    assert r["returncode"] == 0, r
+    assert r["store"] == "mooncake"
+    for req in r["requests"]:
+        assert req["hit_tokens"] == (req["tokens"] - 1) // 256 * 256   # DSv4: 256-aligned
+        assert req["keys_written"] > 0
+    assert r["verification"]["ok"] and r["verification"]["pages_checked"] > 0
