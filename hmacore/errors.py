@@ -29,3 +29,11 @@ class TransferError(HmacoreError, RuntimeError):
 
 class HandshakeError(HmacoreError, RuntimeError):
     """Two peers disagree on layout, plan or protocol version."""
+
+
+class HashInputError(HmacoreError, ValueError):
+    """A block-hash array, digest, group id or key given to the hit/store API breaks a rule."""
+
+
+class StoreError(HmacoreError, RuntimeError):
+    """A KV store backend could not be set up or used (never raised for a plain miss)."""

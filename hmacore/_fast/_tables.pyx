@@ -1,0 +1,358 @@
+"""Typed kernels for hmacore.tables: id conversion/validation, unhashed-block selection, and
+the per-request growable int32 block tables that back TrackerSet.
+
+Every function here trusts the shapes/dtypes the Python layer (hmacore/tables.py) checked;
+the Python layer turns the IdStatus codes returned here into BlockTableError messages.
+"""
+from cpython.bool cimport PyBool_Check
+from cpython.long cimport PyLong_Check
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.string cimport memcpy
+
+import numpy as np
+cimport numpy as cnp
+
+from hmacore._fast._types cimport block_id_t, flag_t, token_t
+
+cnp.import_array()
+
+cdef extern from "Python.h":
+    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
+
+cdef long long INT32_MAX = 2147483647
+
+
+cdef Py_ssize_t first_bad_id(const block_id_t[::1] ids, long long num_blocks) noexcept nogil:
+    """Index of the first id < 0 or >= num_blocks (num_blocks <= 0: only the sign), else -1."""
+    cdef Py_ssize_t i, n = ids.shape[0]
+    if num_blocks > 0:
+        for i in range(n):
+            if ids[i] < 0 or ids[i] >= num_blocks:
+                return i
+    else:
+        for i in range(n):
+            if ids[i] < 0:
+                return i
+    return -1
+
+
+def scan_int32(const block_id_t[::1] ids, long long num_blocks):
+    """``(status, index)`` of the first bad id of a contiguous int32 array, ``(ID_OK, -1)`` if none."""
+    cdef Py_ssize_t i
+    with nogil:
+        i = first_bad_id(ids, num_blocks)
+    if i < 0:
+        return ID_OK, -1
+    return (ID_NEGATIVE if ids[i] < 0 else ID_PAST_POOL), i
+
+
+def seq_to_int32(object seq, long long num_blocks):
+    """Convert a list/tuple of Python (or NumPy) integers to a fresh int32 array.
+
+    Returns ``(array, ID_OK, -1)`` or ``(None, status, index)`` for the first bad element.
+    Bools and floats are rejected (``True`` is not block 1).
+    """
+    cdef Py_ssize_t i, n = len(seq)
+    cdef int overflow
+    cdef long long v
+    out = np.empty(n, dtype=np.int32)
+    cdef block_id_t[::1] o = out
+    for i in range(n):
+        x = seq[i]
+        if PyBool_Check(x):
+            return None, ID_NOT_INT, i
+        if not PyLong_Check(x):
+            if isinstance(x, np.integer):
+                x = int(x)
+            else:
+                return None, ID_NOT_INT, i
+        v = PyLong_AsLongLongAndOverflow(x, &overflow)
+        if overflow < 0 or (overflow == 0 and v < 0):
+            return None, ID_NEGATIVE, i
+        if overflow > 0 or v > INT32_MAX:
+            return None, ID_PAST_INT32, i
+        if num_blocks > 0 and v >= num_blocks:
+            return None, ID_PAST_POOL, i
+        o[i] = <block_id_t>v
+    return out, ID_OK, -1
+
+
+cdef int _check_int_seq(object seq, long long num_blocks, Py_ssize_t* bad) except -2:
+    """Status of a list/tuple of Python ints; -1 = not a list/tuple (use the general path)."""
+    cdef Py_ssize_t i, n
+    cdef int overflow
+    cdef long long v
+    if not (type(seq) is list or type(seq) is tuple):
+        return -1
+    n = len(seq)
+    for i in range(n):
+        x = seq[i]
+        if type(x) is not int:       # bools, NumPy scalars, floats: general path decides
+            return -1
+        v = PyLong_AsLongLongAndOverflow(x, &overflow)
+        if overflow < 0 or (overflow == 0 and v < 0):
+            bad[0] = i
+            return ID_NEGATIVE
+        if overflow > 0 or v > INT32_MAX:
+            bad[0] = i
+            return ID_PAST_INT32
+        if num_blocks > 0 and v >= num_blocks:
+            bad[0] = i
+            return ID_PAST_POOL
+    return ID_OK
+
+
+def check_int_table(object groups, int num_groups, long long num_blocks, bint allow_none):
+    """Fast pre-check of the common input shape: a list/tuple of ``num_groups`` lists/tuples
+    of Python ints (``None`` groups allowed when ``allow_none``).
+
+    Returns ``True`` when the table is valid and in that shape (then
+    :meth:`RequestTables.extend_groups` may consume it directly), ``False`` when the caller
+    must take the general path (which also produces the error messages).
+    """
+    cdef Py_ssize_t g, bad = -1
+    if not (type(groups) is list or type(groups) is tuple) or len(groups) != num_groups:
+        return False
+    for g in range(num_groups):
+        seq = groups[g]
+        if seq is None and allow_none:
+            continue
+        if _check_int_seq(seq, num_blocks, &bad) != ID_OK:
+            return False
+    return True
+
+
+def select_unhashed(const block_id_t[::1] ids, const flag_t[::1] hashed, block_id_t[::1] out):
+    """Write the blocks a connector must fill into ``out``; return how many.
+
+    Skips the leading null (id 0) run, then keeps ids that are not hashed and not null
+    (vLLM ``get_unhashed_block_ids_all_groups`` for one group). ``out`` needs len(ids) slots.
+    """
+    cdef Py_ssize_t i = 0, k = 0, n = ids.shape[0]
+    if hashed.shape[0] != n or out.shape[0] < n:
+        raise ValueError(f"hashed must have {n} entries and out at least {n}, got "
+                         f"{hashed.shape[0]} and {out.shape[0]}")
+    with nogil:
+        while i < n and ids[i] == 0:
+            i += 1
+        while i < n:
+            if ids[i] != 0 and hashed[i] == 0:
+                out[k] = ids[i]
+                k += 1
+            i += 1
+    return k
+
+
+def count_hashed_nonnull(const block_id_t[::1] ids, const flag_t[::1] hashed):
+    """Number of positions with a hash and a non-null id (vLLM ``local_num_computed_blocks``)."""
+    cdef Py_ssize_t i, k = 0, n = ids.shape[0]
+    if hashed.shape[0] != n:
+        raise ValueError(f"hashed must have {n} entries, got {hashed.shape[0]}")
+    with nogil:
+        for i in range(n):
+            if ids[i] != 0 and hashed[i] != 0:
+                k += 1
+    return k
+
+
+cdef class RequestTables:
+    """Per-group block tables of one request in growable int32 buffers.
+
+    Positions are stable: entry j of group g is block j of that group (id 0 = null). Lengths
+    are blocks of the respective group. Callers validate ids; these methods only move memory.
+    """
+
+    def __cinit__(self, int num_groups):
+        if num_groups <= 0:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.num_groups = num_groups
+        self._lens = <Py_ssize_t*>PyMem_Malloc(num_groups * sizeof(Py_ssize_t))
+        self._data = <block_id_t**>PyMem_Malloc(num_groups * sizeof(block_id_t*))
+        if self._lens == NULL or self._data == NULL:
+            raise MemoryError()
+        self._bufs = []
+        for g in range(num_groups):
+            self._lens[g] = 0
+            self._bufs.append(None)
+            self._set_buffer(g, np.empty(0, dtype=np.int32))
+        self.scheduled_tokens = 0
+        self.saved_tokens = 0
+        self.loaded_tokens = 0
+        self.num_prompt_tokens = 0
+        self.state = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self._lens)
+        PyMem_Free(self._data)
+
+    cdef inline int _check_group(self, int g) except -1:
+        if g < 0 or g >= self.num_groups:
+            raise IndexError(f"group {g} out of range for {self.num_groups} groups")
+        return 0
+
+    cdef void _set_buffer(self, int g, object arr) except *:
+        # NumPy sees the buffer read-only so every slice handed out is a read-only view;
+        # this class writes through the raw pointer.
+        arr.flags.writeable = False
+        self._bufs[g] = arr
+        self._data[g] = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
+
+    cdef void _reserve(self, int g, Py_ssize_t need) except *:
+        # Growth with headroom (the first appends after a full table are free), then
+        # doubling; the live prefix is copied once per growth.
+        cdef Py_ssize_t cap = (<cnp.ndarray>self._bufs[g]).shape[0]
+        if need <= cap:
+            return
+        cdef Py_ssize_t new_cap = need + (need >> 3) + 16
+        if cap * 2 > new_cap:
+            new_cap = cap * 2
+        new = np.empty(new_cap, dtype=np.int32)
+        cdef block_id_t* dst = <block_id_t*>cnp.PyArray_DATA(new)
+        if self._lens[g]:
+            memcpy(dst, self._data[g], self._lens[g] * sizeof(block_id_t))
+        self._set_buffer(g, new)
+
+    cpdef Py_ssize_t length(self, int g):
+        """Tracked blocks of group g."""
+        self._check_group(g)
+        return self._lens[g]
+
+    cpdef Py_ssize_t append(self, int g, const block_id_t[::1] ids) except -1:
+        """Append ``ids`` to group g; return the new length."""
+        self._check_group(g)
+        cdef Py_ssize_t n = ids.shape[0], base = self._lens[g]
+        if n == 0:
+            return base
+        self._reserve(g, base + n)
+        memcpy(self._data[g] + base, &ids[0], n * sizeof(block_id_t))
+        self._lens[g] = base + n
+        return base + n
+
+    def extend_groups(self, object groups):
+        """Append a table already accepted by :func:`check_int_table` (lists of Python ints,
+        ``None`` = nothing for that group), writing straight into the buffers."""
+        cdef int g
+        cdef Py_ssize_t i, n, base
+        cdef block_id_t* dst
+        cdef Py_ssize_t bad = -1
+        if len(groups) != self.num_groups:
+            raise ValueError(f"groups has {len(groups)} entries, expected {self.num_groups}")
+        for g in range(self.num_groups):  # all-or-nothing: check every group before writing
+            seq = groups[g]
+            if seq is not None and _check_int_seq(seq, 0, &bad) != ID_OK:
+                raise ValueError(f"groups[{g}] must be a list/tuple of ints in [0, 2**31)")
+        for g in range(self.num_groups):
+            seq = groups[g]
+            if seq is None:
+                continue
+            n = len(seq)
+            if n == 0:
+                continue
+            base = self._lens[g]
+            self._reserve(g, base + n)
+            dst = self._data[g] + base
+            for i in range(n):
+                dst[i] = <block_id_t>(<long long>seq[i])
+            self._lens[g] = base + n
+
+    def clip_views(self, const long long[::1] keep):
+        """Read-only views of the clipped table: ``keep[g] > 0`` keeps the last keep[g]
+        entries; ``keep[g] == 0`` keeps everything; ``keep[g] = -1 - s`` keeps the running
+        state slot of a Mamba group with s speculative scratch slots."""
+        cdef int g
+        cdef Py_ssize_t n, k, end
+        if keep.shape[0] != self.num_groups:
+            raise ValueError(f"keep has {keep.shape[0]} entries, expected {self.num_groups}")
+        out = []
+        for g in range(self.num_groups):
+            n = self._lens[g]
+            k = keep[g]
+            if k > 0:
+                v = self._bufs[g][(n - k if n > k else 0):n]
+            elif k == 0:
+                v = self._bufs[g][:n]
+            elif n == 0:
+                v = self._bufs[g][:0]
+            else:
+                k = -1 - k
+                end = n - (k if k < n - 1 else n - 1)
+                v = self._bufs[g][end - 1:end]
+            out.append(v)
+        return tuple(out)
+
+    cpdef Py_ssize_t assign(self, int g, const block_id_t[::1] ids) except -1:
+        """Replace group g's table with ``ids``; return the new length."""
+        self._check_group(g)
+        self._lens[g] = 0
+        return self.append(g, ids)
+
+    cpdef Py_ssize_t first_illegal_change(self, int g, const block_id_t[::1] full) except -2:
+        """Check a full table of group g against the tracked one.
+
+        Returns -1 when ``full`` is legal: at least as long as the tracked table, and every
+        tracked position either unchanged or changed from a real id to the null id 0.
+        Otherwise the first offending position (``len(full)`` when the table shrank).
+        """
+        self._check_group(g)
+        cdef Py_ssize_t i, n = self._lens[g]
+        if full.shape[0] < n:
+            return full.shape[0]
+        if n == 0:
+            return -1
+        cdef const block_id_t* cur = self._data[g]
+        with nogil:
+            for i in range(n):
+                if full[i] != cur[i] and full[i] != 0:
+                    return i
+        return -1
+
+    cpdef Py_ssize_t merge_full(self, int g, const block_id_t[::1] full) except -1:
+        """Apply a legal full table (see first_illegal_change): null freed positions in place,
+        append the suffix past the tracked length. Returns the number of appended blocks."""
+        self._check_group(g)
+        cdef Py_ssize_t i, n = self._lens[g], m = full.shape[0]
+        cdef block_id_t* cur = self._data[g]
+        if m < n:
+            raise ValueError(f"full has {m} entries, fewer than the {n} tracked")
+        if n:
+            with nogil:
+                for i in range(n):
+                    if full[i] == 0:
+                        cur[i] = 0
+        if m > n:
+            self.append(g, full[n:])
+        return m - n
+
+    cpdef object copy_group(self, int g):
+        """A fresh int32 array holding group g's table."""
+        self._check_group(g)
+        return self._bufs[g][:self._lens[g]].copy()
+
+    cpdef object view_group(self, int g):
+        """A read-only view of group g's live table (no copy)."""
+        self._check_group(g)
+        return self._bufs[g][:self._lens[g]]
+
+    cpdef object take_group(self, int g):
+        """Group g's table as an array the caller owns (no copy); the group is emptied."""
+        self._check_group(g)
+        buf = self._bufs[g]
+        buf.flags.writeable = True   # the caller owns it now
+        out = buf[:self._lens[g]]
+        self._set_buffer(g, np.empty(0, dtype=np.int32))
+        self._lens[g] = 0
+        return out
+
+    cpdef void clear(self):
+        """Empty every group (buffers are kept for reuse)."""
+        cdef int g
+        for g in range(self.num_groups):
+            self._lens[g] = 0
+
+
+# Python-visible copies of the IdStatus codes.
+STATUS_OK = ID_OK
+STATUS_NOT_INT = ID_NOT_INT
+STATUS_NEGATIVE = ID_NEGATIVE
+STATUS_PAST_INT32 = ID_PAST_INT32
+STATUS_PAST_POOL = ID_PAST_POOL

@@ -1,0 +1,465 @@
+"""External cache hits: the (group, block hash) existence set and vLLM's longest-hit rule.
+
+Units: tokens for lengths and hits; *hash rows* are blocks of ``hash_block_size`` tokens
+(row j names tokens ``[0, (j+1)*h)`` because hashes are chained); *blocks of group g* are
+``block_size_g`` tokens. Block i of group g is named by hash row ``(i+1)*bs_g/h - 1`` (the
+last row inside it, vLLM >= 0.32 "last" convention). With ``coarse="concat"`` (older vLLM) the
+*key string* of block i is the concatenation of its ``bs_g/h`` rows; the existence set still
+stores the last row, which names the same prefix because every row commits to its parent.
+
+The rule (vLLM ``HybridKVCacheCoordinator.find_longest_cache_hit`` + the single-type managers):
+full attention scans the prefix until the first miss; sliding window scans right to left for
+``cdiv(window-1, bs)`` contiguous hits ending on an aligned boundary (or a shorter run anchored
+at block 0); chunked-local looks up only the current chunk; Mamba takes the last aligned hit.
+Groups with equal specs are merged (a hit needs every member). Full attention goes first and
+the candidate length shrinks until no group lowers it (one pass for FA + one other spec).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._fast import _hits
+from ._fast._hits import ExistenceSet
+from .errors import HashInputError, LayoutError
+from .grain import cdiv
+from .spec import GroupKind, KVLayout
+
+__all__ = ["ExistenceSet", "HitFinder", "HitResult", "ExternalBlockPool", "as_hash_array",
+           "SpecGroup", "LookupPlan"]
+
+_FINE_KINDS = (GroupKind.FULL, GroupKind.MAMBA)   # managers that support sub-block lookups
+
+
+def as_hash_array(hashes: Sequence[bytes] | np.ndarray, digest_size: int | None = None) -> np.ndarray:
+    """Pack block hashes into an (N, digest_size) C-contiguous uint8 array.
+
+    Accepts a sequence of equal-length ``bytes`` (16 or 32 each) or an array (returned as is
+    when already valid). ``digest_size`` (bytes) is inferred from the first hash if omitted.
+    """
+    if isinstance(hashes, np.ndarray):
+        ds = digest_size if digest_size is not None else (hashes.shape[1] if hashes.ndim == 2 else 32)
+        return _hits._check_digests(hashes, ds, "hashes")
+    hashes = list(hashes)
+    if digest_size is None:
+        digest_size = len(hashes[0]) if hashes else 32
+    if digest_size not in (16, 32):
+        raise HashInputError(f"digest_size must be 16 or 32 bytes, got {digest_size}")
+    for i, h in enumerate(hashes):
+        if not isinstance(h, (bytes, bytearray, memoryview)) or len(h) != digest_size:
+            raise HashInputError(f"hashes[{i}] must be {digest_size} bytes")
+    if not hashes:
+        return np.zeros((0, digest_size), dtype=np.uint8)
+    return np.frombuffer(b"".join(bytes(h) for h in hashes), dtype=np.uint8).reshape(-1, digest_size).copy()
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecGroup:
+    """Groups looked up together (equal specs): vLLM's ``SpecGroup``."""
+
+    kind: GroupKind
+    block_size: int          # tokens per block (context-parallel scaled)
+    group_ids: tuple[int, ...]
+    eagle: bool
+    window: int = 0          # sliding window, tokens
+    chunk: int = 0           # attention chunk, tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class HitResult:
+    """A longest hit.
+
+    Attributes:
+        tokens: the hit length in tokens (a multiple of ``HitFinder.alignment``).
+        masks: one uint8 array per layout group: ``masks[g][i] == 1`` iff block i of group g
+            (blocks of ``block_size_g`` tokens) must be loaded for the hit; its length is the
+            group's hit block count including leading null positions (SW/Mamba/chunked
+            groups load only a tail). Groups not looked up get an empty array.
+    """
+
+    tokens: int
+    masks: tuple[np.ndarray, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupPlan:
+    """The keys one external lookup asks for, in one batch.
+
+    Attributes:
+        keys: every key string, group by group (row-major over namespaces).
+        spans: per probed group ``(group, rows, start, count)``: its hash rows (int64) and
+            the slice ``keys[start:start+count]`` holding their keys.
+    """
+
+    keys: list
+    spans: tuple
+
+    def fold(self, results, hashes: np.ndarray, key_builder) -> ExistenceSet:
+        """An ExistenceSet of the (group, row) keys every namespace answered 1 for
+        (``results`` in ``keys`` order; anything else, errors included, is a miss)."""
+        es = ExistenceSet(hashes.shape[1])
+        if len(results) != len(self.keys):
+            return es
+        for g, rows, start, count in self.spans:
+            present = key_builder.fold_presence(g, results[start:start + count], rows.size)
+            if present.any():
+                es.add_many(g, np.ascontiguousarray(hashes[rows[present.astype(bool)]]))
+        return es
+
+
+def _merge_key(spec) -> tuple:
+    # vLLM merges groups whose KVCacheSpec objects are equal; ``eagle`` is a property of the
+    # group (is_eagle_group), not of the spec, so it is not part of the key.
+    return (spec.kind, spec.block_size, spec.sliding_window, spec.chunk_size,
+            spec.extra_retained_tokens, spec.mamba_mode, spec.mla, spec.num_speculative_blocks,
+            spec.page_bytes)
+
+
+class HitFinder:
+    """vLLM's cross-group longest prefix hit over an external existence set.
+
+    Args:
+        layout: the model's groups. Looked-up groups are ``layout.prefix_cacheable_group_ids``.
+        coarse: ``"last"`` (vLLM >= 0.32: block i of a group is named by its last hash row) or
+            ``"concat"`` (older vLLM: key strings concatenate the block's rows). Only key
+            strings differ; ``concat`` cannot be combined with fine-grained Mamba hits.
+        eagle: vLLM's ``use_eagle``: when True and no group sets ``GroupSpec.eagle``, every
+            group drops its last matched block (vLLM's conservative fallback).
+
+    Attributes: ``hash_block_size`` (tokens per hash row), ``scheduler_block_size`` (lcm,
+    tokens), ``partial`` (fine-grained hits), ``alignment`` (tokens every hit is a multiple
+    of: hash_block_size if partial else scheduler_block_size), ``spec_groups``.
+    """
+
+    def __init__(self, layout: KVLayout, *, coarse: str = "last", eagle: bool = False) -> None:
+        if not isinstance(layout, KVLayout):
+            raise LayoutError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if coarse not in ("last", "concat"):
+            raise LayoutError(f"coarse must be 'last' or 'concat', got {coarse!r}")
+        layout.check_hash_addressable()
+        self.layout = layout
+        self.coarse = coarse
+        cp = layout.context_parallel
+        self.num_groups = layout.num_groups
+        self.group_ids = tuple(layout.prefix_cacheable_group_ids)
+        if not self.group_ids:
+            raise LayoutError("layout has no prefix-cacheable transferred group to look up")
+        self.block_sizes = tuple(s.block_size * cp for s in layout.groups)
+        self.hash_block_size = layout.hash_block_size * cp
+        self.scheduler_block_size = layout.scheduler_block_size * cp
+        self.unitary = layout.num_groups == 1
+        h = self.hash_block_size
+        cacheable_all = [g for g, s in enumerate(layout.groups) if s.prefix_cacheable]
+        partial = (not self.unitary and any(
+            layout.groups[g].kind == GroupKind.MAMBA and self.block_sizes[g] > h
+            for g in cacheable_all))
+        if partial and any(layout.groups[g].kind not in _FINE_KINDS and self.block_sizes[g] != h
+                           for g in cacheable_all):
+            partial = False   # SW / chunked-local need block-aligned lookups
+        self.partial = partial
+        if self.unitary:
+            self.alignment = self.block_sizes[0]
+        else:
+            self.alignment = h if partial else self.scheduler_block_size
+        if partial and coarse == "concat":
+            raise LayoutError("coarse='concat' (vLLM < 0.32 keys) cannot be combined with "
+                              "fine-grained Mamba hits, which probe single hash rows")
+        flagged = {g for g in self.group_ids if layout.groups[g].eagle}
+        if eagle and not flagged:
+            flagged = set(self.group_ids)
+        self.eagle_group_ids = frozenset(flagged)
+
+        buckets: dict[tuple, list[int]] = {}
+        for g in self.group_ids:
+            buckets.setdefault(_merge_key(layout.groups[g]), []).append(g)
+        groups = []
+        for gids in buckets.values():
+            s = layout.groups[gids[0]]
+            groups.append(SpecGroup(kind=s.kind, block_size=self.block_sizes[gids[0]],
+                                    group_ids=tuple(gids),
+                                    eagle=any(g in flagged for g in gids),
+                                    window=s.sliding_window or 0, chunk=s.chunk_size or 0))
+        groups.sort(key=lambda sg: sg.kind != GroupKind.FULL)   # stable: FA first
+        for sg in groups:
+            if sg.kind == GroupKind.CHUNKED_LOCAL:
+                if sg.eagle:
+                    raise LayoutError(f"groups {sg.group_ids}: eagle with chunked-local "
+                                      "attention has no hit rule (vLLM rejects it)")
+                if sg.block_size != self.alignment:
+                    raise LayoutError(f"groups {sg.group_ids}: chunked-local block size "
+                                      f"{sg.block_size} must equal the hit alignment "
+                                      f"{self.alignment} tokens")
+        self.spec_groups = tuple(groups)
+        # members of a merged spec group share its eagle drop (vLLM decides it per SpecGroup)
+        self.eagle_group_ids = frozenset(g for sg in groups if sg.eagle for g in sg.group_ids)
+        rows, members = [], []
+        for sg in groups:
+            start = len(members)
+            members.extend(sg.group_ids)
+            rows.append([int(sg.kind), sg.block_size, sg.window, sg.chunk, int(sg.eagle),
+                         start, len(members), int(sg.kind in _FINE_KINDS)])
+        self._specs = np.ascontiguousarray(np.array(rows, dtype=np.int64).reshape(-1, 8))
+        self._specs_no_eagle = self._specs.copy()
+        self._specs_no_eagle[:, 4] = 0
+        self._members = np.array(members, dtype=np.int32)
+
+    # -- lookups --------------------------------------------------------------------------
+    def align_length(self, num_tokens: int) -> int:
+        """``num_tokens`` rounded down to ``alignment`` tokens."""
+        _check_tokens("num_tokens", num_tokens)
+        return num_tokens // self.alignment * self.alignment
+
+    def longest_hit(self, hashes: np.ndarray, exists: ExistenceSet | None, max_length: int,
+                    *, apply_eagle: bool = True) -> HitResult:
+        """The longest hit of a request whose hash rows are ``hashes``.
+
+        Args:
+            hashes: (N, digest_size) uint8 C-contiguous; row j names tokens [0, (j+1)*h).
+            exists: the existence set, or None for *mask mode* (every key present: gives the
+                load masks of an already known hit length).
+            max_length: cap of the hit in tokens (vLLM passes ``num_tokens - 1``); probes
+                never go past the N*h tokens the rows cover.
+            apply_eagle: False when ``max_length`` is a hit that already had the eagle drop
+                (mask mode on the loading side), so the drop is not applied twice.
+        """
+        _check_tokens("max_length", max_length)
+        if exists is not None and not isinstance(exists, ExistenceSet):
+            raise HashInputError(f"exists must be an ExistenceSet or None, got {type(exists).__name__}")
+        specs = self._specs if apply_eagle else self._specs_no_eagle
+        out = np.zeros((specs.shape[0], 2), dtype=np.int64)
+        tokens = _hits.longest_hit(exists, hashes, int(max_length), specs, self._members,
+                                   self.hash_block_size, self.alignment, self.partial,
+                                   self.unitary, out)
+        masks = [_EMPTY] * self.num_groups
+        for s, sg in enumerate(self.spec_groups):
+            length, lo = int(out[s, 0]), int(out[s, 1])
+            m = np.zeros(length, dtype=np.uint8)
+            m[min(lo, length):] = 1
+            for g in sg.group_ids:
+                masks[g] = m if len(sg.group_ids) == 1 else m.copy()
+        return HitResult(int(tokens), tuple(masks))
+
+    def load_masks(self, hashes: np.ndarray, hit_tokens: int) -> tuple[np.ndarray, ...]:
+        """Blocks of each group to load for a hit of ``hit_tokens`` found earlier (mask mode,
+        eagle not re-applied; Mooncake's ``load_mask``)."""
+        return self.longest_hit(hashes, None, hit_tokens, apply_eagle=False).masks
+
+    # -- store / lookup masks --------------------------------------------------------------
+    def _reachable(self, g: int, start: int, end: int, lookup: bool) -> np.ndarray:
+        spec = self.layout.groups[g]
+        bs = self.block_sizes[g]
+        n = end - start
+        if spec.kind == GroupKind.MAMBA:
+            # align-mode Mamba tables are not append-only: states are never stored
+            # positionally (explicit boundary puts only), but every chunk may be probed.
+            return np.full(n, 1 if lookup else 0, dtype=np.uint8)
+        if spec.kind != GroupKind.SLIDING_WINDOW:
+            return np.ones(n, dtype=np.uint8)
+        align = self.scheduler_block_size
+        if align % bs:
+            return np.ones(n, dtype=np.uint8)
+        eagle = g in self.eagle_group_ids
+        need = cdiv(spec.sliding_window - 1, bs) + (1 if eagle else 0)
+        per_segment = align // bs
+        if need >= per_segment:
+            return np.ones(n, dtype=np.uint8)
+        shift = 1 if eagle else 0
+        i = np.arange(start, end, dtype=np.int64)
+        keep = (i >= shift) & ((i - shift) % per_segment >= per_segment - need)
+        return keep.astype(np.uint8)
+
+    def _masks(self, num_tokens: int, start_token: int, lookup: bool) -> tuple[np.ndarray, ...]:
+        _check_tokens("num_tokens", num_tokens)
+        _check_tokens("start_token", start_token)
+        if num_tokens % self.alignment:
+            raise HashInputError(f"num_tokens ({num_tokens}) must be a multiple of the hit "
+                                 f"alignment ({self.alignment} tokens); use align_length()")
+        out = []
+        for g in range(self.num_groups):
+            if g not in self.group_ids:
+                out.append(_EMPTY)
+                continue
+            bs = self.block_sizes[g]
+            end = num_tokens // bs
+            start = min(end, cdiv(start_token, bs))
+            out.append(self._reachable(g, start, end, lookup))
+        return tuple(out)
+
+    def store_masks(self, num_tokens: int, start_token: int = 0) -> tuple[np.ndarray, ...]:
+        """Per group, which blocks a saver writes: ``masks[g][i]`` covers block
+        ``cdiv(start_token, bs_g) + i`` of group g, up to ``num_tokens // bs_g`` (exclusive).
+
+        ``num_tokens`` must be a multiple of ``alignment``. Full attention / chunked-local:
+        every block; sliding window: the ``need``-block tails before each scheduler-block
+        boundary (vLLM's ``reachable_block_mask`` with dense retention); Mamba: none (states
+        go through explicit boundary puts, see ``boundary_row``).
+        """
+        return self._masks(num_tokens, start_token, lookup=False)
+
+    def lookup_masks(self, num_tokens: int) -> tuple[np.ndarray, ...]:
+        """Per group, which blocks a lookup probes (same rule as ``store_masks`` but Mamba
+        blocks are all probed), so a lookup never asks for a key no saver writes."""
+        return self._masks(num_tokens, 0, lookup=True)
+
+    def lookup_rows(self, num_hashes: int, num_tokens: int) -> tuple[np.ndarray, ...]:
+        """Per group, the int64 hash rows whose keys one lookup must probe (Mooncake's
+        ``lookup``): rows up to ``align_length(num_tokens)``. Fine-grained: every row; else
+        the last row of each block selected by ``lookup_masks``. Empty when nothing to ask."""
+        _check_tokens("num_hashes", num_hashes)
+        token_len = self.align_length(num_tokens)
+        h = self.hash_block_size
+        out = []
+        for g in range(self.num_groups):
+            if g not in self.group_ids or num_hashes == 0 or token_len <= 0:
+                out.append(np.zeros(0, dtype=np.int64))
+                continue
+            if self.partial:
+                out.append(np.arange(min(num_hashes, token_len // h), dtype=np.int64))
+                continue
+            bs = self.block_sizes[g]
+            k = bs // h
+            nblk = min(num_hashes // k, cdiv(token_len, bs))
+            mask = self._reachable(g, 0, nblk, lookup=True)
+            blocks = np.flatnonzero(mask).astype(np.int64)
+            out.append((blocks + 1) * k - 1)
+        return tuple(out)
+
+    def lookup_keys(self, hashes: np.ndarray, num_tokens: int, key_builder) -> LookupPlan:
+        """The keys (``key_builder``: a hmacore.keys.KeyBuilder) of ``lookup_rows``, in every
+        namespace each group requires; empty when there is nothing to ask."""
+        hashes = _hits._check_digests(hashes, _width(hashes), "hashes")
+        rows = self.lookup_rows(hashes.shape[0], num_tokens)
+        keys: list[str] = []
+        spans = []
+        for g in self.group_ids:
+            if rows[g].size == 0:
+                continue
+            k = key_builder.lookup_keys(g, self.key_digests(hashes, g, rows[g]))
+            spans.append((g, rows[g], len(keys), len(k)))
+            keys.extend(k)
+        return LookupPlan(keys, tuple(spans))
+
+    def store_rows(self, num_hashes: int, num_tokens: int, start_token: int = 0) -> tuple[np.ndarray, ...]:
+        """Per group, the int64 hash rows a saver writes keys for: the last row of every
+        block selected by ``store_masks(align_length(num_tokens), start_token)``, limited to
+        blocks the ``num_hashes`` rows cover."""
+        _check_tokens("num_hashes", num_hashes)
+        token_len = self.align_length(num_tokens)
+        masks = self._masks(token_len, start_token, lookup=False)
+        out = []
+        for g in range(self.num_groups):
+            if g not in self.group_ids:
+                out.append(np.zeros(0, dtype=np.int64))
+                continue
+            bs = self.block_sizes[g]
+            k = bs // self.hash_block_size
+            start = min(token_len // bs, cdiv(start_token, bs))
+            blocks = start + np.flatnonzero(masks[g]).astype(np.int64)
+            blocks = blocks[blocks < num_hashes // k]
+            out.append((blocks + 1) * k - 1)
+        return tuple(out)
+
+    def boundary_row(self, num_tokens: int) -> int:
+        """Hash row naming the state at ``align_length(num_tokens)`` tokens (the key of a
+        Mamba boundary put); -1 when that is 0 tokens."""
+        t = self.align_length(num_tokens)
+        return t // self.hash_block_size - 1
+
+    def key_digests(self, hashes: np.ndarray, group: int, rows: np.ndarray) -> np.ndarray:
+        """The digest bytes of the keys of ``rows`` in group ``group``: (n, ds) uint8 (the rows
+        themselves) with ``coarse="last"``; (n, k*ds) concatenations of each block's k rows
+        with ``coarse="concat"`` (k = bs_g / h). Used to render key strings."""
+        hashes = _hits._check_digests(hashes, _width(hashes), "hashes")
+        g = self._check_group(group)
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= hashes.shape[0])):
+            raise HashInputError(f"rows must be a 1-D array of hash rows in [0, {hashes.shape[0]})")
+        k = self.block_sizes[g] // self.hash_block_size
+        if self.coarse == "last" or k == 1:
+            return hashes[rows]
+        if rows.size and np.any((rows + 1) % k):
+            raise HashInputError(f"rows must end blocks of group {g} (multiples of {k} minus 1) "
+                                 "for concatenated keys")
+        idx = rows[:, None] - (k - 1) + np.arange(k)[None, :]
+        return hashes[idx].reshape(rows.size, k * hashes.shape[1])
+
+    def _check_group(self, group) -> int:
+        if isinstance(group, bool) or not isinstance(group, (int, np.integer)) \
+                or not 0 <= int(group) < self.num_groups:
+            raise HashInputError(f"group must be a group id in [0, {self.num_groups}), got {group!r}")
+        return int(group)
+
+
+def _width(hashes) -> int:
+    if isinstance(hashes, np.ndarray) and hashes.ndim == 2 and hashes.shape[1] in (16, 32):
+        return hashes.shape[1]
+    raise HashInputError("hashes must be a uint8 array of shape (N, 16) or (N, 32)")
+
+
+_EMPTY = np.zeros(0, dtype=np.uint8)
+_EMPTY.setflags(write=False)
+
+
+def _check_tokens(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise HashInputError(f"{name} must be an int (tokens), got {type(value).__name__}")
+    if value < 0:
+        raise HashInputError(f"{name} must be >= 0 tokens, got {value}")
+    return int(value)
+
+
+class _Block:
+    """Stand-in for vLLM's KVCacheBlock (only ``block_id`` and ``is_null`` are read)."""
+
+    __slots__ = ("block_id", "is_null")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.is_null = block_id == 0
+
+    def __repr__(self) -> str:
+        return f"_Block({self.block_id})"
+
+
+class ExternalBlockPool:
+    """Duck-typed vLLM ``BlockPool`` over an ExistenceSet, for vLLM's manager classmethods.
+
+    ``get_cached_block(block_hash, kv_cache_group_ids)`` returns one present block per group
+    id, or None if any group misses. ``exists=None`` is *mask mode*: every lookup hits.
+    A hash longer than the set's digest (a concatenated coarse hash) is looked up by its
+    last ``digest_size`` bytes: the last fine hash names the same chained prefix.
+    Attributes ``null_block`` (id 0) and ``hash_block_size`` (tokens) are what vLLM reads.
+    """
+
+    def __init__(self, hash_block_size: int, exists: ExistenceSet | None = None) -> None:
+        _check_tokens("hash_block_size", hash_block_size)
+        if hash_block_size <= 0:
+            raise HashInputError("hash_block_size must be > 0 tokens")
+        if exists is not None and not isinstance(exists, ExistenceSet):
+            raise HashInputError(f"exists must be an ExistenceSet or None, got {type(exists).__name__}")
+        self.hash_block_size = hash_block_size
+        self.exists = exists
+        self.null_block = _Block(0)
+        self.present_block = _Block(1)
+
+    def get_cached_block(self, block_hash, kv_cache_group_ids):
+        if self.exists is None:
+            return [self.present_block] * len(kv_cache_group_ids)
+        ds = self.exists.digest_size
+        b = bytes(block_hash)
+        if len(b) == 0 or len(b) % ds:
+            raise HashInputError(f"block_hash must be a multiple of {ds} bytes, got {len(b)}")
+        b = b[-ds:]
+        for g in kv_cache_group_ids:
+            if not self.exists.contains(g, b):
+                return None
+        return [self.present_block] * len(kv_cache_group_ids)
+
+    def contains(self, group_id: int, block_hash) -> bool:
+        """True if ``group_id`` holds ``block_hash`` (False in mask mode, like vLLM)."""
+        if self.exists is None:
+            return False
+        b = bytes(block_hash)
+        return self.exists.contains(group_id, b[-self.exists.digest_size:])

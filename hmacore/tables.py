@@ -1,0 +1,558 @@
+"""Multi-group block tables and per-request trackers.
+
+Units: a block table is one array of block ids per KV cache group; entry j of group g is
+block j of that group (``block_size[g]`` tokens each; MAMBA: the state after ``(j+1)*bs``
+tokens). Id 0 is the null block (placeholder for freed / skipped positions). Ids are int32.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Hashable, Union
+
+import numpy as np
+
+from ._fast import _tables as _k
+from .errors import BlockTableError, TrackerStateError
+from .spec import KVLayout
+
+__all__ = [
+    "BlockTable", "as_block_table", "to_wire", "from_wire", "to_tuple", "fill_blocks",
+    "count_hashed", "RequestState", "TrackerSet",
+]
+
+BlockTable = tuple  # tuple[np.ndarray[int32], ...], one entry per group
+BlockTableLike = Union[Sequence[Any], np.ndarray]
+
+_INT32_MAX = 2**31 - 1
+_EMPTY = np.empty(0, dtype=np.int32)
+_EMPTY.flags.writeable = False
+
+
+# -- conversion / validation ------------------------------------------------------------
+def _check_num_groups(num_groups: Any) -> int:
+    if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) \
+            or num_groups < 1:
+        raise BlockTableError(f"num_groups must be an int >= 1, got {num_groups!r}")
+    return int(num_groups)
+
+
+def _check_num_blocks(num_blocks: Any) -> int:
+    """0 means unknown pool size (only sign and int32 range are checked)."""
+    if num_blocks is None:
+        return 0
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) \
+            or not 1 <= num_blocks <= _INT32_MAX:
+        raise BlockTableError(f"num_blocks must be None or an int in [1, 2**31-1], "
+                              f"got {num_blocks!r}")
+    return int(num_blocks)
+
+
+def _is_group_like(x: Any) -> bool:
+    return isinstance(x, (list, tuple, np.ndarray)) or x is None
+
+
+def _split_groups(block_ids: Any, num_groups: int, name: str) -> Sequence[Any]:
+    if isinstance(block_ids, np.ndarray):
+        if block_ids.ndim == 1 and num_groups == 1:
+            return (block_ids,)
+        if block_ids.ndim == 1:
+            raise BlockTableError(f"{name}: a flat array is a single-group table, but the "
+                                  f"layout has {num_groups} groups; pass one array per group")
+        raise BlockTableError(f"{name}: {block_ids.ndim}-D arrays are not accepted (groups "
+                              "differ in length); pass a tuple with one 1-D array per group")
+    if not isinstance(block_ids, (list, tuple)):
+        raise BlockTableError(f"{name} must be a tuple/list with one id sequence per group, "
+                              f"got {type(block_ids).__name__}")
+    if num_groups == 1 and (len(block_ids) == 0 or not _is_group_like(block_ids[0])):
+        return (block_ids,)  # single-group back-compat: a flat list of ids
+    if len(block_ids) != num_groups:
+        raise BlockTableError(f"{name} has {len(block_ids)} groups, the layout has "
+                              f"{num_groups}")
+    return block_ids
+
+
+def _raise_status(name: str, g: int, i: int, status: int, value: Any, hi: int,
+                  offset: int = 0) -> None:
+    where = f"{name}: group {g}, index {i + offset}"
+    if status == _k.STATUS_NOT_INT:
+        raise BlockTableError(f"{where}: block ids must be integers, got "
+                              f"{type(value).__name__} {value!r}")
+    if status == _k.STATUS_NEGATIVE:
+        raise BlockTableError(f"{where}: block id {value} is negative")
+    if status == _k.STATUS_PAST_INT32:
+        raise BlockTableError(f"{where}: block id {value} does not fit in int32")
+    raise BlockTableError(f"{where}: block id {value} is >= num_blocks ({hi})")
+
+
+def _as_group(x: Any, g: int, hi: int, name: str, offset: int = 0) -> np.ndarray:
+    """One group as contiguous int32 (``offset``: index of x[0] in the caller's group, for
+    messages about a slice)."""
+    if isinstance(x, np.ndarray):
+        if x.ndim != 1:
+            raise BlockTableError(f"{name}: group {g} must be 1-D, got shape {x.shape}")
+        kind = x.dtype.kind
+        if kind == "O":
+            x = x.tolist()
+        elif kind not in "iu":
+            raise BlockTableError(f"{name}: group {g} must hold integers, got dtype {x.dtype}")
+        elif x.dtype == np.int32:
+            x = np.ascontiguousarray(x)
+            status, i = _k.scan_int32(x, hi)
+            if status != _k.STATUS_OK:
+                _raise_status(name, g, i, status, int(x[i]), hi, offset)
+            return x
+        else:
+            bad = x > _INT32_MAX
+            if hi:
+                bad |= x >= hi
+            if kind == "i":
+                bad |= x < 0
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                v = int(x[i])
+                status = (_k.STATUS_NEGATIVE if v < 0 else
+                          _k.STATUS_PAST_INT32 if v > _INT32_MAX else _k.STATUS_PAST_POOL)
+                _raise_status(name, g, i, status, v, hi, offset)
+            return x.astype(np.int32)
+    if isinstance(x, (list, tuple)):
+        out, status, i = _k.seq_to_int32(x, hi)
+        if status != _k.STATUS_OK:
+            _raise_status(name, g, i, status, x[i], hi, offset)
+        return out
+    if x is None:
+        raise BlockTableError(f"{name}: group {g} is None (use an empty list for no blocks)")
+    raise BlockTableError(f"{name}: group {g} must be a list/tuple/1-D array of ids, got "
+                          f"{type(x).__name__}")
+
+
+def as_block_table(block_ids: BlockTableLike, num_groups: int, *, num_blocks: int | None = None,
+                   name: str = "block_ids") -> tuple[np.ndarray, ...]:
+    """Validate a per-group table and return it as a tuple of contiguous int32 arrays.
+
+    Accepts a tuple/list of lists, tuples or 1-D integer arrays (one per group), and, when
+    ``num_groups == 1``, a flat list/array of ids (single-group back-compat; an empty flat
+    list is one empty group). Ids must be integers (not bools/floats) in ``[0, num_blocks)``
+    (``[0, 2**31)`` when ``num_blocks`` is None). A group that already is a contiguous int32
+    array is returned as is (no copy); everything else is copied.
+
+    Raises:
+        BlockTableError: naming ``name``, the group and the index of the first bad id.
+    """
+    num_groups = _check_num_groups(num_groups)
+    hi = _check_num_blocks(num_blocks)
+    groups = _split_groups(block_ids, num_groups, name)
+    return tuple(_as_group(x, g, hi, name) for g, x in enumerate(groups))
+
+
+def to_wire(table: Sequence[Any]) -> list[list[int]]:
+    """Per-group lists of Python ints (JSON/msgpack friendly)."""
+    return [np.asarray(t).tolist() if isinstance(t, np.ndarray) else [int(b) for b in t]
+            for t in table]
+
+
+def from_wire(obj: Any, num_groups: int, *, num_blocks: int | None = None,
+              name: str = "remote_block_ids") -> tuple[np.ndarray, ...]:
+    """Parse a wire table (list of per-group lists; a flat list when ``num_groups == 1``).
+
+    Same rules as :func:`as_block_table`.
+    """
+    return as_block_table(obj, num_groups, num_blocks=num_blocks, name=name)
+
+
+def to_tuple(table: Sequence[Any]) -> tuple[list[int], ...]:
+    """vLLM's ``tuple[list[int], ...]`` shape."""
+    return tuple(to_wire(table))
+
+
+def _as_masks(hashed: Any, table: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+    if not isinstance(hashed, (list, tuple)):
+        raise BlockTableError(f"hashed must be a tuple/list with one mask per group, got "
+                              f"{type(hashed).__name__}")
+    if len(hashed) != len(table):
+        raise BlockTableError(f"hashed has {len(hashed)} groups, the table has {len(table)}")
+    masks = []
+    for g, m in enumerate(hashed):
+        m = np.asarray(m)
+        if m.ndim != 1 or m.shape[0] != table[g].shape[0]:
+            raise BlockTableError(f"hashed: group {g} must be a 1-D mask of length "
+                                  f"{table[g].shape[0]}, got shape {m.shape}")
+        if m.size == 0:
+            m = np.zeros(0, dtype=np.uint8)  # np.asarray([]) is float64
+        elif m.dtype == np.bool_:
+            m = m.view(np.uint8)
+        elif m.dtype != np.uint8:
+            if m.dtype.kind not in "iu" or (m.size and (m.min() < 0 or m.max() > 1)):
+                raise BlockTableError(f"hashed: group {g} must be a bool/uint8 mask (or 0/1 "
+                                      f"integers), got dtype {m.dtype}")
+            m = m.astype(np.uint8)
+        masks.append(np.ascontiguousarray(m))
+    return masks
+
+
+def fill_blocks(table: BlockTableLike, hashed: Sequence[Any]) -> tuple[np.ndarray, ...]:
+    """Blocks a connector must fill, per group (vLLM ``get_unhashed_block_ids_all_groups``).
+
+    Per group: strip the leading null (0) run, then keep ids whose ``hashed`` flag is 0 and
+    that are not null. ``table`` has one entry per group (any form :func:`as_block_table`
+    accepts with ``num_groups=len(table)``); ``hashed[g]`` is a bool/uint8 mask of the same
+    length. Returns fresh int32 arrays (blocks of group g).
+    """
+    t = as_block_table(table, _n_groups(table), name="table")
+    masks = _as_masks(hashed, t)
+    out = []
+    for ids, m in zip(t, masks):
+        buf = np.empty(ids.shape[0], dtype=np.int32)
+        n = _k.select_unhashed(ids, m, buf)
+        out.append(buf[:n])
+    return tuple(out)
+
+
+def count_hashed(table: BlockTableLike, hashed: Sequence[Any]) -> tuple[int, ...]:
+    """Per group: positions that are hashed and not null (vLLM ``local_num_computed_blocks``)."""
+    t = as_block_table(table, _n_groups(table), name="table")
+    masks = _as_masks(hashed, t)
+    return tuple(_k.count_hashed_nonnull(ids, m) for ids, m in zip(t, masks))
+
+
+def _n_groups(table: Any) -> int:
+    if isinstance(table, (list, tuple)) and len(table) and _is_group_like(table[0]):
+        return len(table)
+    if isinstance(table, (list, tuple)) and len(table) == 0:
+        raise BlockTableError("table: a block table needs at least one group")
+    return 1
+
+
+# -- trackers ---------------------------------------------------------------------------
+class RequestState(enum.IntEnum):
+    """Lifecycle of a tracked request (FINISHED requests are removed from the set)."""
+
+    NEW = 0                 # added, nothing scheduled yet
+    WAITING_FOR_REMOTE = 1  # blocks allocated, waiting for an async load
+    RUNNING = 2
+    PREEMPTED = 3           # table and watermarks reset; comes back via replace()
+    FINISHED = 4
+
+
+class _FastTable:
+    """A table of Python-int lists that already passed ``check_int_table``."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: Any) -> None:
+        self.groups = groups
+
+
+class TrackerSet:
+    """Per-request, per-group block tables mirroring vLLM's scheduler contract.
+
+    Tables live in growable contiguous int32 buffers (:class:`~hmacore._fast._tables.
+    RequestTables`, one per request, no object per block). Every mutating method validates
+    all of its input before changing anything: on any exception the set is unchanged.
+
+    Units: tables in blocks of each group; watermarks in tokens.
+    """
+
+    def __init__(self, layout: KVLayout) -> None:
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        self.layout = layout
+        self.num_groups = layout.num_groups
+        self._num_blocks = layout.num_blocks
+        self._reqs: dict[Hashable, _k.RequestTables] = {}
+
+    # -- helpers ----------------------------------------------------------------------
+    def _table(self, block_ids: Any, name: str) -> tuple[np.ndarray, ...]:
+        return as_block_table(block_ids, self.num_groups, num_blocks=self._num_blocks,
+                              name=name)
+
+    def _get(self, req_id: Hashable) -> _k.RequestTables:
+        try:
+            return self._reqs[req_id]
+        except KeyError:
+            raise TrackerStateError(f"req_id {req_id!r} is not tracked (never added or "
+                                    "already finished)") from None
+        except TypeError:
+            raise TrackerStateError(f"req_id must be hashable, got {type(req_id).__name__}") \
+                from None
+
+    def _new_ids(self, new_block_ids: Any) -> tuple[np.ndarray, ...] | None:
+        """Appended ids of a running request; None (or all-empty) means no change."""
+        if new_block_ids is None:
+            return None
+        if isinstance(new_block_ids, (list, tuple)) and any(x is None for x in new_block_ids):
+            new_block_ids = [_EMPTY if x is None else x for x in new_block_ids]
+        return self._table(new_block_ids, "new_block_ids")
+
+    def _check_full(self, rt: _k.RequestTables, full: tuple[np.ndarray, ...],
+                    req_id: Hashable) -> None:
+        for g, ids in enumerate(full):
+            i = rt.first_illegal_change(g, ids)
+            if i < 0:
+                continue
+            if i == ids.shape[0] and i < rt.length(g):
+                raise BlockTableError(
+                    f"full_table: group {g} of {req_id!r} has {ids.shape[0]} blocks but "
+                    f"{rt.length(g)} are tracked; tables never shrink (positions are stable)")
+            old = int(rt.copy_group(g)[i])
+            raise BlockTableError(
+                f"full_table: group {g}, index {i} of {req_id!r}: tracked block {old} changed "
+                f"to {int(ids[i])}; a tracked position may only become the null block 0")
+
+    @staticmethod
+    def _check_tokens(name: str, n: Any) -> int:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise TrackerStateError(f"{name} must be an int >= 0, got {n!r}")
+        return int(n)
+
+    # -- single-request operations ----------------------------------------------------
+    def add(self, req_id: Hashable, block_ids: BlockTableLike, *, num_prompt_tokens: int = 0) -> None:
+        """Track a new request with a copy of its full table (blocks per group)."""
+        if req_id in self:
+            raise TrackerStateError(f"req_id {req_id!r} is already tracked")
+        table = self._fast_or_table(block_ids, "block_ids", allow_none=False)
+        n = self._check_tokens("num_prompt_tokens", num_prompt_tokens)
+        self._insert(req_id, table, n)
+
+    def _fast_or_table(self, block_ids: Any, name: str, *, allow_none: bool) -> Any:
+        """Lists of Python ints that pass the C pre-check are kept as they are (consumed by
+        ``RequestTables.extend_groups``); anything else becomes int32 arrays (or raises)."""
+        if _k.check_int_table(block_ids, self.num_groups, self._num_blocks or 0, allow_none):
+            return _FastTable(block_ids)
+        if allow_none:
+            return self._new_ids(block_ids)
+        return self._table(block_ids, name)
+
+    @staticmethod
+    def _extend(rt: _k.RequestTables, table: Any) -> None:
+        if table is None:
+            return
+        if isinstance(table, _FastTable):
+            rt.extend_groups(table.groups)
+            return
+        for g, ids in enumerate(table):
+            rt.append(g, ids)
+
+    def _insert(self, req_id: Hashable, table: Any, prompt: int) -> None:
+        rt = _k.RequestTables(self.num_groups)
+        self._extend(rt, table)
+        rt.num_prompt_tokens = prompt
+        rt.state = RequestState.NEW
+        self._reqs[req_id] = rt
+
+    def append(self, req_id: Hashable, new_block_ids: BlockTableLike | None) -> tuple[int, ...]:
+        """Append newly allocated blocks of a running request (None / empty groups: no-op).
+
+        Returns the new per-group lengths. A PREEMPTED request must come back via
+        :meth:`replace` first.
+        """
+        rt = self._get(req_id)
+        table = self._fast_or_table(new_block_ids, "new_block_ids", allow_none=True)
+        self._check_appendable(req_id, rt.state)
+        self._extend(rt, table)
+        if rt.state == RequestState.NEW:
+            rt.state = RequestState.RUNNING
+        return self.num_blocks(req_id)
+
+    @staticmethod
+    def _check_appendable(req_id: Hashable, state: int) -> None:
+        if state == RequestState.PREEMPTED:
+            raise TrackerStateError(f"req_id {req_id!r} is PREEMPTED: a resumed request "
+                                    "brings its full table (replace), not appended ids")
+
+    def update_after_alloc(self, req_id: Hashable, full_table: BlockTableLike) -> tuple[int, ...]:
+        """Merge the request's FULL table (vLLM ``update_state_after_alloc``); idempotent.
+
+        Appends only the suffix beyond the tracked length of each group and nulls tracked
+        positions that became 0 (vLLM frees out-of-window blocks in place). Any other change
+        of a tracked position, or a shorter table, raises BlockTableError and changes nothing.
+        Returns how many blocks were appended per group.
+        """
+        rt = self._get(req_id)
+        full = self._table(full_table, "full_table")
+        self._check_full(rt, full, req_id)
+        return tuple(rt.merge_full(g, ids) for g, ids in enumerate(full))
+
+    def replace(self, req_id: Hashable, full_table: BlockTableLike) -> None:
+        """Replace the table of a resumed request; state becomes RUNNING."""
+        rt = self._get(req_id)
+        full = self._table(full_table, "full_table")
+        for g, ids in enumerate(full):
+            rt.assign(g, ids)
+        rt.state = RequestState.RUNNING
+
+    def preempt(self, req_id: Hashable) -> None:
+        """Empty the table, reset the watermarks to 0, state PREEMPTED."""
+        rt = self._get(req_id)
+        rt.clear()
+        rt.scheduled_tokens = rt.saved_tokens = rt.loaded_tokens = 0
+        rt.state = RequestState.PREEMPTED
+
+    def finish(self, req_id: Hashable) -> tuple[np.ndarray, ...]:
+        """Remove the request (exactly once) and hand its per-group tables to the caller."""
+        rt = self._get(req_id)
+        del self._reqs[req_id]
+        return tuple(rt.take_group(g) for g in range(self.num_groups))
+
+    # -- queries ----------------------------------------------------------------------
+    def block_ids(self, req_id: Hashable, *, copy: bool = True) -> tuple[np.ndarray, ...]:
+        """The request's table (int32 per group, blocks of each group).
+
+        ``copy=False`` returns read-only views of the tracker's buffers (no copy): cheap for
+        clipping, but they show later in-place nulling and do not see later appends; do not
+        keep them across tracker updates.
+        """
+        rt = self._get(req_id)
+        if copy:
+            return tuple(rt.copy_group(g) for g in range(self.num_groups))
+        return tuple(rt.view_group(g) for g in range(self.num_groups))
+
+    def num_blocks(self, req_id: Hashable) -> tuple[int, ...]:
+        """Tracked blocks per group (blocks of each group, nulls included)."""
+        rt = self._get(req_id)
+        return tuple(rt.length(g) for g in range(self.num_groups))
+
+    def state(self, req_id: Hashable) -> RequestState:
+        return RequestState(self._get(req_id).state)
+
+    def set_state(self, req_id: Hashable, state: RequestState) -> None:
+        """Mark NEW / WAITING_FOR_REMOTE / RUNNING (use preempt()/finish() for the others)."""
+        rt = self._get(req_id)
+        try:
+            st = RequestState(state)
+        except ValueError:
+            raise TrackerStateError(f"state must be a RequestState, got {state!r}") from None
+        if st in (RequestState.PREEMPTED, RequestState.FINISHED):
+            raise TrackerStateError(f"state {st.name} is set by preempt()/finish(), not set_state")
+        rt.state = int(st)
+
+    def num_prompt_tokens(self, req_id: Hashable) -> int:
+        return self._get(req_id).num_prompt_tokens
+
+    def scheduled_tokens(self, req_id: Hashable) -> int:
+        """Tokens scheduled so far (tokens)."""
+        return self._get(req_id).scheduled_tokens
+
+    def saved_tokens(self, req_id: Hashable) -> int:
+        """Tokens whose KV was saved/stored (tokens)."""
+        return self._get(req_id).saved_tokens
+
+    def loaded_tokens(self, req_id: Hashable) -> int:
+        """Tokens whose KV was loaded (tokens)."""
+        return self._get(req_id).loaded_tokens
+
+    def _set_mark(self, req_id: Hashable, field: str, n: Any) -> None:
+        rt = self._get(req_id)
+        n = self._check_tokens(field, n)
+        cur = getattr(rt, field)
+        if n < cur:
+            raise TrackerStateError(f"{field} of {req_id!r} cannot run backwards: {cur} -> {n}")
+        setattr(rt, field, n)
+
+    def set_scheduled_tokens(self, req_id: Hashable, n: int) -> None:
+        self._set_mark(req_id, "scheduled_tokens", n)
+
+    def set_saved_tokens(self, req_id: Hashable, n: int) -> None:
+        self._set_mark(req_id, "saved_tokens", n)
+
+    def set_loaded_tokens(self, req_id: Hashable, n: int) -> None:
+        self._set_mark(req_id, "loaded_tokens", n)
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __contains__(self, req_id: object) -> bool:
+        try:
+            return req_id in self._reqs
+        except TypeError:
+            return False
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(list(self._reqs))
+
+    # -- one scheduler step -----------------------------------------------------------
+    def apply_step(self, new: Iterable[tuple[Hashable, BlockTableLike]] = (),
+                   cached: Iterable[tuple[Hashable, BlockTableLike | None, bool]] = (),
+                   finished: Iterable[Hashable] = (), *,
+                   preempted: Iterable[Hashable] = ()) -> dict[Hashable, tuple[np.ndarray, ...]]:
+        """Apply one scheduler step's updates atomically.
+
+        Order: ``finished`` (removed), ``preempted`` (reset), ``new`` (added with their full
+        tables), ``cached`` (``(req_id, new_ids_or_None, resumed)``: resumed -> replace with
+        the full table, else append). Everything is validated against the state the earlier
+        parts leave behind before anything is mutated; on error the set is unchanged.
+        Returns the finished requests' tables.
+        """
+        finished = list(finished)
+        preempted = list(preempted)
+        new = list(new)
+        cached = list(cached)
+        check, G, nb = _k.check_int_table, self.num_groups, self._num_blocks or 0
+        NEW, RUNNING, PREEMPTED = (int(RequestState.NEW), int(RequestState.RUNNING),
+                                   int(RequestState.PREEMPTED))
+        # Phase 1: validate against a simulated membership/state view.
+        live = {r: rt.state for r, rt in self._reqs.items()}
+        for r in finished:
+            if r not in live:
+                raise TrackerStateError(f"finished: req_id {r!r} is not tracked")
+            del live[r]
+        for r in preempted:
+            if r not in live:
+                raise TrackerStateError(f"preempted: req_id {r!r} is not tracked")
+            live[r] = PREEMPTED
+        new_tables = []
+        for item in new:
+            if len(item) != 2:
+                raise TrackerStateError("new: items must be (req_id, block_ids)")
+            r, ids = item
+            if r in live:
+                raise TrackerStateError(f"new: req_id {r!r} is already tracked")
+            new_tables.append((r, self._fast_or_table(ids, f"new[{r!r}]", allow_none=False)))
+            live[r] = NEW
+        # cached_ops: (req_id, kind, payload); kind 0 = replace (int32 arrays), 1 = append
+        # lists that passed check_int_table (None = nothing), 2 = append int32 arrays.
+        cached_ops = []
+        for item in cached:
+            if len(item) != 3:
+                raise TrackerStateError("cached: items must be (req_id, new_block_ids, resumed)")
+            r, ids, resumed = item
+            state = live.get(r, -1)
+            if state < 0:
+                raise TrackerStateError(f"cached: req_id {r!r} is not tracked")
+            if resumed:
+                if ids is None:
+                    raise BlockTableError(f"cached[{r!r}]: a resumed request needs its full table")
+                cached_ops.append((r, 0, self._table(ids, f"cached[{r!r}]")))
+                live[r] = RUNNING
+                continue
+            if state == PREEMPTED:
+                self._check_appendable(r, state)
+            if ids is None or check(ids, G, nb, True):
+                cached_ops.append((r, 1, ids))
+            else:
+                cached_ops.append((r, 2, self._new_ids(ids)))
+            if state == NEW:
+                live[r] = RUNNING
+        # Phase 2: mutate (cannot fail on validated input).
+        out = {r: self.finish(r) for r in finished}
+        for r in preempted:
+            self.preempt(r)
+        for r, table in new_tables:
+            self._insert(r, table, 0)
+        reqs = self._reqs
+        for r, kind, table in cached_ops:
+            rt = reqs[r]
+            if kind == 1:
+                if table is not None:
+                    rt.extend_groups(table)
+            elif kind == 2:
+                for g, ids in enumerate(table):
+                    rt.append(g, ids)
+            else:
+                for g, ids in enumerate(table):
+                    rt.assign(g, ids)
+                rt.state = RUNNING
+                continue
+            if rt.state == NEW:
+                rt.state = RUNNING
+        return out

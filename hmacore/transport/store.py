@@ -1,0 +1,403 @@
+"""KV stores behind one small protocol, plus the lookup/save/load flows over a HitFinder.
+
+Protocol (``KVStore``), all bulk and all answering per key with an int code:
+``batch_exists(keys) -> [1 present | 0 absent | < 0 error]``,
+``batch_put(keys, parts) -> [0 | < 0]`` where ``parts[i]`` is a list of ``(addr, size)``
+buffers inside registered memory whose concatenation is key i's value,
+``batch_get(keys, parts) -> [bytes read | < 0]`` (fills the same buffers),
+``batch_remove(keys) -> [0 | < 0]``, ``register(addr, size)``, ``unregister(addr)``.
+Codes follow Mooncake: NO_SPACE -200 (skip saving), INVALID -600, NOT_FOUND -704, RPC_FAIL -900.
+
+``EmbeddedStore`` is an in-process DRAM store (capacity in bytes, LRU eviction, thread-safe).
+``GroupSegments`` maps block ids of ONE group to addresses in that group's own layers only.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import HashInputError, StoreError
+from .._fast import _hits
+from ..hits import HitFinder, HitResult
+from ..keys import KeyBuilder
+from ..spec import GroupKind
+
+__all__ = ["OK", "NO_SPACE", "INVALID", "NOT_FOUND", "RPC_FAIL", "KVStore", "EmbeddedStore",
+           "GroupSegments", "lookup_hit", "save_blocks", "save_state", "load_blocks",
+           "SaveReport"]
+
+OK = 0
+NO_SPACE = -200
+INVALID = -600
+NOT_FOUND = -704
+RPC_FAIL = -900
+
+Parts = Sequence[Sequence[tuple[int, int]]]
+
+
+class KVStore(Protocol):
+    def batch_exists(self, keys: Sequence[str]) -> list[int]: ...
+    def batch_put(self, keys: Sequence[str], parts: Parts) -> list[int]: ...
+    def batch_get(self, keys: Sequence[str], parts: Parts) -> list[int]: ...
+    def batch_remove(self, keys: Sequence[str]) -> list[int]: ...
+    def register(self, addr: int, size: int) -> None: ...
+    def unregister(self, addr: int) -> None: ...
+
+
+def _check_keys(keys) -> list[str]:
+    if isinstance(keys, (str, bytes)):
+        raise HashInputError("keys must be a sequence of str, not a single str")
+    keys = list(keys)
+    for i, k in enumerate(keys):
+        if not isinstance(k, str) or not k:
+            raise HashInputError(f"keys[{i}] must be a non-empty str")
+    return keys
+
+
+def _check_hashes(hashes) -> np.ndarray:
+    if not isinstance(hashes, np.ndarray) or hashes.ndim != 2 or hashes.shape[1] not in (16, 32):
+        raise HashInputError("hashes must be a uint8 array of shape (N, 16) or (N, 32)")
+    return _hits._check_digests(hashes, hashes.shape[1], "hashes")
+
+
+def _check_parts(keys: list[str], parts) -> list[list[tuple[int, int]]]:
+    parts = [list(p) for p in parts]
+    if len(parts) != len(keys):
+        raise HashInputError(f"parts has {len(parts)} entries for {len(keys)} keys")
+    out = []
+    for i, p in enumerate(parts):
+        row = []
+        for a, s in p:
+            a, s = int(a), int(s)
+            if a <= 0 or s < 0:
+                raise HashInputError(f"parts[{i}]: addresses must be > 0 and sizes >= 0 bytes")
+            row.append((a, s))
+        out.append(row)
+    return out
+
+
+class EmbeddedStore:
+    """In-process DRAM key/value store (capacity in bytes, LRU eviction, thread-safe).
+
+    Values are copied from/to registered memory only: a buffer outside every registered
+    region gets INVALID, never a wild read. ``batch_exists`` does not refresh recency; a
+    successful get or put does.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise HashInputError(f"capacity_bytes must be an int > 0, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._used = 0
+        self._regions: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def register(self, addr: int, size: int) -> None:
+        if int(addr) <= 0 or int(size) <= 0:
+            raise HashInputError("register: addr and size must be > 0")
+        with self._lock:
+            self._regions[int(addr)] = int(size)
+
+    def unregister(self, addr: int) -> None:
+        with self._lock:
+            self._regions.pop(int(addr), None)
+
+    def _inside(self, addr: int, size: int) -> bool:
+        for base, n in self._regions.items():
+            if base <= addr and addr + size <= base + n:
+                return True
+        return False
+
+    def batch_exists(self, keys) -> list[int]:
+        keys = _check_keys(keys)
+        with self._lock:
+            return [1 if k in self._data else 0 for k in keys]
+
+    def batch_put(self, keys, parts) -> list[int]:
+        keys = _check_keys(keys)
+        parts = _check_parts(keys, parts)
+        out = []
+        with self._lock:
+            for k, p in zip(keys, parts):
+                if not all(self._inside(a, s) for a, s in p):
+                    out.append(INVALID)
+                    continue
+                value = b"".join(ctypes.string_at(a, s) for a, s in p)
+                if len(value) > self.capacity_bytes:
+                    out.append(NO_SPACE)
+                    continue
+                old = self._data.pop(k, None)
+                if old is not None:
+                    self._used -= len(old)
+                while self._used + len(value) > self.capacity_bytes:
+                    _, ev = self._data.popitem(last=False)
+                    self._used -= len(ev)
+                    self.evictions += 1
+                self._data[k] = value
+                self._used += len(value)
+                out.append(OK)
+        return out
+
+    def batch_get(self, keys, parts) -> list[int]:
+        keys = _check_keys(keys)
+        parts = _check_parts(keys, parts)
+        out = []
+        with self._lock:
+            for k, p in zip(keys, parts):
+                value = self._data.get(k)
+                if value is None:
+                    out.append(NOT_FOUND)
+                    continue
+                if sum(s for _, s in p) != len(value) or not all(self._inside(a, s) for a, s in p):
+                    out.append(INVALID)
+                    continue
+                off = 0
+                for a, s in p:
+                    ctypes.memmove(a, value[off:off + s], s)
+                    off += s
+                self._data.move_to_end(k)
+                out.append(len(value))
+        return out
+
+    def batch_remove(self, keys) -> list[int]:
+        keys = _check_keys(keys)
+        out = []
+        with self._lock:
+            for k in keys:
+                v = self._data.pop(k, None)
+                if v is None:
+                    out.append(NOT_FOUND)
+                else:
+                    self._used -= len(v)
+                    out.append(OK)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSegments:
+    """Where one group's blocks live: for each of the group's OWN layer segments, a base
+    address and the bytes of one block (block id b of segment r starts at
+    ``bases[r] + b * block_bytes[r]``). Never list another group's layers here."""
+
+    bases: tuple[int, ...]
+    block_bytes: tuple[int, ...]
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if len(self.bases) == 0 or len(self.bases) != len(self.block_bytes):
+            raise HashInputError("GroupSegments: bases and block_bytes must be equal, non-empty")
+        if any(int(b) <= 0 for b in self.bases) or any(int(s) <= 0 for s in self.block_bytes):
+            raise HashInputError("GroupSegments: bases and block_bytes must be > 0")
+        if self.num_blocks <= 0:
+            raise HashInputError("GroupSegments: num_blocks must be > 0")
+
+    @classmethod
+    def from_arrays(cls, arrays: Sequence[np.ndarray]) -> GroupSegments:
+        """Segments of C-contiguous arrays shaped (num_blocks, ...) (one per layer)."""
+        if not arrays:
+            raise HashInputError("GroupSegments.from_arrays needs at least one array")
+        nb = arrays[0].shape[0]
+        for a in arrays:
+            if not a.flags.c_contiguous or a.shape[0] != nb:
+                raise HashInputError("every array must be C-contiguous with the same block count")
+        return cls(tuple(a.ctypes.data for a in arrays),
+                   tuple(a.nbytes // nb for a in arrays), nb)
+
+    def nbytes_per_block(self) -> int:
+        return sum(self.block_bytes)
+
+    def parts(self, block_ids) -> list[list[tuple[int, int]]]:
+        """Per block id: the (addr, size) buffers of that block in every segment."""
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() <= 0 or ids.max() >= self.num_blocks):
+            raise HashInputError(f"block ids must be in [1, {self.num_blocks}) (0 is the null block)")
+        return [[(base + int(b) * sz, sz) for base, sz in zip(self.bases, self.block_bytes)]
+                for b in ids]
+
+
+def lookup_hit(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
+               num_tokens: int) -> HitResult:
+    """The external hit of a request of ``num_tokens`` tokens (Mooncake's ``lookup``).
+
+    One ``batch_exists`` over the keys of ``finder.lookup_rows`` in every required namespace;
+    a (group, row) is present only if all namespaces answered 1; then the longest hit at
+    ``align_length(num_tokens)``, re-run at ``align_length(num_tokens - 1)`` when it covers
+    the whole request (the last token is recomputed). Nothing to ask (no hashes, length
+    below one aligned block) means a 0-token hit without any RPC. A failing store (exception
+    or error codes) gives misses, never an exception.
+    """
+    hashes = _check_hashes(hashes)
+    n = hashes.shape[0]
+    token_len = finder.align_length(num_tokens)
+    empty = HitResult(0, tuple(np.zeros(0, dtype=np.uint8) for _ in range(finder.num_groups)))
+    if n == 0 or token_len <= 0:
+        return empty
+    plan = finder.lookup_keys(hashes, num_tokens, keys)
+    if not plan.keys:
+        return empty
+    try:
+        res = list(store.batch_exists(plan.keys))
+    except Exception:  # master down / RPC failure: a miss, never a crash
+        return empty
+    es = plan.fold(res, hashes, keys)
+    hit = finder.longest_hit(hashes, es, token_len)
+    if hit.tokens >= num_tokens:
+        usable = finder.align_length(max(num_tokens - 1, 0))
+        if usable <= 0:
+            return empty
+        hit = finder.longest_hit(hashes, es, usable)
+    return hit
+
+
+@dataclasses.dataclass
+class SaveReport:
+    """What a save did: keys written, keys skipped because already present, whether the
+    store ran out of space (remaining saves skipped), and failed keys."""
+
+    written: int = 0
+    present: int = 0
+    no_space: bool = False
+    failed: int = 0
+
+
+def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
+                num_tokens: int, block_ids: Sequence[Sequence[int]],
+                segments: Sequence[GroupSegments | None], start_token: int = 0) -> SaveReport:
+    """Write the blocks ``finder.store_rows`` selects for ``[start_token, num_tokens)``.
+
+    ``block_ids[g]`` is group g's block table (positional, id 0 = null, never stored);
+    ``segments[g]`` the group's own memory. Keys already present are not rewritten; NO_SPACE
+    stops the save (it is pressure, not an error); other failures are counted.
+    """
+    if len(block_ids) != finder.num_groups or len(segments) != finder.num_groups:
+        raise HashInputError(f"block_ids and segments need one entry per group "
+                             f"({finder.num_groups})")
+    hashes = _check_hashes(hashes)
+    rep = SaveReport()
+    n = hashes.shape[0]
+    rows = finder.store_rows(n, num_tokens, start_token)
+    h = finder.hash_block_size
+    for g in finder.group_ids:
+        if rows[g].size == 0:
+            continue
+        seg = segments[g]
+        if seg is None:
+            raise HashInputError(f"segments[{g}] is missing for a stored group")
+        k = finder.block_sizes[g] // h
+        blocks = (rows[g] + 1) // k - 1
+        table = np.asarray(block_ids[g], dtype=np.int64)
+        keep = blocks < table.size
+        blocks, grow = blocks[keep], rows[g][keep]
+        ids = table[blocks] if blocks.size else blocks
+        real = ids != 0
+        ids, grow = ids[real], grow[real]
+        if ids.size == 0:
+            continue
+        ks = keys.keys(g, finder.key_digests(hashes, g, grow))
+        try:
+            there = list(store.batch_exists(ks))
+        except Exception:
+            there = [0] * len(ks)
+        if there and all(e < 0 for e in there):
+            rep.failed += len(ks)          # the store is unreachable: skip, do not block on puts
+            continue
+        todo = [i for i, e in enumerate(there) if e != 1]
+        rep.present += len(ks) - len(todo)
+        if not todo:
+            continue
+        parts = seg.parts(ids[todo])
+        try:
+            codes = list(store.batch_put([ks[i] for i in todo], parts))
+        except Exception:
+            codes = [RPC_FAIL] * len(todo)
+        for c in codes:
+            if c == OK:
+                rep.written += 1
+            elif c == NO_SPACE:
+                rep.no_space = True
+            else:
+                rep.failed += 1
+        if rep.no_space:
+            break
+    return rep
+
+
+def save_state(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
+               num_tokens: int, group: int, block_id: int, segments: GroupSegments) -> int:
+    """Boundary put of a Mamba (state) group: write block ``block_id`` (the state after
+    ``align_length(num_tokens)`` tokens) under the key of that boundary's hash row.
+
+    Align-mode Mamba tables are not append-only, so states are never saved positionally
+    (``store_masks`` is all-zero for them); the caller hands the exact state block over.
+    Returns the store's code (OK, NO_SPACE, ...); 0 tokens to name writes nothing (OK).
+    """
+    hashes = _check_hashes(hashes)
+    g = finder._check_group(group)
+    if finder.layout.groups[g].kind != GroupKind.MAMBA or g not in finder.group_ids:
+        raise HashInputError(f"group {g} is not a looked-up Mamba group")
+    row = finder.boundary_row(num_tokens)
+    if row < 0:
+        return OK
+    if row >= hashes.shape[0]:
+        raise HashInputError(f"hashes cover {hashes.shape[0]} rows; the boundary needs row {row}")
+    k = keys.keys(g, finder.key_digests(hashes, g, np.array([row], dtype=np.int64)))
+    try:
+        return int(list(store.batch_put(k, segments.parts([block_id])))[0])
+    except Exception:
+        return RPC_FAIL
+
+
+def load_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
+                hit: HitResult, block_ids: Sequence[Sequence[int]],
+                segments: Sequence[GroupSegments | None]) -> bool:
+    """Load the blocks of ``hit`` (its masks) into group tables ``block_ids``; True if every
+    block arrived. An empty load is a success that never reaches the store."""
+    if len(block_ids) != finder.num_groups or len(segments) != finder.num_groups:
+        raise HashInputError(f"block_ids and segments need one entry per group "
+                             f"({finder.num_groups})")
+    hashes = _check_hashes(hashes)
+    h = finder.hash_block_size
+    all_keys, all_parts = [], []
+    for g in finder.group_ids:
+        mask = hit.masks[g]
+        blocks = np.flatnonzero(mask).astype(np.int64)
+        if blocks.size == 0:
+            continue
+        bs = finder.block_sizes[g]
+        k = bs // h
+        rows = (blocks + 1) * k - 1
+        # a fine-grained hit may end inside its last block: that block's key is the
+        # row at the hit boundary (vLLM's TailKeyBoundary)
+        tail = hit.tokens // h - 1
+        rows = np.minimum(rows, tail)
+        table = np.asarray(block_ids[g], dtype=np.int64)
+        if blocks.max() >= table.size:
+            raise HashInputError(f"block_ids[{g}] has {table.size} blocks; the hit needs "
+                                 f"{int(blocks.max()) + 1}")
+        seg = segments[g]
+        if seg is None:
+            raise HashInputError(f"segments[{g}] is missing for a loaded group")
+        all_keys.extend(keys.keys(g, finder.key_digests(hashes, g, rows)))
+        all_parts.extend(seg.parts(table[blocks]))
+    if not all_keys:
+        return True
+    try:
+        codes = list(store.batch_get(all_keys, all_parts))
+    except Exception:
+        return False
+    return len(codes) == len(all_keys) and all(c >= 0 for c in codes)
