@@ -27,9 +27,11 @@ echo "sanitize: building in $WORK"
 HMACORE_SANITIZE=1 "$PY" setup.py -q build_ext --inplace --parallel 2 >build.log 2>&1 \
   || { tail -50 build.log; exit 1; }
 for so in hmacore/_fast/*.so; do   # the build really is instrumented
-  nm -D "$so" | grep -q __asan_init || { echo "sanitize: $so has no ASan"; exit 1; }
-  nm -D "$so" | grep -q __ubsan_handle || { echo "sanitize: $so has no UBSan"; exit 1; }
+  syms=$(nm -D "$so")                # (no `nm | grep -q`: SIGPIPE under pipefail)
+  [[ $syms == *__asan_init* ]] || { echo "sanitize: $so has no ASan"; exit 1; }
+  [[ $syms == *__ubsan_handle* ]] || { echo "sanitize: $so has no UBSan"; exit 1; }
 done
+echo "sanitize: $(ls hmacore/_fast/*.so | wc -l) extensions built with ASan+UBSan"
 LIBASAN=$(gcc -print-file-name=libasan.so)
 LIBUBSAN=$(gcc -print-file-name=libubsan.so)
 export LD_PRELOAD="$LIBASAN $LIBUBSAN"
