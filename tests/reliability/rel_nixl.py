@@ -145,6 +145,16 @@ class Decoder:
         self._finish(req)
         return True
 
+    def abort(self, req):
+        """A request whose READ could not be posted: it is named, nothing is valid, and its
+        blocks are released."""
+        assert self.agent.valid_blocks(req) is None
+        err = self.agent.failure(req)
+        assert err is not None and err.request_id == req
+        self.pending.pop(req, None)
+        self.failed += 1
+        self._finish(req)
+
     def _finish(self, req):
         self.agent._valid.pop(req, None)     # the connector forgets finished requests
         self.agent._failed.pop(req, None)
