@@ -8,7 +8,7 @@
 # normal in-place .so files are never touched. The interpreter is not instrumented, so
 # libasan/libubsan are LD_PRELOADed with leak detection off (CPython's arenas are not
 # leaks); any ASan report or UBSan runtime error aborts the run with a non-zero status.
-# short: ~50 examples per property (CI, a few minutes); full: HMACORE_REL_EXAMPLES or 300.
+# short: ~100 examples per property (CI, a few minutes); full: HMACORE_REL_EXAMPLES or 300.
 set -euo pipefail
 MODE=${1:-full}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,7 +39,7 @@ export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_ma
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 export HMACORE_SANITIZED=1 PYTHONHASHSEED=0
 if [ "$MODE" = short ]; then
-  export HMACORE_REL_EXAMPLES=${HMACORE_REL_EXAMPLES:-50} HMACORE_EXAMPLES=${HMACORE_EXAMPLES:-50}
+  export HMACORE_REL_EXAMPLES=${HMACORE_REL_EXAMPLES:-100} HMACORE_EXAMPLES=${HMACORE_EXAMPLES:-100}
   TESTS="tests/reliability/test_sanitizer_canary.py tests/reliability/test_fuzz_tables.py
          tests/reliability/test_fuzz_windows.py tests/reliability/test_fuzz_plan_hits.py
          tests/reliability/test_stateful_invariants.py tests/reliability/test_threads.py"
