@@ -25,6 +25,14 @@ cdef long long INT32_MAX = 2147483647
 cdef Py_ssize_t first_bad_id(const block_id_t[::1] ids, long long num_blocks) noexcept nogil:
     """Index of the first id < 0 or >= num_blocks (num_blocks <= 0: only the sign), else -1."""
     cdef Py_ssize_t i, n = ids.shape[0]
+    cdef block_id_t mn = 2147483647, mx = -2147483648, v
+    # Vectorisable min/max pass first; the index search runs only for bad input.
+    for i in range(n):
+        v = ids[i]
+        mn = v if v < mn else mn
+        mx = v if v > mx else mx
+    if n == 0 or (mn >= 0 and (num_blocks <= 0 or mx < num_blocks)):
+        return -1
     if num_blocks > 0:
         for i in range(n):
             if ids[i] < 0 or ids[i] >= num_blocks:
