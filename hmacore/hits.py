@@ -407,6 +407,8 @@ def _check_tokens(name: str, value) -> int:
         raise HashInputError(f"{name} must be an int (tokens), got {type(value).__name__}")
     if value < 0:
         raise HashInputError(f"{name} must be >= 0 tokens, got {value}")
+    if value > 2**63 - 1:
+        raise HashInputError(f"{name} must be < 2**63 tokens, got {value}")
     return int(value)
 
 

@@ -37,8 +37,8 @@ def _check_layout(layout: Any) -> KVLayout:
 
 
 def _pos_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise BlockTableError(f"{name} must be an int >= 1, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= _INT32_MAX:
+        raise BlockTableError(f"{name} must be an int >= 1 and <= 2**31-1, got {v!r}")
     return int(v)
 
 

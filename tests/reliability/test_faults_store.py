@@ -1,0 +1,130 @@
+"""Store faults: a store that fills up (NO_SPACE: saves skipped, nothing wrong marked
+stored, every key that exists holds exactly its block's bytes, null blocks never put) and a
+real Mooncake master killed and restarted (misses while down, hits again after restart and
+re-store, every loaded byte compared)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hmacore.hits import HitFinder
+from hmacore.invariants import CheckedStore, null_ranges
+from hmacore.keys import KeyBuilder
+from hmacore.presets import get_preset
+from hmacore.transport.store import (NO_SPACE, EmbeddedStore, GroupSegments, load_blocks,
+                                     lookup_hit, save_blocks)
+from hits_scenarios import make_hashes
+
+pytestmark = pytest.mark.reliability
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class FullingStore:
+    """EmbeddedStore that answers NO_SPACE (Mooncake's behaviour) instead of evicting once
+    ``limit`` bytes are used; every other call is passed through."""
+
+    def __init__(self, limit):
+        self.inner = EmbeddedStore(1 << 30)
+        self.limit = limit
+        self.refused = 0
+
+    def batch_put(self, keys, parts):
+        out = []
+        for k, p in zip(keys, parts):
+            size = sum(s for _, s in p)
+            if self.inner.used_bytes + size > self.limit:
+                out.append(NO_SPACE)
+                self.refused += 1
+            else:
+                out.extend(self.inner.batch_put([k], [p]))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _memory(layout, nb, seed):
+    rng = np.random.default_rng(seed)
+    arrays = [[rng.integers(0, 256, (nb, 8 * s.block_size), dtype=np.uint8) for _ in range(2)]
+              for s in layout.groups]
+    return arrays, [GroupSegments.from_arrays(a) for a in arrays]
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-120b", "deepseek-v4"])
+def test_store_full_skips_saves_and_marks_nothing_wrong(preset):
+    nb = 4096
+    layout = get_preset(preset, num_blocks=nb)
+    finder = HitFinder(layout)
+    keys = KeyBuilder("m")
+    src, segs = _memory(layout, nb, 1)
+    dst, dsegs = _memory(layout, nb, 2)
+    per_block = sum(s.nbytes_per_block() for s in segs) // len(segs)
+    full = FullingStore(limit=per_block * 60)
+    store = CheckedStore(full, null_ranges(segs))       # a null-block put raises
+    for arrs in src + dst:
+        for a in arrs:
+            store.register(a.ctypes.data, a.nbytes)
+    figures = {"requests": 0, "no_space": 0, "written": 0, "bytes_checked": 0}
+    rng = np.random.default_rng(4)
+    nxt = 1
+    for r in range(8):
+        sb = finder.scheduler_block_size
+        T = int(rng.integers(1, 4 if sb >= 128 else 25)) * sb + int(rng.integers(0, 9))
+        hashes = make_hashes(T // finder.hash_block_size, 32, 100 + r)
+        tables = []
+        for g, bs in enumerate(finder.block_sizes):
+            n = -(-T // bs)
+            ids = list(range(nxt, nxt + n))
+            nxt += n
+            w = layout.groups[g].sliding_window
+            if w and (n - 2) * bs > w:
+                ids[0] = 0                                 # an out-of-window null head
+            tables.append(ids)
+        rep = save_blocks(finder, keys, store, hashes, T, tables, segs)
+        figures["requests"] += 1
+        figures["no_space"] += int(rep.no_space)
+        figures["written"] += rep.written
+        assert rep.failed == 0
+        # whatever the lookup finds must load and be byte-identical to the source
+        hit = lookup_hit(finder, keys, store, hashes, T)
+        dst_t = [[b + 0 for b in range(nb - len(t), nb)] for t in tables]
+        assert load_blocks(finder, keys, store, hashes, hit, dst_t, dsegs)
+        for g in finder.group_ids:
+            for i in np.flatnonzero(hit.masks[g]):
+                assert tables[g][i] != 0
+                for s, d in zip(src[g], dst[g]):
+                    assert np.array_equal(s[tables[g][i]], d[dst_t[g][i]])
+                    figures["bytes_checked"] += s[tables[g][i]].nbytes
+    assert figures["no_space"] > 0 and full.refused > 0 and figures["written"] > 0
+    assert full.inner.used_bytes <= full.limit
+    assert figures["bytes_checked"] > 0        # some hits were loaded and compared
+    print(f"\nstore full ({preset}): {figures}, refused puts {full.refused}")
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(300)
+def test_mooncake_master_killed_and_restarted():
+    cmd = ["unshare", "-n", "--", sys.executable, os.path.join(HERE, "mc_restart.py"), "50071"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)      # the group this test created, by its id
+        out, err = proc.communicate()
+        raise AssertionError(f"mc_restart overran 240 s:\n{err[-3000:]}")
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    r = json.loads(lines[-1])
+    print(f"\nmooncake restart: {r}")
+    assert r["written"] > 0 and r["hit_before"] == 3 * 256
+    assert r["hit_down"] == 0 and r["down_lookup_s"] < 30          # a miss, bounded
+    assert r["hit_after_restart"] == 0                              # new master: nothing stale
+    assert r["hit_final"] == 3 * 256                                # hits again after re-store
+    assert r["loaded"] is True and r["compared"] > 0 and r["mismatched"] == 0
