@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_TARGET_DEVICE := cpu
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv deps build test test-fast demo plan bench bench-gate bench-gate-short clean
+.PHONY: venv deps build test test-fast demo plan bench bench-gate bench-gate-short sanitize sanitize-short reliability soak clean
 
 $(VENV)/.stamp-base: requirements/test.txt requirements/nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,19 @@ bench-gate-short: deps build
 	  --benchmark-max-time=0.1 --benchmark-min-rounds=3
 	$(PY) bench/report.py bench/results/short.json -o bench/results/short-latest.json
 	$(PY) bench/gate.py --baseline bench/baseline.json --results bench/results/short-latest.json --fraction 0.25
+
+sanitize: $(VENV)/.stamp-base
+	PY=$(abspath $(PY)) bash scripts/sanitize.sh full
+
+# CI: the property suites against an ASan+UBSan build of the kernels (a temporary copy of the tree)
+sanitize-short: $(VENV)/.stamp-base
+	PY=$(abspath $(PY)) bash scripts/sanitize.sh short
+
+reliability: deps build
+	$(PY) -m pytest -q tests/reliability -m "not slow"
+
+soak: deps build
+	$(PY) -m pytest -q -s tests/reliability/test_soak.py -m slow
 
 clean:
 	rm -rf build hmacore/_fast/*.c hmacore/_fast/*.so .pytest_cache .benchmarks

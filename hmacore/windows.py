@@ -36,6 +36,18 @@ def _check_layout(layout: Any) -> KVLayout:
     return layout
 
 
+MAX_RATIO = 1 << 16   # kernel / block-size ratios seen in practice are <= a few hundred (261)
+
+
+def _ratio(name: str, v: Any) -> int:
+    """A kernel or block-size ratio: 1 .. MAX_RATIO (a larger one is a bug and would allocate
+    ``len(ids) * ratio`` entries)."""
+    v = _pos_int(name, v)
+    if v > MAX_RATIO:
+        raise BlockTableError(f"{name} must be <= {MAX_RATIO}, got {v}")
+    return v
+
+
 def _pos_int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= _INT32_MAX:
         raise BlockTableError(f"{name} must be an int >= 1 and <= 2**31-1, got {v!r}")
@@ -289,7 +301,7 @@ def expand_group(ids: Any, ratio: int, *, stride: int | None = None, limit: int 
         BlockTableError: bad ids/ratio/out, or a result id past int32.
     """
     a = as_block_table(ids, 1, name="ids")[0]
-    ratio = _pos_int("ratio", ratio)
+    ratio = _ratio("ratio", ratio)
     stride = ratio if stride is None else _pos_int("stride", stride)
     if ratio > stride:
         raise BlockTableError(f"ratio ({ratio}) must be <= stride ({stride}): kernel blocks "
@@ -353,7 +365,7 @@ def map_block_size(block_ids: Any, ratio: int, remote_lengths: Sequence[int],
     """
     layout = _check_layout(layout)
     G = layout.num_groups
-    ratio = _pos_int("ratio", ratio)
+    ratio = _ratio("ratio", ratio)
     lengths = _per_group_ints("remote_lengths", remote_lengths, G, minimum=0) \
         if not isinstance(remote_lengths, (int, np.integer)) else \
         _per_group_ints("remote_lengths", [remote_lengths] * G, G, minimum=0)

@@ -248,3 +248,11 @@ def test_empty_everything():
     l, r = trim_remote_to_local(([], []), ([], []), FA_SW)
     assert lists(l) == lists(r) == [[], []]
     assert clip_state_blocks(np.array([], dtype=np.int32), 3).tolist() == []
+
+
+def test_expand_rejects_a_ratio_that_would_allocate_gigabytes():
+    from hmacore.errors import BlockTableError
+    from hmacore.windows import MAX_RATIO, expand_group
+    with pytest.raises(BlockTableError, match="ratio must be <="):
+        expand_group([0], 2**31 - 1)
+    assert len(expand_group([1], MAX_RATIO, stride=MAX_RATIO)) == MAX_RATIO
