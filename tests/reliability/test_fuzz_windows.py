@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given, strategies as st
 
-from hmacore.windows import (clip_to_window, expand_group, expand_layout_to_kernel,
+from hmacore.windows import (MAX_RATIO, clip_to_window, expand_group, expand_layout_to_kernel,
                              map_block_size, trim_remote_to_local)
 import oracle_core as oracle
 from rel_common import EDGE_INTS, FUZZ, call, group_form
@@ -91,9 +91,10 @@ def test_trim_remote_to_local_adversarial(data, layout):
             isinstance(t, (list, tuple)) or t.dtype.kind in "iu" for t in remote), got
 
 
-# ratio is capped at 2**20 here: expand_group([0], 2**31) is accepted and allocates 8 GiB
-# (len(ids) * ratio int32 outputs; reported, see docs/reliability.md). Strides go huge.
-ratios = st.one_of(st.integers(1, 8), st.sampled_from([0, -1, True, 2.0, None, 2**20]))
+# Ratios above windows.MAX_RATIO (2**16) are refused (a huge ratio used to allocate gigabytes);
+# 2**16 itself is valid, 2**20 and 2**31 - 1 must be refused. Strides go huge.
+ratios = st.one_of(st.integers(1, 8),
+                   st.sampled_from([0, -1, True, 2.0, None, 2**16, 2**20, 2**31 - 1]))
 strides = st.one_of(st.none(), ratios, st.sampled_from([2**31, 2**40, 2**63]))
 
 
@@ -106,7 +107,7 @@ def test_expand_group_adversarial(data, ratio, stride):
         obj = list(meaning) + [data.draw(st.sampled_from([2**28, 2**30, 2**31 - 1]))]
         meaning, canonical = obj, True
     ok, got = call(expand_group, obj, ratio, stride=stride)
-    good_ratio = isinstance(ratio, int) and not isinstance(ratio, bool) and 1 <= ratio < 2**31
+    good_ratio = isinstance(ratio, int) and not isinstance(ratio, bool) and 1 <= ratio <= MAX_RATIO
     s = ratio if stride is None else stride
     good_stride = isinstance(s, int) and not isinstance(s, bool) and 1 <= s < 2**31 and (
         not good_ratio or ratio <= s)
