@@ -1,0 +1,310 @@
+"""HmaStoreConnector inside vLLM 0.32's real v1 Scheduler (HMA on, loaded by
+kv_connector_module_path), worker side fed with real CPU tensors shaped like vLLM's
+(K/V-split attention ``(2, num_blocks, bs, heads, head)``, MLA ``(num_blocks, bs, head)``;
+groups with equal page sizes alias one storage per layer slot).
+
+Instance A runs a request; its worker writes known bytes into every block the request holds
+(by layer and table position) and saves through the connector. Instance B (fresh scheduler
+and worker sharing the store) gets the aligned prefix hit, loads, and the blocks it needs hold
+A's bytes. No block leaks; a miss gives 0; a failing store gives 0 without a crash."""
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import harness as H
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec
+
+from hmacore.integrations.vllm import HmaStoreConnector
+from hmacore.integrations.vllm._store_backend import drop_store, register_store
+from hmacore.integrations.vllm.metadata import HmaStoreConnectorMetadata
+
+CASES = {
+    "gemma": (dict(), lambda: H.gemma_like(num_blocks=64), 150),
+    "dsv4": (dict(max_num_batched_tokens=1024), lambda: H.dsv4_like(num_blocks=600), 600),
+}
+
+
+def kv_caches(kcc):
+    """Layer name -> tensor as vLLM's CPU model runner would hand them over."""
+    groups = kcc.kv_cache_groups
+    pages = {g.kv_cache_spec.page_size_bytes for g in groups}
+    nlayers = {len(g.layer_names) for g in groups}
+    shared = len(pages) == 1 and len(nlayers) == 1
+    nb = kcc.num_blocks
+    out, storages = {}, []
+
+    def view(raw, spec):
+        t = raw.view(spec.dtype)
+        if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
+            return t.view(nb, spec.block_size, spec.head_size)
+        return t.view(2, nb, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+    if shared:
+        for j in range(nlayers.pop()):
+            raw = torch.zeros(nb * groups[0].kv_cache_spec.page_size_bytes, dtype=torch.int8)
+            storages.append(raw)
+            for g in groups:
+                out[g.layer_names[j]] = view(raw, g.kv_cache_spec)
+    else:
+        for g in groups:
+            for name in g.layer_names:
+                raw = torch.zeros(nb * g.kv_cache_spec.page_size_bytes, dtype=torch.int8)
+                storages.append(raw)
+                out[name] = view(raw, g.kv_cache_spec)
+    return out, storages
+
+
+def block_bytes(t, b):
+    """The bytes of block b of one layer (both K and V halves), as uint8."""
+    a = t.view(torch.uint8).numpy()
+    if t.dim() == 5:
+        return np.concatenate([a[0, b].reshape(-1), a[1, b].reshape(-1)])
+    return a[b].reshape(-1)
+
+
+def pattern(name, pos, n):
+    seed = zlib.crc32(name.encode()) + 7919 * pos
+    return ((np.arange(n, dtype=np.int64) * 131 + seed) % 251 + 1).astype(np.uint8)
+
+
+def write_block(t, b, data):
+    a = t.view(torch.uint8).numpy()
+    if t.dim() == 5:
+        half = data.size // 2
+        a[0, b] = data[:half].reshape(a[0, b].shape)
+        a[1, b] = data[half:].reshape(a[1, b].shape)
+    else:
+        a[b] = data.reshape(a[b].shape)
+
+
+def fill(kcc, caches, table):
+    """The 'model' wrote the KV of every block of ``table`` (per group, positional)."""
+    for g, ids in zip(kcc.kv_cache_groups, table):
+        for name in g.layer_names:
+            for pos, b in enumerate(ids):
+                if b:
+                    write_block(caches[name], b, pattern(name, pos, block_bytes(caches[name], b).size))
+
+
+class Instance:
+    def __init__(self, case, extra, policy="fail"):
+        vkw, make, _ = CASES[case]
+        self.vc = H.vllm_config(kv_connector="HmaStoreConnector", extra=extra,
+                                load_failure_policy=policy, **vkw)
+        self.kcc = make()
+        self.s = H.make_scheduler(self.vc, self.kcc)
+        self.w = HmaStoreConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
+        self.caches, self._storages = kv_caches(self.kcc)
+        self.w.register_kv_caches(self.caches)
+        self.metas = []
+
+    @property
+    def hbs(self):
+        return H.C.resolve_kv_cache_block_sizes(self.kcc, self.vc)[1]
+
+    def step(self, write=False):
+        so = self.s.schedule()
+        meta = so.kv_connector_metadata
+        assert isinstance(meta, HmaStoreConnectorMetadata)
+        self.metas.append(meta)
+        w = self.w
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        if write:
+            for rid in so.num_scheduled_tokens:
+                fill(self.kcc, self.caches, self.s.kv_cache_manager.get_block_ids(rid))
+        w.wait_for_save()
+        r = w.get_transfer_results(so.finished_req_ids)
+        w.clear_connector_metadata()
+        self.s.update_from_output(so, H.runner_output(
+            so, self.s, finished_recving=r.finished_recving, failed_recving=r.failed_recving))
+        return so
+
+    def run(self, write=False, max_steps=60):
+        n = 0
+        while self.s.has_unfinished_requests():
+            self.step(write)
+            n += 1
+            assert n < max_steps
+        H.assert_no_leak(self.s)
+
+    def close(self):
+        self.w.shutdown()
+
+
+def aligned_hit(inst, n_prompt, saved):
+    a = inst.s.connector.scheduler.finder.alignment
+    full = n_prompt // a * a
+    if full >= n_prompt:
+        full = (n_prompt - 1) // a * a
+    return min(full, saved // a * a)
+
+
+def needed_positions(kcc, g, hit):
+    """Independent rule: full attention needs every block before the hit; sliding window
+    the blocks holding the last window-1 tokens before it."""
+    spec = kcc.kv_cache_groups[g].kv_cache_spec
+    bs = spec.block_size
+    end = hit // bs
+    if isinstance(spec, SlidingWindowSpec):
+        return list(range(max(0, (hit - spec.sliding_window + 1) // bs), end))
+    return list(range(end))
+
+
+@pytest.fixture
+def store_name(request):
+    name = "t-" + request.node.name
+    yield name
+    drop_store("embedded:" + name)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", list(CASES))
+def test_save_then_prefix_hit_on_a_second_instance(case, store_name):
+    _, _, n = CASES[case]
+    extra = {"store_name": store_name}
+    A, B = Instance(case, extra), Instance(case, extra)
+    try:
+        assert type(A.s.connector) is HmaStoreConnector
+        assert not A.vc.scheduler_config.disable_hybrid_kv_cache_manager
+        prompt = [1 + i % 900 for i in range(n)]
+        A.s.add_request(H.make_request("a", prompt, A.hbs, max_tokens=4))
+        A.run(write=True)
+        saves = [m.saves["a"] for m in A.metas if "a" in m.saves]
+        assert saves and not any(m.loads for m in A.metas)
+        saved = max(s.num_tokens for s in saves)
+        assert A.w.worker.last_saves["a"].failed == 0
+        assert A.w.store.used_bytes > 0
+
+        rb = H.make_request("b", prompt, B.hbs, max_tokens=2)
+        B.s.add_request(rb)
+        B.step()
+        expected = aligned_hit(B, n, saved)
+        assert expected > 0
+        ld = B.metas[-1].loads["b"]
+        assert ld.hit_tokens == expected and ld.skip_tokens == 0
+        assert rb.num_computed_tokens == n          # hit loaded, rest computed this step
+        table = ld.block_ids
+        checked = 0
+        for g, grp in enumerate(B.kcc.kv_cache_groups):
+            for pos in needed_positions(B.kcc, g, expected):
+                b = table[g][pos]
+                assert b != 0, (g, pos)
+                for name in grp.layer_names:
+                    got = block_bytes(B.caches[name], b)
+                    assert np.array_equal(got, pattern(name, pos, got.size)), (g, pos, name)
+                    checked += 1
+        assert checked > 0
+        B.run()
+    finally:
+        A.close()
+        B.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", list(CASES))
+def test_store_miss_is_zero(case, store_name):
+    _, _, n = CASES[case]
+    B = Instance(case, {"store_name": store_name})
+    try:
+        r = H.make_request("m", [3 + i % 700 for i in range(n)], B.hbs, max_tokens=2)
+        B.s.add_request(r)
+        B.step()
+        assert B.metas[-1].loads == {}
+        assert B.s.connector.get_num_new_matched_tokens(r, 0) == (0, False)
+        B.run()
+    finally:
+        B.close()
+
+
+class FailingStore:
+    """Every call raises (master gone) unless ``only`` names the calls that fail."""
+
+    def __init__(self, inner=None, only=None):
+        self.inner, self.only = inner, only
+
+    def _call(self, name, *a):
+        if self.inner is None or self.only is None or name in self.only:
+            raise ConnectionError(f"store down ({name})")
+        return getattr(self.inner, name)(*a)
+
+    def batch_exists(self, keys):
+        return self._call("batch_exists", keys)
+
+    def batch_put(self, keys, parts):
+        return self._call("batch_put", keys, parts)
+
+    def batch_get(self, keys, parts):
+        return self._call("batch_get", keys, parts)
+
+    def batch_remove(self, keys):
+        return self._call("batch_remove", keys)
+
+    def register(self, addr, size):
+        if self.inner is not None:
+            self.inner.register(addr, size)
+
+    def unregister(self, addr):
+        if self.inner is not None:
+            self.inner.unregister(addr)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", list(CASES))
+def test_failing_store_is_zero_and_no_crash(case):
+    _, _, n = CASES[case]
+    register_store("failing-store", FailingStore())
+    try:
+        A = Instance(case, {"store": "failing-store"})
+        prompt = [1 + i % 900 for i in range(n)]
+        A.s.add_request(H.make_request("a", prompt, A.hbs, max_tokens=3))
+        A.run(write=True)                        # saves fail quietly
+        A.s.add_request(H.make_request("b", [5 + i % 800 for i in range(n)], A.hbs))
+        A.step()
+        assert A.metas[-1].loads == {}
+        A.run()
+        A.close()
+    finally:
+        drop_store("failing-store")
+
+
+@pytest.mark.vllm
+def test_async_load_failure_is_failed_recving_and_recompute(store_name):
+    from hmacore.transport.store import EmbeddedStore
+    case = "gemma"
+    _, _, n = CASES[case]
+    inner = EmbeddedStore(capacity_bytes=1 << 28)
+    register_store("half-failing", FailingStore(inner, only={"batch_get"}))
+    try:
+        A = Instance(case, {"store": "half-failing"})
+        prompt = [1 + i % 900 for i in range(n)]
+        A.s.add_request(H.make_request("a", prompt, A.hbs, max_tokens=2))
+        A.run(write=True)
+        B = Instance(case, {"store": "half-failing", "load_async": True}, policy="recompute")
+        r = H.make_request("b", prompt, B.hbs, max_tokens=2)
+        B.s.add_request(r)
+        B.step()
+        assert r.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert B.metas[-1].loads["b"].awaiting
+        assert "b" in B.s.connector.scheduler.failed_recving
+        assert r.num_computed_tokens == 0          # recompute policy
+        B.run()
+        assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        A.close()
+        B.close()
+    finally:
+        drop_store("half-failing")
+
+
+@pytest.mark.vllm
+def test_request_finished_returns_false_none(store_name):
+    inst = Instance("gemma", {"store_name": store_name})
+    try:
+        r = H.make_request("x", list(range(1, 40)), inst.hbs)
+        assert inst.s.connector.request_finished_all_groups(r, ([], [])) == (False, None)
+        assert inst.s.connector.request_finished(r, []) == (False, None)
+    finally:
+        inst.close()
