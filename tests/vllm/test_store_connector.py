@@ -154,6 +154,22 @@ def needed_positions(kcc, g, hit):
     return list(range(end))
 
 
+def expected_keys(kcc, lcm, saved):
+    """Keys a saver writes for ``saved`` tokens (independent statement of the store mask:
+    sliding window keeps the cdiv(window - 1, bs) blocks before each scheduler-block
+    boundary, full attention every block)."""
+    total = 0
+    for grp in kcc.kv_cache_groups:
+        spec = grp.kv_cache_spec
+        bs, n = spec.block_size, saved // spec.block_size
+        if isinstance(spec, SlidingWindowSpec):
+            need, per = H.cdiv(spec.sliding_window - 1, bs), lcm // bs
+            total += sum(1 for i in range(n) if need >= per or i % per >= per - need)
+        else:
+            total += n
+    return total
+
+
 @pytest.fixture
 def store_name(request):
     name = "t-" + request.node.name
@@ -177,7 +193,8 @@ def test_save_then_prefix_hit_on_a_second_instance(case, store_name):
         assert saves and not any(m.loads for m in A.metas)
         saved = max(s.num_tokens for s in saves)
         assert A.w.worker.last_saves["a"].failed == 0
-        assert A.w.store.used_bytes > 0
+        lcm = H.C.resolve_kv_cache_block_sizes(A.kcc, A.vc)[0]
+        assert len(A.w.store) == expected_keys(A.kcc, lcm, saved)   # store masks applied
 
         rb = H.make_request("b", prompt, B.hbs, max_tokens=2)
         B.s.add_request(rb)
@@ -198,6 +215,10 @@ def test_save_then_prefix_hit_on_a_second_instance(case, store_name):
                     assert np.array_equal(got, pattern(name, pos, got.size)), (g, pos, name)
                     checked += 1
         assert checked > 0
+        # the worker filled exactly the blocks the hit needs, nothing else
+        assert B.w.worker.loaded_blocks["b"] == [
+            [table[g][p] for p in needed_positions(B.kcc, g, expected)]
+            for g in range(len(B.kcc.kv_cache_groups))]
         B.run()
     finally:
         A.close()
@@ -308,3 +329,37 @@ def test_request_finished_returns_false_none(store_name):
         assert inst.s.connector.request_finished(r, []) == (False, None)
     finally:
         inst.close()
+
+
+@pytest.mark.vllm
+def test_local_prefix_hit_loads_only_the_rest(store_name):
+    case = "gemma"
+    _, _, n = CASES[case]
+    extra = {"store_name": store_name}
+    A, B = Instance(case, extra), Instance(case, extra)
+    try:
+        prompt = [1 + i % 900 for i in range(n)]
+        A.s.add_request(H.make_request("a", prompt, A.hbs, max_tokens=2))
+        A.run(write=True)
+        # B computed the first 64 tokens itself (kv_consumer: it saves nothing over A's)
+        B.s.connector.scheduler.do_save = False
+        B.s.add_request(H.make_request("warm", prompt[:64], B.hbs, max_tokens=1))
+        B.run()
+        rb = H.make_request("b", prompt, B.hbs, max_tokens=2)
+        B.s.add_request(rb)
+        B.step()
+        ld = B.metas[-1].loads["b"]
+        assert ld.skip_tokens > 0 and ld.hit_tokens == 144
+        table = ld.block_ids
+        for g, grp in enumerate(B.kcc.kv_cache_groups):
+            bs = grp.kv_cache_spec.block_size
+            want = [p for p in needed_positions(B.kcc, g, ld.hit_tokens) if p >= ld.skip_tokens // bs]
+            assert B.w.worker.loaded_blocks["b"][g] == [table[g][p] for p in want]
+            for p in want:
+                for name in grp.layer_names:
+                    got = block_bytes(B.caches[name], table[g][p])
+                    assert np.array_equal(got, pattern(name, p, got.size))
+        B.run()
+    finally:
+        A.close()
+        B.close()
