@@ -178,11 +178,12 @@ def store_name(request):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_save_then_prefix_hit_on_a_second_instance(case, store_name):
+def test_save_then_prefix_hit_on_a_second_instance(case, load_async, store_name):
     _, _, n = CASES[case]
     extra = {"store_name": store_name}
-    A, B = Instance(case, extra), Instance(case, extra)
+    A, B = Instance(case, extra), Instance(case, {**extra, "load_async": load_async})
     try:
         assert type(A.s.connector) is HmaStoreConnector
         assert not A.vc.scheduler_config.disable_hybrid_kv_cache_manager
@@ -202,8 +203,13 @@ def test_save_then_prefix_hit_on_a_second_instance(case, store_name):
         expected = aligned_hit(B, n, saved)
         assert expected > 0
         ld = B.metas[-1].loads["b"]
-        assert ld.hit_tokens == expected and ld.skip_tokens == 0
-        assert rb.num_computed_tokens == n          # hit loaded, rest computed this step
+        assert ld.hit_tokens == expected and ld.skip_tokens == 0 and ld.awaiting == load_async
+        if load_async:      # loaded, reported finished_recving; the rest runs next step
+            assert rb.num_computed_tokens == expected
+            assert rb.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS or \
+                rb.status == H.RequestStatus.WAITING
+        else:               # hit loaded, rest computed this step
+            assert rb.num_computed_tokens == n
         table = ld.block_ids
         checked = 0
         for g, grp in enumerate(B.kcc.kv_cache_groups):
@@ -220,6 +226,8 @@ def test_save_then_prefix_hit_on_a_second_instance(case, store_name):
             [table[g][p] for p in needed_positions(B.kcc, g, expected)]
             for g in range(len(B.kcc.kv_cache_groups))]
         B.run()
+        assert rb.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        assert not B.metas[-1].loads and sum(1 for m in B.metas if m.loads) == 1
     finally:
         A.close()
         B.close()

@@ -78,9 +78,6 @@ def open_store(extra: dict, *, worker: bool) -> Any:
     if kind == "embedded":
         name = "embedded:" + str(_get(extra, "store_name", "default"))
         with _LOCK:
-            if name in _STORES:
-                return _STORES[name]
-        with _LOCK:
             s = _STORES.get(name)
             if s is None:
                 cap = int(_get(extra, "store_capacity_bytes", 1 << 30))

@@ -72,10 +72,6 @@ class HmaStoreConnector(C.KVConnectorBase_V1, C.SupportsHMA):
         """The hmacore KVLayout this connector works with."""
         return self._layout
 
-    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        """Only prefix-cacheable groups are loaded from a hash-addressed store."""
-        return tuple(self._layout.prefix_cacheable_group_ids)
-
     # -- scheduler side -------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
