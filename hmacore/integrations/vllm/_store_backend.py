@@ -5,10 +5,10 @@
   1 GiB), so a scheduler-side lookup and the worker-side save/load of one process (or two
   engines of one test process) share it.
 * ``{"store": "mooncake", "master": "host:port", ...}``: a :class:`~hmacore.transport.
-  mooncake.MooncakeStore` client, one per (master, role) in the process; optional
-  ``local_hostname``, ``protocol`` (``"tcp"``), ``global_segment_size`` (bytes the worker
-  contributes, default 256 MiB; the scheduler side is a pure client, 0), ``local_buffer_size``,
-  ``connect_timeout_s``.
+  mooncake.MooncakeStore` client, one per master in the process (shared by the scheduler and
+  worker sides when they live in one process); optional ``local_hostname``, ``protocol``
+  (``"tcp"``), ``global_segment_size`` (bytes the client contributes to the pool, default
+  256 MiB; 0 = pure client), ``local_buffer_size``, ``connect_timeout_s``.
 
 :func:`register_store` puts any object speaking the protocol under a name (tests use it for
 failing stores). A store that cannot be opened is logged and replaced by
@@ -71,7 +71,7 @@ def _get(extra: dict, key: str, default: Any) -> Any:
     return default if v is None else v
 
 
-def open_store(extra: dict, *, worker: bool) -> Any:
+def open_store(extra: dict) -> Any:
     """The store named by ``extra`` (see the module docstring); never raises for an
     unreachable store (an :class:`UnavailableStore` is returned and the reason logged)."""
     kind = str(_get(extra, "store", "embedded")).lower()
@@ -88,13 +88,13 @@ def open_store(extra: dict, *, worker: bool) -> Any:
         if not master:
             raise ValueError('kv_connector_extra_config: "store": "mooncake" needs '
                              '"master": "host:port"')
-        name = f"mooncake:{master}:{'worker' if worker else 'scheduler'}"
+        name = f"mooncake:{master}"    # one client per master in a process, both roles
         with _LOCK:
             if name in _STORES:
                 return _STORES[name]
             try:
                 from ...transport.mooncake import MooncakeStore
-                seg = int(_get(extra, "global_segment_size", 256 << 20)) if worker else 0
+                seg = int(_get(extra, "global_segment_size", 256 << 20))
                 s = MooncakeStore(str(master),
                                   local_hostname=str(_get(extra, "local_hostname", "127.0.0.1")),
                                   global_segment_size=seg,

@@ -38,7 +38,7 @@ class HmaStoreConnector(C.KVConnectorBase_V1, C.SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
         worker = role != C.KVConnectorRole.SCHEDULER
-        store = open_store(extra, worker=worker)
+        store = open_store(extra)
         sched = HmaStoreScheduler(vllm_config, kv_cache_config, store)  # validates the config
         self._layout = sched.layout
         self.store = store
