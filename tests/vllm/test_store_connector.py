@@ -15,7 +15,7 @@ import torch
 
 import harness as H
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec
 
 from hmacore.integrations.vllm import HmaStoreConnector
 from hmacore.integrations.vllm._store_backend import drop_store, register_store
@@ -24,6 +24,9 @@ from hmacore.integrations.vllm.metadata import HmaStoreConnectorMetadata
 CASES = {
     "gemma": (dict(), lambda: H.gemma_like(num_blocks=64), 150),
     "dsv4": (dict(max_num_batched_tokens=1024), lambda: H.dsv4_like(num_blocks=600), 600),
+    # full attention + align-mode Mamba: states saved by boundary puts
+    "qwen3next": (dict(block_size=64, mamba_cache_mode="align"),
+                  lambda: H.qwen3_next_like(num_blocks=64), 200),
 }
 
 
@@ -37,6 +40,16 @@ def kv_caches(kcc):
     out, storages = {}, []
 
     def view(raw, spec):
+        if isinstance(spec, MambaSpec):   # conv / ssm sub-states strided over one page
+            page, off, views = spec.page_size_bytes, 0, []
+            for shape, dt in zip(spec.shapes, spec.dtypes):
+                esz = torch.tensor([], dtype=dt).element_size()
+                n = int(np.prod(shape))
+                inner = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+                views.append(torch.as_strided(raw.view(dt), (nb, *shape),
+                                              (page // esz, *inner), off // esz))
+                off += n * esz
+            return tuple(views)
         t = raw.view(spec.dtype)
         if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
             return t.view(nb, spec.block_size, spec.head_size)
@@ -57,8 +70,19 @@ def kv_caches(kcc):
     return out, storages
 
 
+def _page_rows(views):
+    """A state layer's page per block (the storage under its strided sub-views)."""
+    t = views[0]
+    nb = t.shape[0]
+    page = t.stride(0) * t.element_size()
+    return torch.as_strided(t, (nb, page // t.element_size()), (t.stride(0), 1),
+                            t.storage_offset()).view(torch.uint8).numpy()
+
+
 def block_bytes(t, b):
     """The bytes of block b of one layer (both K and V halves), as uint8."""
+    if isinstance(t, tuple):
+        return _page_rows(t)[b].copy()
     a = t.view(torch.uint8).numpy()
     if t.dim() == 5:
         return np.concatenate([a[0, b].reshape(-1), a[1, b].reshape(-1)])
@@ -71,6 +95,9 @@ def pattern(name, pos, n):
 
 
 def write_block(t, b, data):
+    if isinstance(t, tuple):
+        _page_rows(t)[b] = data
+        return
     a = t.view(torch.uint8).numpy()
     if t.dim() == 5:
         half = data.size // 2
@@ -145,10 +172,12 @@ def aligned_hit(inst, n_prompt, saved):
 
 def needed_positions(kcc, g, hit):
     """Independent rule: full attention needs every block before the hit; sliding window
-    the blocks holding the last window-1 tokens before it."""
+    the blocks holding the last window-1 tokens before it; Mamba the one state block at it."""
     spec = kcc.kv_cache_groups[g].kv_cache_spec
     bs = spec.block_size
     end = hit // bs
+    if isinstance(spec, MambaSpec):
+        return [end - 1] if end else []
     if isinstance(spec, SlidingWindowSpec):
         return list(range(max(0, (hit - spec.sliding_window + 1) // bs), end))
     return list(range(end))
@@ -157,12 +186,15 @@ def needed_positions(kcc, g, hit):
 def expected_keys(kcc, lcm, saved):
     """Keys a saver writes for ``saved`` tokens (independent statement of the store mask:
     sliding window keeps the cdiv(window - 1, bs) blocks before each scheduler-block
-    boundary, full attention every block)."""
+    boundary, full attention every block; align-mode Mamba one state: vLLM ends the prefill
+    chunk on the last block boundary of these prompts)."""
     total = 0
     for grp in kcc.kv_cache_groups:
         spec = grp.kv_cache_spec
         bs, n = spec.block_size, saved // spec.block_size
-        if isinstance(spec, SlidingWindowSpec):
+        if isinstance(spec, MambaSpec):
+            total += 1
+        elif isinstance(spec, SlidingWindowSpec):
             need, per = H.cdiv(spec.sliding_window - 1, bs), lcm // bs
             total += sum(1 for i in range(n) if need >= per or i % per >= per - need)
         else:

@@ -122,6 +122,9 @@ class StoreSave:
     block_ids: list[list[int]]
     hashes: bytes
     digest_size: int
+    #: (group, block id) of Mamba (align mode) groups whose state after exactly
+    #: ``num_tokens`` tokens sits in that block: saved by a boundary put (``save_state``).
+    state_blocks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

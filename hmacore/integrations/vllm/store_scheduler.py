@@ -14,6 +14,9 @@ store finds them again.
 * ``build_connector_meta``: per scheduled request, a :class:`~.metadata.StoreSave` of the
   tokens that become computed in this step, aligned down to the hit alignment, from the
   request's save watermark on (loaded tokens are not saved again).
+  Mamba (align mode) groups: when the step ends exactly on an aligned boundary, the block
+  holding the state after it is handed over for a boundary put (``save_state``); other
+  boundaries are never materialised by vLLM and are not saved.
 * ``request_finished``: ``(False, None)``: saves run inside the step that computes the
   tokens, so finishing never delays a free.
 
@@ -28,6 +31,7 @@ import numpy as np
 
 from ...hits import HitFinder
 from ...keys import KeyBuilder
+from ...spec import GroupKind
 from ...tables import RequestState, TrackerSet
 from ...transport.store import lookup_hit
 from . import _compat as C
@@ -200,9 +204,19 @@ class HmaStoreScheduler:
         hs = hashes_array(req.block_hashes, end // h)
         self.trackers.set_saved_tokens(rid, end)
         self.stats["saves"] += 1
+        states = []
+        if end == done:
+            # align-mode Mamba: the state after exactly `end` tokens is in block end/bs - 1
+            for g in self.finder.group_ids:
+                spec = self.layout.groups[g]
+                bs = self.finder.block_sizes[g]
+                if spec.kind == GroupKind.MAMBA and end % bs == 0 and end // bs <= len(table[g]):
+                    b = int(table[g][end // bs - 1])
+                    if b:
+                        states.append((g, b))
         return StoreSave(request_id=rid, start_token=start, num_tokens=end,
                          block_ids=[g.tolist() for g in table], hashes=hs.tobytes(),
-                         digest_size=int(hs.shape[1]))
+                         digest_size=int(hs.shape[1]), state_blocks=states)
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.failed_recving or ():

@@ -10,7 +10,8 @@
 * ``wait_for_save``: each :class:`~.metadata.StoreSave` is written with
   :func:`~hmacore.transport.store.save_blocks` (only the blocks the store mask keeps; keys
   already present are skipped; NO_SPACE stops the save). Save failures are logged, never
-  raised.
+  raised. Mamba (align) state blocks named by the save go through ``save_state`` (boundary
+  puts); a state layer's segment is its whole page per block (sub-states and padding).
 * Failures are per request: an async load that fails is reported in ``finished_recving`` and
   ``failed_recving`` (vLLM's ``kv_load_failure_policy`` applies); a sync load that fails raises
   (with several KV cache groups vLLM cannot be told which blocks are invalid).
@@ -29,7 +30,8 @@ from ...hits import HitFinder, HitResult
 from ...keys import KeyBuilder
 from ...plan import _layer_parts
 from ...spec import GroupKind
-from ...transport.store import GroupSegments, SaveReport, load_blocks, save_blocks
+from ...transport.store import NO_SPACE, OK, GroupSegments, SaveReport, load_blocks, \
+    save_blocks, save_state
 from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
 
 logger = logging.getLogger(__name__)
@@ -49,8 +51,11 @@ def group_segments_from_kv_caches(layout, kv_caches: dict[str, Any],
         for name in spec.layer_names:
             if name not in kv_caches:
                 raise LayoutError(f"kv_caches lacks layer {name!r} of group {g}")
-            for base, rows, stride, length in _layer_parts(name, kv_caches[name], num_blocks,
-                                                           spec.kind == GroupKind.MAMBA, spec.mla):
+            parts = _layer_parts(name, kv_caches[name], num_blocks,
+                                 spec.kind == GroupKind.MAMBA, spec.mla)
+            if spec.kind == GroupKind.MAMBA:
+                parts = _state_page(name, parts)
+            for base, rows, stride, length in parts:
                 if rows != num_blocks or stride != length:
                     raise LayoutError(f"layer {name!r}: blocks must be contiguous rows of one "
                                       f"region ({rows} rows, stride {stride} B, block {length} B)")
@@ -58,6 +63,21 @@ def group_segments_from_kv_caches(layout, kv_caches: dict[str, Any],
                 sizes.append(int(length))
         out.append(GroupSegments(tuple(bases), tuple(sizes), int(num_blocks)))
     return out
+
+
+def _state_page(name: str, parts):
+    """A Mamba layer's state sub-views (conv, ssm, ... strided over one page per block) as
+    ONE segment: the whole page of each block (sub-states and padding), saved and loaded as
+    a unit."""
+    strides = {p[2] for p in parts}
+    rows = {p[1] for p in parts}
+    if len(strides) != 1 or len(rows) != 1:
+        raise LayoutError(f"layer {name!r}: state parts disagree on block stride / count")
+    stride, nrows = strides.pop(), rows.pop()
+    lo = min(p[0] for p in parts)
+    if max(p[0] + p[3] for p in parts) > lo + stride:
+        raise LayoutError(f"layer {name!r}: state parts do not fit one {stride}-byte page")
+    return [(lo, nrows, stride, stride)]
 
 
 def _hashes(raw: bytes, width: int) -> np.ndarray:
@@ -155,6 +175,16 @@ class HmaStoreWorker:
             rep = save_blocks(self.finder, self.keys, self.store, _hashes(sv.hashes, sv.digest_size),
                               sv.num_tokens, sv.block_ids, self._need_segments(),
                               start_token=sv.start_token)
+            hashes = _hashes(sv.hashes, sv.digest_size)
+            for g, block in sv.state_blocks:
+                code = save_state(self.finder, self.keys, self.store, hashes, sv.num_tokens, g,
+                                  block, self._need_segments()[g])
+                if code == OK:
+                    rep.written += 1
+                elif code == NO_SPACE:
+                    rep.no_space = True
+                else:
+                    rep.failed += 1
         except HmacoreError as e:
             logger.warning("store save of %s rejected: %s", sv.request_id, e)
             rep = SaveReport(failed=1)
