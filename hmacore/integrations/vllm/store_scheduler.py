@@ -6,8 +6,8 @@ store finds them again.
 
 * ``get_num_new_matched_tokens``: one bulk existence probe plus hmacore's cross-group longest
   hit (:func:`hmacore.transport.store.lookup_hit`); returns ``(hit - num_computed_tokens,
-  load_async)`` (0 when not positive). The answer is cached per request and number of hash
-  rows, so repeated calls probe once.
+  load_async)`` (0 when not positive). The answer is cached per request for one scheduling
+  pass (repeated calls in one ``schedule()`` probe once; the next step asks again).
 * ``update_state_after_alloc``: tracks the full per-group table (``blocks.get_block_ids()``)
   in a :class:`~hmacore.tables.TrackerSet`; with external tokens it queues a
   :class:`~.metadata.StoreLoad`.
@@ -185,6 +185,9 @@ class HmaStoreScheduler:
                 if save is not None:
                     meta.saves[rid] = save
         meta.loads, self._loads = self._loads, {}
+        # a probe answer is valid for one scheduling pass: a request that did not get its
+        # blocks asks the store again next step (keys may have been evicted meanwhile)
+        self._hits.clear()
         return meta
 
     def _save_for(self, rid: str, num_scheduled: int) -> StoreSave | None:
