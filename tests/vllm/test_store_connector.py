@@ -275,7 +275,7 @@ def test_store_miss_is_zero(case, store_name):
         assert B.s.connector.get_num_new_matched_tokens(r, 0) == (0, False)
         B.s.add_request(r)
         B.step()
-        assert B.metas[-1].loads == {} and r.num_computed_tokens == n
+        assert B.metas[-1].loads == {}
         B.run()
         # its own saves are found by the next request with that prompt
         r2 = H.make_request("m2", [3 + i % 700 for i in range(n)], B.hbs)
