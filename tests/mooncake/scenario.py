@@ -9,6 +9,9 @@ line, and kills every process it started by PID. Modes:
   request; a loader process with NO segment (bytes cross the TCP transport) looks it up and
   loads it into its own memory, then compares every byte.
 * ``demo``: ``hmacore demo --store mooncake`` against this master; prints the demo's report.
+* ``connector-<case>``: HmaStoreConnector (``tests/mooncake/connector_roles.py``): instance A
+  (vLLM Scheduler + worker connector, one process) saves, instance B (another process) gets
+  the prefix hit, loads and compares every needed block's bytes.
 * ``master_killed``: store, look up (hit), SIGKILL the master, look up again (miss, bounded
   time), save again (failures counted, no exception).
 """
@@ -169,6 +172,27 @@ def netns_main(mode, port):
             rep = json.load(open(out)) if os.path.exists(out) else {"error": run.stderr[-2000:]}
             rep["returncode"] = run.returncode
             print(json.dumps(rep), flush=True)
+            return 0
+        if mode.startswith("connector-"):   # HmaStoreConnector, one instance per process
+            case = mode.split("-", 1)[1]
+            roles = os.path.join(HERE, "connector_roles.py")
+            saver = subprocess.Popen([sys.executable, roles, "A", case, str(port)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            lines = []
+            while True:
+                ln = saver.stdout.readline()
+                if not ln or ln.startswith("{"):
+                    lines.append(ln)
+                    break
+            saved = json.loads(lines[-1] or "{}")
+            loader = subprocess.run([sys.executable, roles, "B", case, str(port)],
+                                    capture_output=True, text=True, timeout=180)
+            lines = [ln for ln in loader.stdout.splitlines() if ln.startswith("{")]
+            loaded = json.loads(lines[-1]) if lines else {"error": loader.stderr[-3000:]}
+            saver.stdin.write("done\n")
+            saver.stdin.flush()
+            saver.wait(timeout=60)
+            print(json.dumps({"saver": saved, "loader": loaded}), flush=True)
             return 0
         me = os.path.abspath(__file__)
         saver = subprocess.Popen([sys.executable, me, "saver", str(port)], stdin=subprocess.PIPE,

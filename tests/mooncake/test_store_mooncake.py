@@ -37,3 +37,15 @@ def test_demo_store_path_against_a_real_master():
         assert req["hit_tokens"] == (req["tokens"] - 1) // 256 * 256   # DSv4: 256-aligned
         assert req["keys_written"] > 0
     assert r["verification"]["ok"] and r["verification"]["pages_checked"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case,port,hit", [("gemma", 50081, 144), ("dsv4", 50091, 512)])
+def test_store_connector_across_processes(case, port, hit):
+    """HmaStoreConnector with "store": "mooncake": two vLLM instances in two processes."""
+    r = run_scenario(f"connector-{case}", port=port)
+    saver, loader = r["saver"], r["loader"]
+    assert saver.get("failed") == 0 and saver.get("saved", 0) >= hit, r
+    assert loader.get("hit") == hit, r
+    assert loader["compared"] > 0 and loader["mismatched"] == 0
+    assert loader["miss"] == 0 and loader["leak_free"] is True

@@ -41,13 +41,14 @@ def model_config() -> ModelConfig:
 
 def vllm_config(*, kv_role: str = "kv_both", block_size: int = 16, extra: dict | None = None,
                 load_failure_policy: str = "fail", mamba_cache_mode: str | None = None,
-                max_num_batched_tokens: int = 256, connector: bool = True) -> VllmConfig:
+                max_num_batched_tokens: int = 256, connector: bool = True,
+                kv_connector: str = "HmaNixlConnector") -> VllmConfig:
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     if mamba_cache_mode is not None:
         cache.mamba_cache_mode = mamba_cache_mode
     ktc = None
     if connector:
-        ktc = KVTransferConfig(kv_connector="HmaNixlConnector",
+        ktc = KVTransferConfig(kv_connector=kv_connector,
                                kv_connector_module_path="hmacore.integrations.vllm",
                                kv_role=kv_role, kv_connector_extra_config=dict(extra or {}),
                                kv_load_failure_policy=load_failure_policy)

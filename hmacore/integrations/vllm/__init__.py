@@ -9,8 +9,9 @@ Exports:
     HmaNixlConnector: P/D pull connector over NIXL (KVConnectorBase_V1 + SupportsHMA):
         scheduler side (HmaNixlScheduler) and worker side (HmaNixlWorker; one worker per
         engine: TP = PP = 1, other sizes are refused).
-    HmaStoreConnector: hash-addressed store connector - NOT implemented yet (AttributeError
-        naming the missing module until it lands).
+    HmaStoreConnector: KV offload / cross-instance prefix reuse through a hash-addressed
+        store (embedded in-process store or Mooncake), KVConnectorBase_V1 + SupportsHMA:
+        scheduler side (HmaStoreScheduler) and worker side (HmaStoreWorker; TP = PP = 1).
     layout_from_kv_cache_config: vLLM KVCacheConfig -> hmacore KVLayout.
 """
 from __future__ import annotations
@@ -19,12 +20,13 @@ import importlib
 from typing import Any
 
 __all__ = ["HmaNixlConnector", "HmaStoreConnector", "layout_from_kv_cache_config",
-           "HmaNixlConnectorMetadata"]
+           "HmaNixlConnectorMetadata", "HmaStoreConnectorMetadata"]
 
 _LAZY = {
     "HmaNixlConnector": ".nixl_connector",
     "HmaNixlConnectorMetadata": ".metadata",
     "HmaStoreConnector": ".store_connector",
+    "HmaStoreConnectorMetadata": ".metadata",
     "layout_from_kv_cache_config": ".layout",
 }
 

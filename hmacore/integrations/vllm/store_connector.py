@@ -1,0 +1,131 @@
+"""``HmaStoreConnector``: a vLLM 0.32 KV connector (KVConnectorBase_V1 + SupportsHMA) for KV
+offload and cross-instance prefix reuse through a hash-addressed store, HMA on.
+
+Load it with ``KVTransferConfig(kv_connector="HmaStoreConnector",
+kv_connector_module_path="hmacore.integrations.vllm", kv_role="kv_both",
+kv_connector_extra_config={...})``. Keys of ``kv_connector_extra_config``:
+
+* ``store``: ``"embedded"`` (default; one process-wide in-process store per ``store_name``,
+  ``store_capacity_bytes`` default 1 GiB) or ``"mooncake"`` (``master``: ``"host:port"``,
+  optional ``local_hostname``, ``protocol``, ``global_segment_size``, ``local_buffer_size``,
+  ``connect_timeout_s``), or a name given to ``_store_backend.register_store``.
+* ``load_async`` (default False): False loads inside ``start_load_kv`` before the forward pass
+  (``get_num_new_matched_tokens`` returns ``(n, False)``); True parks the request in
+  WAITING_FOR_REMOTE_KVS and reports ``finished_recving`` / ``failed_recving``.
+* ``model_name``, ``cache_prefix``, ``store_namespace``: key parts (``hmacore.keys``).
+
+``kv_role``: ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does both.
+Scheduler role: :class:`~.store_scheduler.HmaStoreScheduler`; worker role:
+:class:`~.store_worker.HmaStoreWorker` (TP = PP = 1).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import _compat as C
+from ._store_backend import open_store
+from .metadata import HmaStoreConnectorMetadata
+from .store_scheduler import HmaStoreScheduler, key_builder
+
+__all__ = ["HmaStoreConnector"]
+
+
+class HmaStoreConnector(C.KVConnectorBase_V1, C.SupportsHMA):
+    """Hash-addressed store connector keeping HMA on; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+        worker = role != C.KVConnectorRole.SCHEDULER
+        store = open_store(extra)
+        sched = HmaStoreScheduler(vllm_config, kv_cache_config, store)  # validates the config
+        self._layout = sched.layout
+        self.store = store
+        self.scheduler: HmaStoreScheduler | None = None
+        self.worker = None
+        if not worker:
+            self.scheduler = sched
+        else:
+            pc = vllm_config.parallel_config
+            tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+            if tp != 1 or pp != 1:
+                raise NotImplementedError(
+                    f"HmaStoreConnector worker: tensor_parallel_size={tp}, pipeline_parallel_"
+                    f"size={pp}; only one worker per engine (TP = PP = 1) is supported so far")
+            from .store_worker import HmaStoreWorker
+            self.worker = HmaStoreWorker(sched.layout, int(kv_cache_config.num_blocks), store,
+                                         key_builder(vllm_config, extra))
+
+    def _sched(self) -> HmaStoreScheduler:
+        if self.scheduler is None:
+            raise RuntimeError("scheduler-side method called on a WORKER-role HmaStoreConnector")
+        return self.scheduler
+
+    def _work(self):
+        if self.worker is None:
+            raise RuntimeError("worker-side method called on a SCHEDULER-role HmaStoreConnector")
+        return self.worker
+
+    @property
+    def layout(self):
+        """The hmacore KVLayout this connector works with."""
+        return self._layout
+
+    # -- scheduler side -------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched().bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> HmaStoreConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        """``(False, None)``: saves ran in the steps that computed the tokens."""
+        return self._sched().request_finished(request, block_ids)
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        """Single-group path (HMA off, one group): ``(False, None)`` too."""
+        return self._sched().request_finished(request, (list(block_ids),))
+
+    # -- worker side -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Per-group segments of each group's own layers; regions registered with the store."""
+        self._work().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Read this step's loads (sync loads complete here, before the forward pass)."""
+        self._work().start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing per layer: whole blocks of every group are saved in ``wait_for_save``."""
+        return
+
+    def wait_for_save(self) -> None:
+        """Write this step's saves (the blocks the store masks keep)."""
+        self._work().wait_for_save(self._get_connector_metadata())
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        sending, recving, failed = self._work().get_transfer_results()
+        return C.KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                            failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

@@ -1,0 +1,212 @@
+"""Worker side of :class:`~hmacore.integrations.vllm.store_connector.HmaStoreConnector`.
+
+* ``register_kv_caches``: per group, a :class:`~hmacore.transport.store.GroupSegments` of the
+  group's OWN layers only (vLLM lets layer j of every group alias one storage; listing another
+  group's layers would read/write its bytes), K/V-split tensors giving two segments per layer;
+  every distinct region is registered with the store once.
+* ``start_load_kv``: each :class:`~.metadata.StoreLoad` is read with
+  :func:`~hmacore.transport.store.load_blocks` into the blocks its hit's load masks select,
+  minus blocks the local prefix cache already holds and null positions.
+* ``wait_for_save``: each :class:`~.metadata.StoreSave` is written with
+  :func:`~hmacore.transport.store.save_blocks` (only the blocks the store mask keeps; keys
+  already present are skipped; NO_SPACE stops the save). Save failures are logged, never
+  raised. Mamba (align) state blocks named by the save go through ``save_state`` (boundary
+  puts); a state layer's segment is its whole page per block (sub-states and padding).
+* Failures are per request: an async load that fails is reported in ``finished_recving`` and
+  ``failed_recving`` (vLLM's ``kv_load_failure_policy`` applies); a sync load that fails raises
+  (with several KV cache groups vLLM cannot be told which blocks are invalid).
+
+Single worker (TP = PP = 1), like HmaNixlConnector.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from ...errors import HmacoreError, LayoutError
+from ...hits import HitFinder, HitResult
+from ...keys import KeyBuilder
+from ...plan import _layer_parts
+from ...spec import GroupKind
+from ...transport.store import NO_SPACE, OK, GroupSegments, SaveReport, load_blocks, \
+    save_blocks, save_state
+from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HmaStoreWorker", "group_segments_from_kv_caches"]
+
+
+def group_segments_from_kv_caches(layout, kv_caches: dict[str, Any],
+                                  num_blocks: int) -> list[GroupSegments | None]:
+    """Per group, the segments of its own layers (None for groups not transferred)."""
+    out: list[GroupSegments | None] = []
+    for g, spec in enumerate(layout.groups):
+        if not spec.transfer:
+            out.append(None)
+            continue
+        bases, sizes = [], []
+        for name in spec.layer_names:
+            if name not in kv_caches:
+                raise LayoutError(f"kv_caches lacks layer {name!r} of group {g}")
+            parts = _layer_parts(name, kv_caches[name], num_blocks,
+                                 spec.kind == GroupKind.MAMBA, spec.mla)
+            if spec.kind == GroupKind.MAMBA:
+                parts = _state_page(name, parts)
+            for base, rows, stride, length in parts:
+                if rows != num_blocks or stride != length:
+                    raise LayoutError(f"layer {name!r}: blocks must be contiguous rows of one "
+                                      f"region ({rows} rows, stride {stride} B, block {length} B)")
+                bases.append(int(base))
+                sizes.append(int(length))
+        out.append(GroupSegments(tuple(bases), tuple(sizes), int(num_blocks)))
+    return out
+
+
+def _state_page(name: str, parts):
+    """A Mamba layer's state sub-views (conv, ssm, ... strided over one page per block) as
+    ONE segment: the whole page of each block (sub-states and padding), saved and loaded as
+    a unit."""
+    strides = {p[2] for p in parts}
+    rows = {p[1] for p in parts}
+    if len(strides) != 1 or len(rows) != 1:
+        raise LayoutError(f"layer {name!r}: state parts disagree on block stride / count")
+    stride, nrows = strides.pop(), rows.pop()
+    lo = min(p[0] for p in parts)
+    if max(p[0] + p[3] for p in parts) > lo + stride:
+        raise LayoutError(f"layer {name!r}: state parts do not fit one {stride}-byte page")
+    return [(lo, nrows, stride, stride)]
+
+
+def _hashes(raw: bytes, width: int) -> np.ndarray:
+    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width) if raw else \
+        np.zeros((0, width), dtype=np.uint8)
+
+
+class HmaStoreWorker:
+    """Store I/O of one worker. Created by the connector in the WORKER role.
+
+    Args:
+        layout: the engine's KVLayout (for_store); num_blocks: blocks per layer.
+        store: the ``KVStore``; keys: the engine's KeyBuilder (same as the scheduler's).
+    """
+
+    def __init__(self, layout, num_blocks: int, store: Any, keys: KeyBuilder) -> None:
+        self.layout = layout
+        self.num_blocks = int(num_blocks)
+        self.store = store
+        self.keys = keys
+        self.finder = HitFinder(layout)
+        self.segments: list[GroupSegments | None] | None = None
+        self._regions: list[int] = []
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self.last_saves: dict[str, SaveReport] = {}
+        self.loaded_blocks: dict[str, list[list[int]]] = {}   # rid -> per-group ids filled
+
+    # -- registration -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> list[GroupSegments | None]:
+        self.segments = group_segments_from_kv_caches(self.layout, kv_caches, self.num_blocks)
+        seen = set()
+        for seg in self.segments:
+            if seg is None:
+                continue
+            for base, blk in zip(seg.bases, seg.block_bytes):
+                if base in seen:
+                    continue
+                seen.add(base)
+                self.store.register(base, blk * seg.num_blocks)
+                self._regions.append(base)
+        return self.segments
+
+    def _need_segments(self) -> list[GroupSegments | None]:
+        if self.segments is None:
+            raise RuntimeError("register_kv_caches must run before loads and saves")
+        return self.segments
+
+    # -- loads ------------------------------------------------------------------------------
+    def _load_hit(self, ld: StoreLoad, hashes: np.ndarray) -> tuple[HitResult, list[list[int]]]:
+        """The hit's load masks without the local prefix and null / missing positions."""
+        masks = list(self.finder.load_masks(hashes, ld.hit_tokens))
+        filled = []
+        for g in range(self.layout.num_groups):
+            m = np.array(masks[g], dtype=np.uint8, copy=True)
+            table = np.asarray(ld.block_ids[g] if g < len(ld.block_ids) else [], dtype=np.int64)
+            if m.size:
+                bs = self.finder.block_sizes[g]
+                m[:min(m.size, ld.skip_tokens // bs)] = 0      # local prefix hit: keep
+                n = min(m.size, table.size)
+                m[n:] = 0
+                m[:n][table[:n] == 0] = 0                       # null positions hold nothing
+            masks[g] = m
+            filled.append(table[np.flatnonzero(m)].tolist() if m.size else [])
+        return HitResult(int(ld.hit_tokens), tuple(masks)), filled
+
+    def _load(self, ld: StoreLoad) -> bool:
+        try:
+            hashes = _hashes(ld.hashes, ld.digest_size)
+            hit, filled = self._load_hit(ld, hashes)
+            ok = load_blocks(self.finder, self.keys, self.store, hashes, hit, ld.block_ids,
+                             self._need_segments())
+        except HmacoreError as e:
+            logger.warning("store load of %s rejected: %s", ld.request_id, e)
+            return False
+        if ok:
+            self.loaded_blocks[ld.request_id] = filled
+        return ok
+
+    def start_load_kv(self, meta: HmaStoreConnectorMetadata) -> None:
+        for rid, ld in meta.loads.items():
+            ok = self._load(ld)
+            if ld.awaiting:
+                self._done_recving.add(rid)
+                if not ok:
+                    logger.warning("async store load of %s failed; reported failed_recving", rid)
+                    self._failed_recving.add(rid)
+            elif not ok:
+                raise RuntimeError(f"sync KV load of {rid!r} from the store failed (set "
+                                   "load_async: true to have vLLM recompute instead)")
+
+    # -- saves ------------------------------------------------------------------------------
+    def _save(self, sv: StoreSave) -> SaveReport:
+        try:
+            rep = save_blocks(self.finder, self.keys, self.store, _hashes(sv.hashes, sv.digest_size),
+                              sv.num_tokens, sv.block_ids, self._need_segments(),
+                              start_token=sv.start_token)
+            hashes = _hashes(sv.hashes, sv.digest_size)
+            for g, block in sv.state_blocks:
+                code = save_state(self.finder, self.keys, self.store, hashes, sv.num_tokens, g,
+                                  block, self._need_segments()[g])
+                if code == OK:
+                    rep.written += 1
+                elif code == NO_SPACE:
+                    rep.no_space = True
+                else:
+                    rep.failed += 1
+        except HmacoreError as e:
+            logger.warning("store save of %s rejected: %s", sv.request_id, e)
+            rep = SaveReport(failed=1)
+        if rep.failed:
+            logger.warning("store save of %s: %d keys failed", sv.request_id, rep.failed)
+        return rep
+
+    def wait_for_save(self, meta: HmaStoreConnectorMetadata) -> None:
+        for rid, sv in meta.saves.items():
+            self.last_saves[rid] = self._save(sv)
+
+    # -- results ----------------------------------------------------------------------------
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
+        recving, failed = self._done_recving, self._failed_recving
+        self._done_recving, self._failed_recving = set(), set()
+        return set(), recving, failed
+
+    def shutdown(self) -> None:
+        for base in self._regions:
+            try:
+                self.store.unregister(base)
+            except Exception:   # pragma: no cover - best effort
+                pass
+        self._regions = []

@@ -1,0 +1,67 @@
+"""HmaStoreConnector against a real Mooncake master, one vLLM "instance" per process.
+
+``python connector_roles.py A|B CASE PORT``: A runs a request through vLLM's real Scheduler with
+a worker-side connector over torch tensors whose blocks hold known bytes, saves through
+Mooncake, prints a JSON line and keeps its client (and its pool segment, where the data lives)
+alive until stdin says so. B, a fresh scheduler + worker in another process, looks the same
+prompt up, loads and compares the bytes of every block the hit needs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "vllm"))   # harness, test module
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))        # repo root
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+import numpy as np  # noqa: E402
+
+import harness as H  # noqa: E402
+import test_store_connector as T  # noqa: E402
+
+
+def main(role: str, case: str, port: int) -> None:
+    extra = {"store": "mooncake", "master": f"127.0.0.1:{port}", "connect_timeout_s": 20,
+             "global_segment_size": 128 << 20}
+    _, _, n = T.CASES[case]
+    prompt = [1 + i % 900 for i in range(n)]
+    inst = T.Instance(case, extra)
+    if role == "A":
+        inst.s.add_request(H.make_request("a", prompt, inst.hbs, max_tokens=4))
+        inst.run(write=True)
+        saves = [m.saves["a"] for m in inst.metas if "a" in m.saves]
+        rep = inst.w.worker.last_saves["a"]
+        print(json.dumps({"saved": max(s.num_tokens for s in saves), "written": rep.written,
+                          "failed": rep.failed}), flush=True)
+        sys.stdin.readline()
+        inst.close()
+        return
+    r = H.make_request("b", prompt, inst.hbs, max_tokens=2)
+    inst.s.add_request(r)
+    inst.step()
+    ld = inst.metas[-1].loads.get("b")
+    out = {"hit": ld.hit_tokens if ld else 0, "compared": 0, "mismatched": 0}
+    if ld is not None:
+        for g, grp in enumerate(inst.kcc.kv_cache_groups):
+            for pos in T.needed_positions(inst.kcc, g, ld.hit_tokens):
+                b = ld.block_ids[g][pos]
+                for name in grp.layer_names:
+                    got = T.block_bytes(inst.caches[name], b)
+                    out["compared"] += 1
+                    out["mismatched"] += int(not np.array_equal(got, T.pattern(name, pos, got.size)))
+    miss = H.make_request("m", [3 + i % 700 for i in range(n)], inst.hbs, max_tokens=2)
+    out["miss"] = inst.s.connector.get_num_new_matched_tokens(miss, 0)[0]
+    inst.run()
+    out["leak_free"] = True
+    print(json.dumps(out), flush=True)
+    inst.close()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
