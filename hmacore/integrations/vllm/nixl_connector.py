@@ -14,13 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from . import _compat as C
+from ._roles import RoleDispatch
 from .metadata import HmaNixlConnectorMetadata
 from .nixl_scheduler import HmaNixlScheduler
 
 __all__ = ["HmaNixlConnector"]
 
 
-class HmaNixlConnector(C.KVConnectorBase_V1, C.SupportsHMA):
+class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
     """P/D pull connector keeping HMA on; see the module docstring for the role status.
 
     ``kv_connector_extra_config``: ``kv_lease_duration`` (seconds P keeps finished blocks for
@@ -48,21 +49,6 @@ class HmaNixlConnector(C.KVConnectorBase_V1, C.SupportsHMA):
             self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
                                         sched.engine_id, sched.host, sched.port)
 
-    def _sched(self) -> HmaNixlScheduler:
-        if self.scheduler is None:
-            raise RuntimeError("scheduler-side method called on a WORKER-role HmaNixlConnector")
-        return self.scheduler
-
-    def _work(self):
-        if self.worker is None:
-            raise RuntimeError("worker-side method called on a SCHEDULER-role HmaNixlConnector")
-        return self.worker
-
-    @property
-    def layout(self):
-        """The hmacore KVLayout this connector works with."""
-        return self._layout
-
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
         # D loads the request's own blocks of every transfer group (not hash-addressed).
@@ -73,28 +59,8 @@ class HmaNixlConnector(C.KVConnectorBase_V1, C.SupportsHMA):
         return tuple(self._kv_cache_config.transfer_group_ids)
 
     # -- scheduler side -------------------------------------------------------------------------
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
-        self._sched().bind_kv_cache_manager(kv_cache_manager)
-
     def on_new_request(self, request: Any) -> None:
         self._sched().on_new_request(request)
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: Any) -> HmaNixlConnectorMetadata:
-        return self._sched().build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        self._sched().update_connector_output(connector_output)
-
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
-        """One id list per KV cache group; see HmaNixlScheduler.request_finished."""
-        return self._sched().request_finished(request, block_ids)
 
     def request_finished(self, request: Any, block_ids: list[int]):
         """Single-group path (vLLM calls it only when HMA is off and there is one group)."""
@@ -108,18 +74,6 @@ class HmaNixlConnector(C.KVConnectorBase_V1, C.SupportsHMA):
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
     # -- worker side -----------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Register the layer tensors (blocks on dim 0) with NIXL and serve handshakes."""
-        self._work().register_kv_caches(kv_caches)
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Post this step's READs (and notifies / heartbeats); sync loads complete here."""
-        self._work().start_load_kv(self._get_connector_metadata())
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing per layer: pull mode moves whole requests between steps."""
-        return
-
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Nothing to save: D reads P's blocks in place."""
         return
@@ -127,18 +81,6 @@ class HmaNixlConnector(C.KVConnectorBase_V1, C.SupportsHMA):
     def wait_for_save(self) -> None:
         return
 
-    def get_transfer_results(self, finished_req_ids: set[str]):
-        sending, recving, failed = self._work().get_transfer_results()
-        return C.KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                            failed_recving=failed)
-
-    def get_finished(self, finished_req_ids: set[str]):
-        r = self.get_transfer_results(finished_req_ids)
-        return r.finished_sending or None, r.finished_recving or None
-
     def build_connector_worker_meta(self):
         return self._work().build_worker_meta()
 
-    def shutdown(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()

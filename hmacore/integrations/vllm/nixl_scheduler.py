@@ -33,6 +33,7 @@ from ...tables import RequestState, TrackerSet, as_block_table, count_hashed, fi
     from_wire
 from . import _compat as C
 from ._clip import clip_table
+from ._roles import TableFollower
 from .layout import layout_from_kv_cache_config
 from .metadata import HmaNixlConnectorMetadata, RecvRequest, RemotePeer
 
@@ -43,7 +44,7 @@ __all__ = ["HmaNixlScheduler"]
 _REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
-class HmaNixlScheduler:
+class HmaNixlScheduler(TableFollower):
     """Per-request P/D bookkeeping for one engine (scheduler process).
 
     Args:
@@ -95,10 +96,6 @@ class HmaNixlScheduler:
         self._producers: set[str] = set()
 
     # -- binding --------------------------------------------------------------------------
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        """Keep vLLM's KVCacheManager: the authoritative per-group tables of producers."""
-        self._kv_cache_manager = kv_cache_manager
-
     # -- helpers ---------------------------------------------------------------------------
     def _remote(self, params: dict) -> RemotePeer | None:
         """Parse and validate P's params; None (with a warning) if unusable."""
@@ -123,14 +120,6 @@ class HmaNixlScheduler:
         except (BlockTableError, TypeError, ValueError) as e:
             logger.warning("kv_transfer_params rejected (%s); no remote load", e)
             return None
-
-    def _track_full(self, req_id: str, table: Any, num_prompt_tokens: int) -> None:
-        if req_id not in self.trackers:
-            self.trackers.add(req_id, table, num_prompt_tokens=num_prompt_tokens)
-        elif self.trackers.state(req_id) == RequestState.PREEMPTED:
-            self.trackers.replace(req_id, table)
-        else:
-            self.trackers.update_after_alloc(req_id, table)
 
     def _load_window(self, table, hashed, start: int, end: int):
         """Restrict fill candidates to the positions holding tokens ``[start, end)``.
@@ -230,23 +219,7 @@ class HmaNixlScheduler:
         """This step's metadata; resets the per-step state."""
         now = self.clock()
         meta = HmaNixlConnectorMetadata(scheduler_clock=now)
-        for rid in C.preempted_ids(scheduler_output):
-            if rid in self.trackers:
-                self.trackers.preempt(rid)
-        for rid, ids, full in C.iter_scheduled(scheduler_output):
-            if rid not in self.trackers:
-                continue
-            if self._kv_cache_manager is not None:
-                # The manager's full table: vLLM nulls out-of-window / superseded-state
-                # blocks in place, which appended ids never show.
-                self._track_full(rid, self._kv_cache_manager.get_block_ids(rid),
-                                 self.trackers.num_prompt_tokens(rid))
-            elif full:
-                self._track_full(rid, ids, self.trackers.num_prompt_tokens(rid))
-            elif ids is not None:
-                self.trackers.append(rid, ids)
-            if self.trackers.state(rid) != RequestState.RUNNING:
-                self.trackers.set_state(rid, RequestState.RUNNING)
+        for rid in self._follow_step(scheduler_output):
             if rid in self._producers:
                 meta.producer_block_ids[rid] = clip_table(self.trackers.block_ids(rid),
                                                           self.layout)

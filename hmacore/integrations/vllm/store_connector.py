@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _compat as C
+from ._roles import RoleDispatch
 from ._store_backend import open_store
 from .metadata import HmaStoreConnectorMetadata
 from .store_scheduler import HmaStoreScheduler, key_builder
@@ -30,7 +31,7 @@ from .store_scheduler import HmaStoreScheduler, key_builder
 __all__ = ["HmaStoreConnector"]
 
 
-class HmaStoreConnector(C.KVConnectorBase_V1, C.SupportsHMA):
+class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
     """Hash-addressed store connector keeping HMA on; see the module docstring."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -57,58 +58,12 @@ class HmaStoreConnector(C.KVConnectorBase_V1, C.SupportsHMA):
             self.worker = HmaStoreWorker(sched.layout, int(kv_cache_config.num_blocks), store,
                                          key_builder(vllm_config, extra))
 
-    def _sched(self) -> HmaStoreScheduler:
-        if self.scheduler is None:
-            raise RuntimeError("scheduler-side method called on a WORKER-role HmaStoreConnector")
-        return self.scheduler
-
-    def _work(self):
-        if self.worker is None:
-            raise RuntimeError("worker-side method called on a SCHEDULER-role HmaStoreConnector")
-        return self.worker
-
-    @property
-    def layout(self):
-        """The hmacore KVLayout this connector works with."""
-        return self._layout
-
     # -- scheduler side -------------------------------------------------------------------------
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
-        self._sched().bind_kv_cache_manager(kv_cache_manager)
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: Any) -> HmaStoreConnectorMetadata:
-        return self._sched().build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        self._sched().update_connector_output(connector_output)
-
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
-        """``(False, None)``: saves ran in the steps that computed the tokens."""
-        return self._sched().request_finished(request, block_ids)
-
     def request_finished(self, request: Any, block_ids: list[int]):
         """Single-group path (HMA off, one group): ``(False, None)`` too."""
         return self._sched().request_finished(request, (list(block_ids),))
 
     # -- worker side -----------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Per-group segments of each group's own layers; regions registered with the store."""
-        self._work().register_kv_caches(kv_caches)
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Read this step's loads (sync loads complete here, before the forward pass)."""
-        self._work().start_load_kv(self._get_connector_metadata())
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return
-
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Nothing per layer: whole blocks of every group are saved in ``wait_for_save``."""
         return
@@ -117,15 +72,3 @@ class HmaStoreConnector(C.KVConnectorBase_V1, C.SupportsHMA):
         """Write this step's saves (the blocks the store masks keep)."""
         self._work().wait_for_save(self._get_connector_metadata())
 
-    def get_transfer_results(self, finished_req_ids: set[str]):
-        sending, recving, failed = self._work().get_transfer_results()
-        return C.KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                            failed_recving=failed)
-
-    def get_finished(self, finished_req_ids: set[str]):
-        r = self.get_transfer_results(finished_req_ids)
-        return r.finished_sending or None, r.finished_recving or None
-
-    def shutdown(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()

@@ -35,6 +35,7 @@ from ...spec import GroupKind
 from ...tables import RequestState, TrackerSet
 from ...transport.store import lookup_hit
 from . import _compat as C
+from ._roles import TableFollower
 from .layout import layout_from_kv_cache_config
 from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
 
@@ -64,7 +65,7 @@ def key_builder(vllm_config: Any, extra: dict) -> KeyBuilder:
                       store_namespace=str(extra.get("store_namespace") or ""))
 
 
-class HmaStoreScheduler:
+class HmaStoreScheduler(TableFollower):
     """Per-request store bookkeeping of one engine (scheduler process).
 
     Args:
@@ -94,9 +95,6 @@ class HmaStoreScheduler:
         self.failed_recving: set[str] = set()
         self.stats = {"lookups": 0, "hit_tokens": 0, "loads": 0, "saves": 0}
 
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        self._kv_cache_manager = kv_cache_manager
-
     # -- lookups ------------------------------------------------------------------------
     def lookup(self, request: Any) -> int:
         """Tokens of ``request`` the store holds (the aligned cross-group hit); cached per
@@ -125,14 +123,6 @@ class HmaStoreScheduler:
         if count <= 0:
             return 0, False
         return count, self.load_async
-
-    def _track_full(self, rid: str, table: Any, num_prompt_tokens: int) -> None:
-        if rid not in self.trackers:
-            self.trackers.add(rid, table, num_prompt_tokens=num_prompt_tokens)
-        elif self.trackers.state(rid) == RequestState.PREEMPTED:
-            self.trackers.replace(rid, table)
-        else:
-            self.trackers.update_after_alloc(rid, table)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -164,22 +154,9 @@ class HmaStoreScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> HmaStoreConnectorMetadata:
         meta = HmaStoreConnectorMetadata()
         for rid in C.preempted_ids(scheduler_output):
-            if rid in self.trackers:
-                self.trackers.preempt(rid)
             self._hits.pop(rid, None)
         scheduled = scheduler_output.num_scheduled_tokens
-        for rid, ids, full in C.iter_scheduled(scheduler_output):
-            if rid not in self.trackers:
-                continue
-            if self._kv_cache_manager is not None:
-                self._track_full(rid, self._kv_cache_manager.get_block_ids(rid),
-                                 self.trackers.num_prompt_tokens(rid))
-            elif full:
-                self._track_full(rid, ids, self.trackers.num_prompt_tokens(rid))
-            elif ids is not None:
-                self.trackers.append(rid, ids)
-            if self.trackers.state(rid) != RequestState.RUNNING:
-                self.trackers.set_state(rid, RequestState.RUNNING)
+        for rid in self._follow_step(scheduler_output):
             if self.do_save:
                 save = self._save_for(rid, int(scheduled.get(rid, 0)))
                 if save is not None:

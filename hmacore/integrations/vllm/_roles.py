@@ -1,0 +1,121 @@
+"""What both hmacore connectors share: one instance serves one role (SCHEDULER or WORKER) and
+forwards vLLM's calls to its scheduler-side or worker-side object; the scheduler objects keep
+per-request per-group tables that follow vLLM's KV cache manager."""
+from __future__ import annotations
+
+from typing import Any
+
+from ...tables import RequestState, TrackerSet
+from . import _compat as C
+
+
+class RoleDispatch:
+    """Mixin for a ``KVConnectorBase_V1`` subclass with ``self.scheduler`` / ``self.worker``
+    (exactly one of them set) and ``self._layout``. Calling the other role's method raises."""
+
+    scheduler: Any
+    worker: Any
+
+    def _sched(self):
+        if self.scheduler is None:
+            raise RuntimeError(f"scheduler-side method called on a WORKER-role {type(self).__name__}")
+        return self.scheduler
+
+    def _work(self):
+        if self.worker is None:
+            raise RuntimeError(f"worker-side method called on a SCHEDULER-role {type(self).__name__}")
+        return self.worker
+
+    @property
+    def layout(self):
+        """The hmacore KVLayout this connector works with."""
+        return self._layout
+
+    # -- scheduler side -----------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched().bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any):
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        """One id list per KV cache group (tuple length = number of groups)."""
+        return self._sched().request_finished(request, block_ids)
+
+    # -- worker side --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Layer name -> tensor (blocks on dim 0); the groups alias one storage."""
+        self._work().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """This step's loads; sync loads complete here, before the forward pass."""
+        self._work().start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing per layer: whole requests move between steps."""
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        sending, recving, failed = self._work().get_transfer_results()
+        return C.KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                            failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+
+class TableFollower:
+    """Mixin for a scheduler-side object with ``self.trackers`` (TrackerSet) and
+    ``self._kv_cache_manager``: keeps each tracked request's per-group table equal to vLLM's."""
+
+    trackers: TrackerSet
+    _kv_cache_manager: Any = None
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Keep vLLM's KVCacheManager: the authoritative per-group tables."""
+        self._kv_cache_manager = kv_cache_manager
+
+    def _track_full(self, rid: str, table: Any, num_prompt_tokens: int) -> None:
+        """A full per-group table: new request, resumed request (replace) or a repeat (suffix)."""
+        if rid not in self.trackers:
+            self.trackers.add(rid, table, num_prompt_tokens=num_prompt_tokens)
+        elif self.trackers.state(rid) == RequestState.PREEMPTED:
+            self.trackers.replace(rid, table)
+        else:
+            self.trackers.update_after_alloc(rid, table)
+
+    def _follow_step(self, scheduler_output: Any):
+        """Apply one step's preemptions and allocations; yield the tracked scheduled ids."""
+        for rid in C.preempted_ids(scheduler_output):
+            if rid in self.trackers:
+                self.trackers.preempt(rid)
+        for rid, ids, full in C.iter_scheduled(scheduler_output):
+            if rid not in self.trackers:
+                continue
+            if self._kv_cache_manager is not None:
+                # The manager's full table: vLLM nulls out-of-window / superseded-state blocks
+                # in place, which appended ids never show.
+                self._track_full(rid, self._kv_cache_manager.get_block_ids(rid),
+                                 self.trackers.num_prompt_tokens(rid))
+            elif full:
+                self._track_full(rid, ids, self.trackers.num_prompt_tokens(rid))
+            elif ids is not None:
+                self.trackers.append(rid, ids)
+            if self.trackers.state(rid) != RequestState.RUNNING:
+                self.trackers.set_state(rid, RequestState.RUNNING)
+            yield rid
