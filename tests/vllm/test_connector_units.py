@@ -180,3 +180,17 @@ def test_role_methods_are_guarded():
     c = connector()
     with pytest.raises(RuntimeError, match="worker-side method called on a SCHEDULER-role"):
         c.register_kv_caches({})
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_worker_side_refuses_more_than_one_worker_per_engine(tp, pp):
+    from types import SimpleNamespace
+
+    from hmacore.integrations.vllm._roles import require_single_worker
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp,
+                                                          pipeline_parallel_size=pp))
+    with pytest.raises(NotImplementedError, match=f"tensor_parallel_size={tp}, "
+                                                  f"pipeline_parallel_size={pp}"):
+        require_single_worker(cfg, "HmaNixlConnector")
+    require_single_worker(SimpleNamespace(parallel_config=SimpleNamespace(
+        tensor_parallel_size=1, pipeline_parallel_size=1)), "HmaNixlConnector")

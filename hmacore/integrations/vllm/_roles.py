@@ -9,6 +9,16 @@ from ...tables import RequestState, TrackerSet
 from . import _compat as C
 
 
+def require_single_worker(vllm_config: Any, connector: str) -> None:
+    """Worker sides serve one worker per engine so far: TP = PP = 1, else a clear error."""
+    pc = vllm_config.parallel_config
+    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+    if tp != 1 or pp != 1:
+        raise NotImplementedError(
+            f"{connector} worker: tensor_parallel_size={tp}, pipeline_parallel_size={pp}; only "
+            "one worker per engine (TP = PP = 1) is supported so far")
+
+
 class RoleDispatch:
     """Mixin for a ``KVConnectorBase_V1`` subclass with ``self.scheduler`` / ``self.worker``
     (exactly one of them set) and ``self._layout``. Calling the other role's method raises."""

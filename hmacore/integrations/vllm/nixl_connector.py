@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _compat as C
-from ._roles import RoleDispatch
+from ._roles import RoleDispatch, require_single_worker
 from .metadata import HmaNixlConnectorMetadata
 from .nixl_scheduler import HmaNixlScheduler
 
@@ -39,12 +39,7 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         if role == C.KVConnectorRole.SCHEDULER:
             self.scheduler = sched
         else:
-            pc = vllm_config.parallel_config
-            tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
-            if tp != 1 or pp != 1:
-                raise NotImplementedError(
-                    f"HmaNixlConnector worker: tensor_parallel_size={tp}, pipeline_parallel_size"
-                    f"={pp}; only one worker per engine (TP = PP = 1) is supported so far")
+            require_single_worker(vllm_config, type(self).__name__)
             from .nixl_worker import HmaNixlWorker  # imports the NIXL driver lazily
             self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
                                         sched.engine_id, sched.host, sched.port)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _compat as C
-from ._roles import RoleDispatch
+from ._roles import RoleDispatch, require_single_worker
 from ._store_backend import open_store
 from .metadata import HmaStoreConnectorMetadata
 from .store_scheduler import HmaStoreScheduler, key_builder
@@ -48,12 +48,7 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         if not worker:
             self.scheduler = sched
         else:
-            pc = vllm_config.parallel_config
-            tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
-            if tp != 1 or pp != 1:
-                raise NotImplementedError(
-                    f"HmaStoreConnector worker: tensor_parallel_size={tp}, pipeline_parallel_"
-                    f"size={pp}; only one worker per engine (TP = PP = 1) is supported so far")
+            require_single_worker(vllm_config, type(self).__name__)
             from .store_worker import HmaStoreWorker
             self.worker = HmaStoreWorker(sched.layout, int(kv_cache_config.num_blocks), store,
                                          key_builder(vllm_config, extra))
