@@ -38,7 +38,14 @@ from .plan import Region, TransferPlan
 from .spec import GroupKind, KVLayout
 
 __all__ = ["GroupSharding", "HeadSlice", "TpMapping", "TpPairPlan", "kv_heads_of_rank",
-           "default_shardings", "build_pair_plans", "expected_consumers"]
+           "default_shardings", "build_pair_plans", "expected_consumers", "consumer_ranks",
+           "PAGE_LAYOUTS", "HEAD_MAJOR_LAYOUTS"]
+
+#: vLLM KV cache page layouts hmacore knows by name. Head-major layouts (heads outside tokens)
+#: are head-sliceable per block; in NHD / LBNHC pages heads are innermost (one head's bytes
+#: are ``block_size`` strided pieces), so only whole pages can move.
+PAGE_LAYOUTS = ("HND", "LBHNC", "NHD", "LBNHC")
+HEAD_MAJOR_LAYOUTS = ("HND", "LBHNC")
 
 
 def _int(name: str, v: Any, lo: int) -> int:
@@ -135,10 +142,28 @@ class TpMapping:
     Every head a local rank holds is read from exactly one remote rank: when several remote
     ranks hold a head (remote tp > heads), rank ``first + local_rank % copies`` is chosen;
     replicated groups read from ``local_rank % remote_tp``. Slices keep head order.
+
+    Args:
+        layout: the model's layout (both sides agree on it up to block sizes).
+        shardings: one GroupSharding per group.
+        local_tp / local_rank / remote_tp: TP sizes and this rank.
+        page_layout: the pages' vLLM KV cache layout, one of :data:`PAGE_LAYOUTS` (default
+            ``"HND"``). With ``"NHD"``/``"LBNHC"`` (heads innermost) every head-sharded slice
+            must be a whole page on both sides (equal heads per rank), else LayoutError.
+
+    Raises LayoutError (nothing built) for DCP/PCP (``layout.context_parallel > 1``: tokens are
+    interleaved across ranks, so a block is not one rank's pages), NHD pages that would need
+    head slices, bad TP sizes or ranks, and shardings that do not match the layout.
     """
 
     def __init__(self, layout: KVLayout, shardings: Sequence[GroupSharding], *, local_tp: int,
-                 local_rank: int, remote_tp: int):
+                 local_rank: int, remote_tp: int, page_layout: str = "HND"):
+        if layout.context_parallel != 1:
+            raise LayoutError(f"layout.context_parallel={layout.context_parallel}: decode/prefill "
+                              "context parallelism (DCP/PCP) interleaves a block's tokens across "
+                              "ranks; heterogeneous-TP mapping does not support it")
+        if page_layout not in PAGE_LAYOUTS:
+            raise LayoutError(f"page_layout must be one of {list(PAGE_LAYOUTS)}, got {page_layout!r}")
         if len(shardings) != layout.num_groups:
             raise LayoutError(f"shardings has {len(shardings)} entries, layout has "
                               f"{layout.num_groups} groups")
@@ -160,6 +185,21 @@ class TpMapping:
                 slices.append((HeadSlice(g, self.local_rank % self.remote_tp, 0, 1, 0, 0, True),))
             else:
                 slices.append(self._shard(g, sh.num_heads))
+        self.page_layout = page_layout
+        if page_layout not in HEAD_MAJOR_LAYOUTS:
+            for g, ss in enumerate(slices):
+                if self.shardings[g].replicated:
+                    continue
+                h = self.shardings[g].num_heads
+                nl, nr = _per_rank(h, self.local_tp), _per_rank(h, self.remote_tp)
+                for s in ss:
+                    if not s.num_heads == nl == nr:
+                        raise LayoutError(
+                            f"page_layout {page_layout!r} puts heads innermost: group {g} needs "
+                            f"heads [{s.start}, {s.stop}) of remote rank {s.remote_rank} (local "
+                            f"rank holds {nl} heads, remote {nr}), which are not whole pages; "
+                            "head slices need a head-major layout (HND, LBHNC; vLLM: "
+                            "VLLM_KV_CACHE_LAYOUT=HND) or equal heads per rank on both sides")
         self.slices: tuple[tuple[HeadSlice, ...], ...] = tuple(slices)
         self.remote_ranks: tuple[int, ...] = tuple(sorted({s.remote_rank for ss in slices for s in ss}))
 
@@ -190,6 +230,11 @@ class TpMapping:
     def table(self) -> list[dict[str, Any]]:
         """The slices as rows (for printing and docs)."""
         return [dataclasses.asdict(s) for ss in self.slices for s in ss]
+
+
+def _per_rank(num_heads: int, tp: int) -> int:
+    lo, hi = kv_heads_of_rank(num_heads, tp, 0)
+    return hi - lo
 
 
 def _region_groups(layout: KVLayout, reg: Region) -> list[int]:
@@ -382,14 +427,25 @@ def build_pair_plans(mapping: TpMapping, local_plan: TransferPlan,
             for p in mapping.remote_ranks}
 
 
+def consumer_ranks(layout: KVLayout, shardings: Sequence[GroupSharding], *, local_tp: int,
+                   remote_tp: int, remote_rank: int) -> tuple[int, ...]:
+    """The local (decode) ranks, ascending, that read some bytes of ``remote_rank`` of the
+    remote (prefill) side: exactly the ranks whose completion notification that prefill rank
+    waits for before it releases a request's blocks (see hmacore.sends.SendTracker).
+    Computed once per deployment pair. Raises LayoutError for a rank outside ``[0, remote_tp)``
+    or TP sizes the shardings reject."""
+    remote_rank = _int("remote_rank", remote_rank, 0)
+    if remote_rank >= _int("remote_tp", remote_tp, 1):
+        raise LayoutError(f"remote_rank must be in [0, {remote_tp}), got {remote_rank}")
+    return tuple(d for d in range(_int("local_tp", local_tp, 1))
+                 if remote_rank in TpMapping(layout, shardings, local_tp=local_tp, local_rank=d,
+                                             remote_tp=remote_tp).remote_ranks)
+
+
 def expected_consumers(layout: KVLayout, shardings: Sequence[GroupSharding], *, local_tp: int,
                        remote_tp: int, remote_rank: int) -> int:
     """How many local (decode) ranks read from ``remote_rank`` of the remote (prefill) side:
     the count of completion notifications that prefill rank waits for (vLLM's
-    ``expected_consumers``). Computed once per deployment pair."""
-    remote_rank = _int("remote_rank", remote_rank, 0)
-    if remote_rank >= _int("remote_tp", remote_tp, 1):
-        raise LayoutError(f"remote_rank must be in [0, {remote_tp}), got {remote_rank}")
-    return sum(remote_rank in TpMapping(layout, shardings, local_tp=local_tp, local_rank=d,
-                                        remote_tp=remote_tp).remote_ranks
-               for d in range(_int("local_tp", local_tp, 1)))
+    ``expected_consumers``); ``len(consumer_ranks(...))``. Computed once per deployment pair."""
+    return len(consumer_ranks(layout, shardings, local_tp=local_tp, remote_tp=remote_tp,
+                              remote_rank=remote_rank))

@@ -245,3 +245,42 @@ def test_desc_ids_into_reused_buffers():
     assert (a == ra).all() and (b == rb).all() and np.shares_memory(a, ol)
     with pytest.raises(BlockTableError, match="room for 2 descriptor ids"):
         pair.desc_ids([[1, 2], [3]], [[4, 5], [6]], out_local=ol[:2])
+
+
+# -- unsupported configurations fail at plan time, with the error docs/hetero-tp.md quotes ------
+
+def test_nhd_pages_rejected_when_head_slices_are_needed():
+    msg = (r"page_layout 'NHD' puts heads innermost: group 0 needs heads \[0, 2\) of remote rank 0 "
+           r"\(local rank holds 4 heads, remote 2\), which are not whole pages")
+    with pytest.raises(LayoutError, match=msg):
+        TpMapping(FS, KV4, local_tp=1, local_rank=0, remote_tp=2, page_layout="NHD")
+    with pytest.raises(LayoutError, match="page_layout 'LBNHC' puts heads innermost"):
+        TpMapping(FS, KV4, local_tp=2, local_rank=0, remote_tp=1, page_layout="LBNHC")
+    # whole pages on both sides are fine: equal TP, one replicated head per rank, MLA pages
+    TpMapping(FS, KV4, local_tp=2, local_rank=1, remote_tp=2, page_layout="NHD")
+    TpMapping(FS, [GroupSharding(2, 2)] * 2, local_tp=4, local_rank=3, remote_tp=2,
+              page_layout="NHD")
+    lay = dsv4_like_layout()
+    TpMapping(lay, [GroupSharding(replicated=True)] * 5, local_tp=2, local_rank=1, remote_tp=1,
+              page_layout="NHD")
+    with pytest.raises(LayoutError, match=r"page_layout must be one of \['HND', 'LBHNC', 'NHD', "
+                                          r"'LBNHC'\], got 'hnd'"):
+        TpMapping(FS, KV4, local_tp=1, local_rank=0, remote_tp=1, page_layout="hnd")
+
+
+def test_context_parallel_rejected():
+    lay = KVLayout(groups=(GroupSpec(GroupKind.FULL, 16, ("a.0",)),), context_parallel=2)
+    with pytest.raises(LayoutError, match=r"layout.context_parallel=2: decode/prefill context "
+                                          r"parallelism \(DCP/PCP\)"):
+        TpMapping(lay, [GroupSharding(4, 2)], local_tp=1, local_rank=0, remote_tp=2)
+
+
+def test_kernel_block_smaller_than_logical_block_rejected_for_sharded_pages():
+    m = TpMapping(FS, KV4, local_tp=1, local_rank=0, remote_tp=2)
+    sh = [(4, 2, False)] * 2
+    kw = dict(page_bytes=None, kernel_block_size=8)
+    lplan = TransferPlan.from_layout(FS, 4, **{**kw, "page_bytes": rank_pages(sh, [64] * 2, 1)})
+    rplan = TransferPlan.from_layout(FS, 4, **{**kw, "page_bytes": rank_pages(sh, [64] * 2, 2)})
+    with pytest.raises(LayoutError, match="kernel ratio 2 with head-sharded pages is not supported; "
+                                          "plan with kernel_block_size equal to the block size"):
+        TpPairPlan(m, 0, lplan, rplan)
