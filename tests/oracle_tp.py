@@ -99,12 +99,13 @@ def simulate_reads(pairs, local_ids, remote_ids):
 
 # -- layouts and per-rank page sizes shared by the unit, property and NIXL tests -------------
 
-def full_sliding_layout(bs=16, layers=2):
+def full_sliding_layout(bs=16, layers=2, window=None):
+    """Full + sliding-window groups; the window is ``window`` tokens (default ``2 * bs``)."""
     from hmacore.spec import GroupKind, GroupSpec, KVLayout
     return KVLayout(groups=(
         GroupSpec(GroupKind.FULL, bs, tuple(f"full.{i}" for i in range(layers)), name="full"),
         GroupSpec(GroupKind.SLIDING_WINDOW, bs, tuple(f"swa.{i}" for i in range(layers)),
-                  sliding_window=2 * bs, name="swa"),
+                  sliding_window=window or 2 * bs, name="swa"),
     ))
 
 
@@ -184,7 +185,7 @@ def tp_case_layout(name, scale=1, bs_div=1):
     """(layout, shardings as (heads, chunks, replicated), head_block_bytes) of the NIXL cases;
     ``scale`` multiplies every page; ``bs_div`` divides the (full_sliding) block size and pages."""
     if name == "full_sliding":
-        lay = full_sliding_layout(16 // bs_div, 2)
+        lay = full_sliding_layout(16 // bs_div, 2, window=32)  # the model's window, in tokens
         return lay, [(4, 2, False)] * 2, [64 * scale // bs_div] * 2
     assert bs_div == 1
     lay = dsv4_like_layout(1, 2)

@@ -6,32 +6,166 @@ table of its transfer plan. A compatibility hash covers everything both peers mu
 (version, fingerprint, HMA flag, block sizes and each region's shape: block bytes, descriptors
 per block, owning group, state flag) but not addresses or pool sizes, which legitimately
 differ. Any mismatch, malformed frame, refused connection or timeout raises HandshakeError.
+
+Heterogeneous TP (``HandshakePayload.for_tp_plan``): the payload also carries a
+:class:`TpDescription` (TP size and rank, per-group head sharding, KV dtype, head dim, page
+layout, the side's own layout). Region shapes then legitimately differ (pages scale with heads
+per rank; block sizes may differ by one whole ratio), so the compatibility hash covers the
+TP-invariant fingerprint instead (:func:`tp_fingerprint_fields`: group kinds, windows, MLA and
+Mamba flags, layer->group map, total KV heads and chunks per group, dtype, head dim, page
+layout), and :meth:`HandshakePayload.check_compatible` additionally checks the block sizes
+(equal, or one whole ratio for every attention group), that each side's TP size fits every
+group's heads, and that every layer's bytes per head per token agree between the two sides'
+region tables. Each mismatch raises HandshakeError naming the field. Both peers must be
+TP-aware, or neither.
 """
 from __future__ import annotations
 
 import base64
 import dataclasses
+import fractions
 import hashlib
 import json
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import HandshakeError, HmacoreError
 from ..plan import TransferPlan
-from ..spec import KVLayout
+from ..spec import GroupKind, KVLayout
+from ..tp import PAGE_LAYOUTS, kv_heads_of_rank
 
-__all__ = ["PROTOCOL_VERSION", "HandshakePayload", "HandshakeServer", "exchange_handshake"]
+__all__ = ["PROTOCOL_VERSION", "HandshakePayload", "HandshakeServer", "TpDescription",
+           "exchange_handshake", "tp_fingerprint_fields"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: optional TP description (heterogeneous TP)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpDescription:
+    """What a TP-aware peer adds to its handshake payload.
+
+    Attributes:
+        tp_size / tp_rank: this side's TP world size and rank.
+        shardings: per group ``(num_heads, chunks, replicated)`` as hmacore.tp.GroupSharding:
+            total KV heads of a layer (total state heads for sharded Mamba), head-major chunks
+            per block, replicated (MLA; unsharded Mamba).
+        layout: this side's ``KVLayout.to_dict()`` (its own block sizes).
+        kv_dtype: KV cache dtype name (e.g. ``"bfloat16"``, ``"fp8_e4m3"``).
+        head_dim: head size in elements.
+        page_layout: vLLM KV cache layout of the pages (one of hmacore.tp.PAGE_LAYOUTS).
+    """
+
+    tp_size: int
+    tp_rank: int
+    shardings: tuple[tuple[int, int, bool], ...]
+    layout: dict[str, Any]
+    kv_dtype: str
+    head_dim: int
+    page_layout: str = "HND"
+
+    def __post_init__(self) -> None:
+        for name, v, lo in (("tp_size", self.tp_size, 1), ("tp_rank", self.tp_rank, 0),
+                            ("head_dim", self.head_dim, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise HandshakeError(f"TP description: {name} must be an int >= {lo}, got {v!r}")
+        if self.tp_rank >= self.tp_size:
+            raise HandshakeError(f"TP description: tp_rank {self.tp_rank} is not in "
+                                 f"[0, {self.tp_size})")
+        if self.page_layout not in PAGE_LAYOUTS:
+            raise HandshakeError(f"TP description: page_layout must be one of "
+                                 f"{list(PAGE_LAYOUTS)}, got {self.page_layout!r}")
+        if not isinstance(self.kv_dtype, str) or not self.kv_dtype:
+            raise HandshakeError(f"TP description: kv_dtype must be a non-empty str, "
+                                 f"got {self.kv_dtype!r}")
+        n = len(self.layout.get("groups", ())) if isinstance(self.layout, dict) else -1
+        if len(self.shardings) != n:
+            raise HandshakeError(f"TP description: {len(self.shardings)} shardings for "
+                                 f"{n} groups")
+
+    def kv_layout(self) -> KVLayout:
+        """This side's layout (HandshakeError if the document is malformed)."""
+        try:
+            return KVLayout.from_dict(self.layout)
+        except (HmacoreError, TypeError, ValueError, KeyError) as e:
+            raise HandshakeError(f"TP description: malformed layout: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shardings"] = [list(s) for s in self.shardings]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TpDescription:
+        return cls(int(d["tp_size"]), int(d["tp_rank"]),
+                   tuple((int(h), int(k), bool(r)) for h, k, r in d["shardings"]),
+                   dict(d["layout"]), str(d["kv_dtype"]), int(d["head_dim"]),
+                   str(d.get("page_layout", "HND")))
+
+
+def tp_fingerprint_fields(tp: TpDescription) -> list[tuple[str, Any]]:
+    """``(field, value)`` pairs two TP-aware peers must agree on whatever their TP sizes:
+    kv_dtype, head_dim, page_layout, context parallelism, group count and per group kind, MLA
+    flag, window / chunk / retained tokens, EAGLE, Mamba mode and speculative slots, transfer
+    flag, layer names (the layer->group map), total heads, chunks and replication. Not block
+    sizes, kernel block sizes or page bytes (they depend on the block size and TP size)."""
+    lay = tp.kv_layout()
+    out: list[tuple[str, Any]] = [("kv_dtype", tp.kv_dtype), ("head_dim", tp.head_dim),
+                                  ("page_layout", tp.page_layout),
+                                  ("context_parallel", lay.context_parallel),
+                                  ("group count", lay.num_groups)]
+    for g, (s, (h, k, repl)) in enumerate(zip(lay.groups, tp.shardings)):
+        out += [(f"group {g} kind", s.kind.name), (f"group {g} mla", s.mla),
+                (f"group {g} sliding_window", s.sliding_window),
+                (f"group {g} chunk_size", s.chunk_size),
+                (f"group {g} extra_retained_tokens", s.extra_retained_tokens),
+                (f"group {g} eagle", s.eagle), (f"group {g} mamba_mode", s.mamba_mode.name),
+                (f"group {g} num_speculative_blocks", s.num_speculative_blocks),
+                (f"group {g} transfer", s.transfer),
+                (f"group {g} layer names", list(s.layer_names)),
+                (f"group {g} replicated", repl),
+                (f"group {g} total KV heads", None if repl else h),
+                (f"group {g} chunks per block", None if repl else k)]
+    return out
+
+
+def _tp_unit_bytes(tp: TpDescription, regions: tuple[dict[str, Any], ...]
+                   ) -> dict[str, list[tuple[bool, fractions.Fraction]]]:
+    """Per layer: (state, bytes per head per token) of each region holding it, in order
+    (bytes per head per block for state regions; whole page per token when replicated)."""
+    lay = tp.kv_layout()
+    l2g = lay.layer_to_group
+    out: dict[str, list[tuple[bool, fractions.Fraction]]] = {}
+    for i, r in enumerate(regions):
+        try:
+            blen, state, layers = int(r["block_len"]), bool(r["state"]), list(r["layers"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise HandshakeError(f"region {i} of the region table is malformed: {e}") from None
+        for name in layers:
+            g = l2g.get(name)
+            if g is None:
+                raise HandshakeError(f"region {i} names layer {name!r} that its layout lacks")
+            h, k, repl = tp.shardings[g]
+            spec = lay.groups[g]
+            if repl:
+                per = fractions.Fraction(blen)
+            else:
+                lo, hi = kv_heads_of_rank(h, tp.tp_size, tp.tp_rank)
+                per = fractions.Fraction(blen, k * (hi - lo))
+            if not state:
+                per /= spec.block_size
+            out.setdefault(name, []).append((state, per))
+    return out
+
 _MAX_FRAME = 64 << 20  # bytes; a region table of 100k regions fits easily
 
 
 @dataclasses.dataclass(frozen=True)
 class HandshakePayload:
-    """What one peer tells the other. ``regions`` is ``TransferPlan.region_table()``."""
+    """What one peer tells the other. ``regions`` is ``TransferPlan.region_table()``;
+    ``tp`` is None for same-TP peers (exact region shapes compared) or a TpDescription."""
 
     version: int
     agent_name: str
@@ -42,17 +176,41 @@ class HandshakePayload:
     num_blocks: int
     mem_type: str
     regions: tuple[dict[str, Any], ...]
+    tp: TpDescription | None = None
 
     @classmethod
     def for_plan(cls, plan: TransferPlan, agent_name: str, agent_metadata: bytes, *,
                  hma: bool = True) -> HandshakePayload:
+        """A same-TP payload: the peer must have equal region shapes."""
         return cls(PROTOCOL_VERSION, agent_name, bytes(agent_metadata), plan.layout.fingerprint(),
                    bool(hma), plan.layout.block_sizes, plan.regions[0].logical_blocks,
                    plan.mem_type, tuple(plan.region_table()))
 
+    @classmethod
+    def for_tp_plan(cls, plan: TransferPlan, agent_name: str, agent_metadata: bytes, *,
+                    tp_size: int, tp_rank: int, shardings: Sequence[Any], kv_dtype: str,
+                    head_dim: int, page_layout: str = "HND", hma: bool = True
+                    ) -> HandshakePayload:
+        """A TP-aware payload for one rank: ``plan`` is this rank's plan (pages sized for its
+        heads); ``shardings`` one hmacore.tp.GroupSharding (or ``(num_heads, chunks,
+        replicated)``) per group; ``kv_dtype``/``head_dim`` the model's KV dtype name and head
+        size in elements. Raises HandshakeError for a bad TP description."""
+        sh = tuple((int(s[0]), int(s[1]), bool(s[2])) if isinstance(s, (tuple, list))
+                   else (int(s.num_heads), int(s.chunks), bool(s.replicated)) for s in shardings)
+        tp = TpDescription(tp_size, tp_rank, sh, plan.layout.to_dict(), kv_dtype, head_dim,
+                           page_layout)
+        return cls(PROTOCOL_VERSION, agent_name, bytes(agent_metadata), _tp_fingerprint(tp),
+                   bool(hma), plan.layout.block_sizes, plan.regions[0].logical_blocks,
+                   plan.mem_type, tuple(plan.region_table()), tp)
+
     @property
     def compatibility_hash(self) -> str:
-        """Hex digest of everything two peers must agree on (not addresses, not pool sizes)."""
+        """Hex digest of everything two peers must agree on (not addresses, not pool sizes;
+        with a TP description not region shapes or block sizes either: those are checked
+        by :meth:`check_compatible` against the TP rules)."""
+        if self.tp is not None:
+            doc = [self.version, "tp", self.hma, _tp_fingerprint(self.tp)]
+            return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
         shape = [(int(r["block_len"]) // int(r["ratio"]), int(r["ratio"]), int(r["group"]),
                   bool(r["state"])) for r in self.regions]
         doc = [self.version, self.layout_fingerprint, self.hma, list(self.block_sizes), shape]
@@ -61,8 +219,18 @@ class HandshakePayload:
     def check_compatible(self, other: HandshakePayload) -> None:
         """Raise HandshakeError naming the first field on which the peers disagree."""
         for field, a, b in (("version", self.version, other.version),
-                            ("layout fingerprint", self.layout_fingerprint, other.layout_fingerprint),
-                            ("HMA on/off", self.hma, other.hma),
+                            ("HMA on/off", self.hma, other.hma)):
+            if a != b:
+                raise HandshakeError(f"peer {other.agent_name!r} disagrees on {field}: "
+                                     f"local {a!r}, remote {b!r}")
+        if (self.tp is None) != (other.tp is None):
+            raise HandshakeError(f"peer {other.agent_name!r} disagrees on TP awareness: the "
+                                 f"{'remote' if other.tp is None else 'local'} side sent no TP "
+                                 "description (both peers must use for_tp_plan, or neither)")
+        if self.tp is not None:
+            self._check_tp(other)
+            return
+        for field, a, b in (("layout fingerprint", self.layout_fingerprint, other.layout_fingerprint),
                             ("block sizes", self.block_sizes, other.block_sizes),
                             ("region count", len(self.regions), len(other.regions))):
             if a != b:
@@ -73,6 +241,63 @@ class HandshakePayload:
                                  f"(compatibility hash {self.compatibility_hash} vs "
                                  f"{other.compatibility_hash})")
 
+    def _check_tp(self, other: HandshakePayload) -> None:
+        me, them = self.tp, other.tp
+        assert me is not None and them is not None
+        who = f"peer {other.agent_name!r}"
+        mine = dict(tp_fingerprint_fields(me))
+        for field, b in tp_fingerprint_fields(them):
+            a = mine.get(field)
+            if a != b:
+                if field.endswith("layer names"):
+                    diff = next((f"first difference at index {i}: {x!r} vs {y!r}"
+                                 for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                                f"{len(a)} vs {len(b)} layers")
+                    raise HandshakeError(f"{who} disagrees on {field} (layer->group map): {diff}")
+                raise HandshakeError(f"{who} disagrees on {field}: local {a!r}, remote {b!r}")
+        la, lb = me.kv_layout(), them.kv_layout()
+        ratios = set()
+        for g, (a, b) in enumerate(zip(la.groups, lb.groups)):
+            if a.kind == GroupKind.MAMBA or a.block_size == b.block_size:
+                if a.block_size != b.block_size:
+                    raise HandshakeError(f"{who} disagrees on block sizes: state group {g} has "
+                                         f"{a.block_size} locally, {b.block_size} remotely "
+                                         "(state blocks must be equal)")
+                ratios.add(fractions.Fraction(1))
+                continue
+            big, small = max(a.block_size, b.block_size), min(a.block_size, b.block_size)
+            if big % small:
+                raise HandshakeError(f"{who} disagrees on block sizes: group {g} has "
+                                     f"{a.block_size} tokens locally, {b.block_size} remotely "
+                                     "(different block sizes must be whole multiples)")
+            ratios.add(fractions.Fraction(a.block_size, b.block_size))
+        if len(ratios) > 1:
+            raise HandshakeError(f"{who} disagrees on block sizes: local {list(la.block_sizes)}, "
+                                 f"remote {list(lb.block_sizes)} (one block-size ratio must hold "
+                                 "for every attention group)")
+        for side, d in (("local", me), ("remote", them)):
+            for g, (h, _, repl) in enumerate(d.shardings):
+                if not repl:
+                    try:
+                        kv_heads_of_rank(h, d.tp_size, d.tp_rank)
+                    except HmacoreError as e:
+                        raise HandshakeError(f"{who}: {side} TP size {d.tp_size} does not fit "
+                                             f"group {g}'s heads: {e}") from None
+        ua, ub = _tp_unit_bytes(me, self.regions), _tp_unit_bytes(them, other.regions)
+        for name in sorted(set(ua) | set(ub)):
+            x, y = ua.get(name), ub.get(name)
+            if x != y:
+                def fmt(v):
+                    return "no region" if v is None else ", ".join(
+                        f"{float(p):g} B per head per {'block' if st else 'token'}" for st, p in v)
+                raise HandshakeError(f"{who} disagrees on region shapes of layer {name!r} "
+                                     f"(group {la.layer_to_group.get(name)}): {fmt(x)} locally "
+                                     f"(TP {me.tp_size}), {fmt(y)} remotely (TP {them.tp_size}); "
+                                     "head size, dtype or page layout differ")
+        if self.compatibility_hash != other.compatibility_hash:  # guard: fields above agreed
+            raise HandshakeError(f"{who} disagrees on the TP fingerprint "
+                                 f"({self.compatibility_hash} vs {other.compatibility_hash})")
+
     def remote_plan(self, layout: KVLayout) -> TransferPlan:
         """The peer's transfer plan (its addresses) for a layout both sides agreed on."""
         return TransferPlan.from_region_table(layout, self.regions, mem_type=self.mem_type)
@@ -82,6 +307,7 @@ class HandshakePayload:
         d["agent_metadata"] = base64.b64encode(self.agent_metadata).decode()
         d["block_sizes"] = list(self.block_sizes)
         d["regions"] = list(self.regions)
+        d["tp"] = None if self.tp is None else self.tp.to_dict()
         d["compatibility_hash"] = self.compatibility_hash
         return json.dumps(d).encode()
 
@@ -89,12 +315,13 @@ class HandshakePayload:
     def from_bytes(cls, data: bytes) -> HandshakePayload:
         try:
             d = json.loads(data)
+            tp = None if d.get("tp") is None else TpDescription.from_dict(d["tp"])
             p = cls(int(d["version"]), str(d["agent_name"]), base64.b64decode(d["agent_metadata"]),
                     str(d["layout_fingerprint"]), bool(d["hma"]),
                     tuple(int(b) for b in d["block_sizes"]), int(d["num_blocks"]),
-                    str(d["mem_type"]), tuple(dict(r) for r in d["regions"]))
+                    str(d["mem_type"]), tuple(dict(r) for r in d["regions"]), tp)
             claimed = d["compatibility_hash"]
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise HandshakeError(f"malformed handshake payload: {e}") from None
         if p.version != PROTOCOL_VERSION:
             raise HandshakeError(f"peer speaks handshake version {p.version}, this side "
@@ -102,6 +329,11 @@ class HandshakePayload:
         if claimed != p.compatibility_hash:
             raise HandshakeError("handshake payload's compatibility hash does not match its content")
         return p
+
+
+def _tp_fingerprint(tp: TpDescription) -> str:
+    doc = tp_fingerprint_fields(tp)
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
 
 
 def _send_frame(sock: socket.socket, data: bytes) -> None:
