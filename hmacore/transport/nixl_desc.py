@@ -126,7 +126,16 @@ class DescAgent:
 
     def notifs(self) -> list[bytes]:
         """New notification messages (from every peer), consumed."""
-        return [bytes(m) for msgs in self._agent.get_new_notifs().values() for m in msgs]
+        return [m for _, m in self.notifs_by_agent()]
+
+    def notifs_by_agent(self) -> list[tuple[str, bytes]]:
+        """New notifications as ``(sender agent name, message)``, consumed. The sender name is
+        what NIXL reports (map it to a TP rank with what that peer's handshake said)."""
+        out = []
+        for agent, msgs in self._agent.get_new_notifs().items():
+            name = agent.decode() if isinstance(agent, bytes) else str(agent)
+            out.extend((name, bytes(m)) for m in msgs)
+        return out
 
     def close(self) -> None:
         """Release dlists, forget remotes, deregister memory (idempotent)."""

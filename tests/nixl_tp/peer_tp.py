@@ -1,12 +1,23 @@
 """A NIXL peer process for the heterogeneous-TP and layer-wise push tests (run with
 subprocess, never forked; the test kills it by PID and bounds its life with ``serve_s``).
 
-argv[1] is JSON ``{"role": "prefill" | "pusher", "agents": [cfg, ...], "serve_s": S}``.
+argv[1] is JSON ``{"role": "prefill" | "pusher" | "decode", "agents": [cfg, ...], "serve_s": S}``.
 
-prefill: each cfg ``{name, case, tp, rank, nb, tokens, bs_div (opt), positions (opt)}`` hosts one TP rank's paged KV (pages
-sized for its heads), filled with tp_pattern for the request's P ids, and a DescAgent over it.
-It prints ``{"agents": {name: TpPeerInfo JSON}}`` and serves (the test
-READs) until stdin closes or S passes.
+prefill: each cfg ``{name, case, tp, rank, nb, tokens, bs_div (opt), positions (opt),
+track (opt)}`` hosts one TP rank's paged KV (pages sized for its heads), filled with tp_pattern
+for the request's P ids, a DescAgent over it and a HandshakeServer (loopback) answering with
+its TP-aware payload. It prints ``{"agents": {name: {"port": P}}}`` and serves (the test
+handshakes, then READs) until stdin closes or S passes. With ``track = {req, decode_tp,
+lease_s}`` the agent also runs a SendTracker for ``req`` (added on the first stdin line, which
+it acknowledges with ``{"added": true}``): each
+``<req>:done`` notification is mapped to the sender's decode rank (from its handshake) and
+printed as ``{"notify": name, "rank": r, "outcome": ..., "duplicates": n}``; a lease expiry
+as ``{"expired": outcome, "after_s": seconds since add}``; a completion adds ``"after_s"``.
+
+decode: one cfg ``{name, case, tp, rank, nb, tokens, ports}``: a decode rank that handshakes
+with the prefill ranks' servers once a stdin line arrives (it prints ``{"ready": true}`` first),
+READs its head slices, prints ``{"read": bytes_ok}`` and
+waits (the test kills it before it notifies: a decode rank that died).
 
 pusher: one cfg ``{name, case, nb, tokens, scale, layers_before_stall (opt), compute_s}``; prints its
 agent info, then reads one stdin line ``{"meta", "regions", "ids", "name"}`` (the decode
@@ -29,11 +40,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root
 import numpy as np  # noqa: E402
 
 from hmacore.layerwise import LayerPlan, LayerwisePusher, PushState  # noqa: E402
+from hmacore.sends import SendTracker  # noqa: E402
 from hmacore.paged import allocate_paged_kv  # noqa: E402
 from hmacore.plan import TransferPlan  # noqa: E402
 from hmacore.tp import GroupSharding  # noqa: E402
 from hmacore.transport.nixl_desc import DescAgent  # noqa: E402
-from hmacore.transport.tp_peer import TpPeerInfo  # noqa: E402
+from hmacore.transport.handshake import (HandshakePayload, HandshakeServer,  # noqa: E402
+                                         exchange_handshake)
+from hmacore.transport.tp_peer import tp_pair_plans  # noqa: E402
 from oracle_tp import (oracle_heads, rank_pages, request_ids, tp_case_layout,  # noqa: E402
                        tp_pattern)
 
@@ -56,6 +70,25 @@ def build_rank(case, tp, rank, nb, table, positions, fill=True, scale=1, bs_div=
     return layout, paged, plan
 
 
+KV_DTYPE, HEAD_DIM = "uint8", 16  # declared by every test rank (the bytes are a pattern)
+
+
+def tp_payload(plan, agent, name, case, tp, rank):
+    """A rank's TP-aware handshake payload (shardings of the case)."""
+    shard = [GroupSharding(*s) for s in tp_case_layout(case)[1]]
+    return HandshakePayload.for_tp_plan(plan, name, agent.metadata(), tp_size=tp, tp_rank=rank,
+                                        shardings=shard, kv_dtype=KV_DTYPE, head_dim=HEAD_DIM)
+
+
+def decode_ids(layout, pos, nb):
+    """Decode-side ids: a different, reversed placement than the prefill side's."""
+    d_ids, nxt = [], nb - 1
+    for g in range(layout.num_groups):
+        d_ids.append(list(range(nxt, nxt - len(pos[g]), -1)))
+        nxt -= len(pos[g])
+    return d_ids
+
+
 def info(agent, plan):
     return {"meta": base64.b64encode(agent.metadata()).decode(), "regions": plan.region_table()}
 
@@ -69,7 +102,7 @@ def stdin_line(deadline):
 
 
 def prefill(args):
-    hosted, out = [], {}
+    hosted, out, trackers = [], {}, []
     for cfg in args["agents"]:
         bs_div = cfg.get("bs_div", 1)
         layout, _, _ = tp_case_layout(cfg["case"], 1, bs_div)
@@ -83,18 +116,93 @@ def prefill(args):
         _, paged, plan = build_rank(cfg["case"], cfg["tp"], cfg["rank"], cfg["nb"], ids, pos,
                                     bs_div=bs_div)
         agent = DescAgent(cfg["name"], plan.registration_ranges())
-        hosted.append((agent, paged))
-        shard = [GroupSharding(*s) for s in tp_case_layout(cfg["case"], 1, bs_div)[1]]
-        out[cfg["name"]] = TpPeerInfo.for_plan(plan, cfg["name"], agent.metadata(), tp_size=cfg["tp"],
-                                               tp_rank=cfg["rank"], shardings=shard).to_bytes().decode()
+        peers = {}  # decode agent name -> its TP rank, as its handshake said
+        server = HandshakeServer(tp_payload(plan, agent, cfg["name"], cfg["case"], cfg["tp"],
+                                            cfg["rank"]),
+                                 on_peer=lambda p, peers=peers: peers.__setitem__(p.agent_name,
+                                                                                  p.tp.tp_rank))
+        hosted.append((agent, paged, server))
+        out[cfg["name"]] = {"port": server.port}
+        if "track" in cfg:
+            t = cfg["track"]
+            shard = [GroupSharding(*s) for s in tp_case_layout(cfg["case"], 1, bs_div)[1]]
+            tracker = SendTracker.for_deployment(layout, shard, prefill_tp=cfg["tp"],
+                                                 prefill_rank=cfg["rank"], decode_tp=t["decode_tp"])
+            trackers.append((agent, peers, tracker, t))
     print(json.dumps({"agents": out}), flush=True)
+    added = None
     deadline = time.monotonic() + args["serve_s"]
     while time.monotonic() < deadline:
-        r, _, _ = select.select([sys.stdin], [], [], 0.1)
-        if r and not sys.stdin.readline():
-            break
-    for agent, _ in hosted:
+        r, _, _ = select.select([sys.stdin], [], [], 0.01 if trackers else 0.1)
+        if r:
+            if not sys.stdin.readline():
+                break
+            if trackers and added is None:  # "add": the request's blocks are handed out now
+                added = time.monotonic()
+                for _, _, tracker, t in trackers:
+                    tracker.add(t["req"], lease_s=t["lease_s"])
+                print(json.dumps({"added": True}), flush=True)
+        for agent, peers, tracker, t in trackers:
+            for sender, msg in agent.notifs_by_agent():
+                rid, _, body = msg.decode().partition(":")
+                if body != "done":
+                    continue
+                rank = peers.get(sender)
+                ev = {"notify": sender, "rank": rank}
+                if rank is None:
+                    ev["outcome"] = "no handshake from this agent: ignored"
+                else:
+                    o = tracker.notify(rid, rank)
+                    ev["outcome"] = None if o is None else {
+                        "status": o.status.value, "notified": list(o.notified),
+                        "missing": list(o.missing)}
+                    ev["duplicates"] = tracker.duplicates
+                    if o is not None and added is not None:
+                        ev["after_s"] = time.monotonic() - added
+                print(json.dumps(ev), flush=True)
+            for o in tracker.poll():
+                print(json.dumps({"expired": {"status": o.status.value, "request": o.request_id,
+                                              "notified": list(o.notified),
+                                              "missing": list(o.missing)},
+                                  "after_s": time.monotonic() - added}), flush=True)
+    for agent, _, server in hosted:
+        server.close()
         agent.close()
+    return 0
+
+
+def decode(args):
+    """One decode rank in its own process: handshake, READ, report, then wait to be killed."""
+    cfg = args["agents"][0]
+    deadline = time.monotonic() + args["serve_s"]
+    layout, shard, hbb = tp_case_layout(cfg["case"])
+    pos, p_ids, _ = request_ids(layout, cfg["tokens"])
+    d_ids = decode_ids(layout, pos, cfg["nb"])
+    _, paged, plan = build_rank(cfg["case"], cfg["tp"], cfg["rank"], cfg["nb"], None, None,
+                                fill=False)
+    agent = DescAgent(cfg["name"], plan.registration_ranges())
+    me = tp_payload(plan, agent, cfg["name"], cfg["case"], cfg["tp"], cfg["rank"])
+    print(json.dumps({"ready": True}), flush=True)
+    if not stdin_line(deadline):  # "go"
+        return 4
+    got = [exchange_handshake("127.0.0.1", port, me) for port in cfg["ports"]]
+    _, pairs, _ = tp_pair_plans(me, plan, got)
+    by_rank = {p.tp.tp_rank: p for p in got}
+    handles = []
+    for p, pair in pairs.items():
+        name = agent.add_remote(by_rank[p].agent_metadata)
+        agent.prep_pair(name, name, pair.local.descriptors(), pair.remote.descriptors())
+        handles.append(agent.post("READ", name, *pair.desc_ids(d_ids, p_ids)))
+    for h in handles:
+        agent.wait(h, timeout=10)
+    pages = rank_pages(shard, hbb, cfg["tp"])
+    ok = all(bool((paged.kv_caches[n][np.asarray(d_ids[g])] == tp_pattern(
+        n, pos[g], spec.block_size, pages[g],
+        None if shard[g][2] else oracle_heads(shard[g][0], cfg["tp"], cfg["rank"]),
+        shard[g][1])).all()) for g, spec in enumerate(layout.groups) for n in spec.layer_names)
+    print(json.dumps({"read": ok}), flush=True)
+    stdin_line(deadline)  # the test kills this process here, before it notifies
+    agent.close()
     return 0
 
 
@@ -151,7 +259,7 @@ def pusher(args):
 
 def main():
     args = json.loads(sys.argv[1])
-    return prefill(args) if args["role"] == "prefill" else pusher(args)
+    return {"prefill": prefill, "pusher": pusher, "decode": decode}[args["role"]](args)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Real NIXL (UCX, DRAM), heterogeneous TP: one process per prefill rank (the rank-0 process
 also hosts the TP=1 prefill deployment), decode ranks as agents in this process. Prefill pages
 are head-sharded the way vLLM shards KV heads and filled with a pattern derived from (layer,
-token, global head); every decode rank READs its head slices from its source ranks through
-TpPairPlan descriptors and checks every byte of every layer, and that nothing else was written.
+token, global head). Each prefill rank answers the TP-aware socket handshake (loopback); every
+decode rank handshakes with the prefill ranks, builds its TpPairPlans from what the handshakes
+delivered (tp_pair_plans), READs its head slices and checks every byte of every layer, and that
+nothing else was written.
 """
 import numpy as np
 import pytest
 
-from hmacore.tp import GroupSharding, TpMapping, build_pair_plans
+from hmacore.transport.handshake import exchange_handshake
 from hmacore.transport.nixl_desc import DescAgent
-from hmacore.transport.tp_peer import TpPeerInfo
+
+from hmacore.transport.tp_peer import tp_pair_plans
 
 from tp_proc import TpPeer
 from oracle_tp import oracle_heads, rank_pages, request_ids, tp_case_layout, tp_pattern
@@ -27,7 +30,7 @@ def _name(case, tp, rank):
 
 @pytest.fixture(scope="module")
 def prefill():
-    """{(case, tp, rank): TpPeerInfo} of the prefill ranks, from two processes."""
+    """{(case, tp, rank): handshake port} of the prefill ranks, from two processes."""
     r0 = [dict(name=_name(c, tp, 0), case=c, tp=tp, rank=0, nb=NB, tokens=TOKENS)
           for c in CASES for tp in (1, 2)]
     r1 = [dict(name=_name(c, 2, 1), case=c, tp=2, rank=1, nb=NB, tokens=TOKENS) for c in CASES]
@@ -37,15 +40,14 @@ def prefill():
     for rank, lst in ((0, r0), (1, r1)):
         lst.append(dict(name=_name("bs8", 2, rank), case="full_sliding", tp=2, rank=rank, nb=NB,
                         tokens=TOKENS, bs_div=2, positions=ppos))
-    peers = [TpPeer({"role": "prefill", "agents": a, "serve_s": 50}) for a in (r0, r1)]
+    peers = [TpPeer({"role": "prefill", "agents": a, "serve_s": 400}) for a in (r0, r1)]
     try:
         out = {}
         for p, cfgs in zip(peers, (r0, r1)):
             info = p.line()["agents"]
             for cfg in cfgs:
                 case = "bs8" if cfg.get("bs_div") else cfg["case"]
-                out[(case, cfg["tp"], cfg["rank"])] = TpPeerInfo.from_bytes(
-                    info[cfg["name"]].encode())
+                out[(case, cfg["tp"], cfg["rank"])] = info[cfg["name"]]["port"]
         yield out
     finally:
         for p in peers:
@@ -53,16 +55,33 @@ def prefill():
 
 
 def _decode_rank(case, tp_d, d):
-    from peer_tp import build_rank
+    from peer_tp import build_rank, decode_ids
     layout, shard, hbb = tp_case_layout(case)
     pos, _, _ = request_ids(layout, TOKENS)
-    # decode-side ids: a different, reversed placement than the prefill side's
-    d_ids, nxt = [], NB - 1
-    for g in range(layout.num_groups):
-        d_ids.append(list(range(nxt, nxt - len(pos[g]), -1)))
-        nxt -= len(pos[g])
+    d_ids = decode_ids(layout, pos, NB)  # a different, reversed placement than the prefill's
     _, paged, plan = build_rank(case, tp_d, d, NB, None, None, fill=False)
     return layout, shard, hbb, pos, d_ids, paged, plan
+
+
+def _handshake_and_read(agent, plan, case, tp_d, d, ports, d_ids, p_ids):
+    """Handshake with every prefill rank (socket, loopback), build the pair plans from what it
+    delivered, READ from every source rank. Returns (ratio, source ranks)."""
+    from peer_tp import tp_payload
+    me = tp_payload(plan, agent, agent.name, case, tp_d, d)
+    got = [exchange_handshake("127.0.0.1", port, me) for port in ports]
+    mapping, pairs, ratio = tp_pair_plans(me, plan, got)
+    by_rank = {p.tp.tp_rank: p for p in got}
+    handles = []
+    for p, pair in pairs.items():
+        name = by_rank[p].agent_name
+        assert agent.add_remote(by_rank[p].agent_metadata) == name
+        agent.prep_pair(name, name, pair.local.descriptors(), pair.remote.descriptors())
+        lids, rids = pair.desc_ids(d_ids, p_ids)
+        assert lids.size > 0
+        handles.append(agent.post("READ", name, lids, rids))
+    for h in handles:
+        agent.wait(h, timeout=10)
+    return ratio, mapping.remote_ranks
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -71,28 +90,13 @@ def test_hetero_tp_pull_every_byte(prefill, case, tp_p, tp_d):
     for d in range(tp_d):
         layout, shard, hbb, pos, d_ids, paged, plan = _decode_rank(case, tp_d, d)
         _, p_ids, _ = request_ids(layout, TOKENS)
-        m = TpMapping(layout, [GroupSharding(*s) for s in shard], local_tp=tp_d, local_rank=d,
-                      remote_tp=tp_p)
-        me = TpPeerInfo.for_plan(plan, "me", b"", tp_size=tp_d, tp_rank=d,
-                                 shardings=[GroupSharding(*s) for s in shard])
-        infos = {p: prefill[(case, tp_p, p)] for p in m.remote_ranks}
-        assert all(i.tp_size == tp_p and i.tp_rank == p and i.block_size_ratio(me) == 1
-                   for p, i in infos.items())
-        pairs = build_pair_plans(m, plan, {p: i.remote_plan(layout) for p, i in infos.items()})
+        ports = [prefill[(case, tp_p, p)] for p in range(tp_p)]
         agent = DescAgent(f"D-{case}-{tp_p}{tp_d}-r{d}", plan.registration_ranges())
         try:
-            handles = []
-            for p, pair in pairs.items():
-                name = infos[p].agent_name
-                assert agent.add_remote(infos[p].agent_metadata) == name
-                agent.prep_pair(name, name, pair.local.descriptors(), pair.remote.descriptors())
-                lids, rids = pair.desc_ids(d_ids, p_ids)
-                assert lids.size > 0
-                handles.append(agent.post("READ", name, lids, rids))
-            for h in handles:
-                agent.wait(h, timeout=10)
+            ratio, sources = _handshake_and_read(agent, plan, case, tp_d, d, ports, d_ids, p_ids)
         finally:
             agent.close()
+        assert ratio == 1 and sources == (tuple(range(tp_p)) if tp_d < tp_p else (d * tp_p // tp_d,))
         pages = rank_pages(shard, hbb, tp_d)
         checked = 0
         for g, spec in enumerate(layout.groups):
@@ -118,31 +122,17 @@ def test_hetero_tp_with_block_size_ratio_every_byte(prefill):
     read as two token halves from two P blocks of the head's owner."""
     case, tp_p, tp_d, d = "full_sliding", 2, 1, 0
     layout, shard, hbb, pos, d_ids, paged, plan = _decode_rank(case, tp_d, d)
-    m = TpMapping(layout, [GroupSharding(*s) for s in shard], local_tp=tp_d, local_rank=d,
-                  remote_tp=tp_p)
-    me = TpPeerInfo.for_plan(plan, "me", b"", tp_size=tp_d, tp_rank=d,
-                             shardings=[GroupSharding(*s) for s in shard])
-    infos = {p: prefill[("bs8", tp_p, p)] for p in m.remote_ranks}
-    ratio = infos[0].block_size_ratio(me)
-    assert ratio == 2
-    pairs = build_pair_plans(m, plan, {p: i.remote_plan(layout) for p, i in infos.items()},
-                             block_size_ratio=ratio)
     p_ids, nxt = [], 1  # the peer numbered its blocks 1.. in position order, group by group
     for g in pos:
         p_ids.append(list(range(nxt, nxt + 2 * len(g))))
         nxt += 2 * len(g)
     agent = DescAgent("D-bs8", plan.registration_ranges())
     try:
-        handles = []
-        for p, pair in pairs.items():
-            name = infos[p].agent_name
-            agent.add_remote(infos[p].agent_metadata)
-            agent.prep_pair(name, name, pair.local.descriptors(), pair.remote.descriptors())
-            handles.append(agent.post("READ", name, *pair.desc_ids(d_ids, p_ids)))
-        for h in handles:
-            agent.wait(h, timeout=10)
+        ratio, _ = _handshake_and_read(agent, plan, case, tp_d, d,
+                                       [prefill[("bs8", tp_p, p)] for p in range(tp_p)], d_ids, p_ids)
     finally:
         agent.close()
+    assert ratio == 2  # from the handshake: prefill blocks of 8 tokens, decode blocks of 16
     pages = rank_pages(shard, hbb, tp_d)
     for g, spec in enumerate(layout.groups):
         h, k, _ = shard[g]
