@@ -24,7 +24,13 @@ agent info, then reads one stdin line ``{"meta", "regions", "ids", "name"}`` (th
 side's agent, plan and block ids), runs a simulated forward (``compute_s`` of busy work per
 layer), calls save_layer after each layer, progresses until SENT and prints a timing report.
 With ``layers_before_stall = k`` it stops after k layers are written and prints
-``{"stalled": k}`` (the test then kills it).
+``{"stalled": k}`` (the test then kills it). With ``decode_dies_after = k`` (and ``lease_s``)
+it pauses after k layers (``{"paused": k}``), and after a stdin line (the decode process was
+killed meanwhile) pushes the rest and progresses until the lease releases the request,
+printing what the release callback saw.
+
+receiver: one cfg ``{name, case, nb, tokens, scale, until}``: a decode process for layer-wise
+push (prints its agent, plan and block ids; reports once ``until`` layers arrived; killed).
 """
 import base64
 import json
@@ -221,8 +227,12 @@ def pusher(args):
     dplan = TransferPlan.from_region_table(layout, d["regions"])
     peer = agent.add_remote(base64.b64decode(d["meta"]))
     agent.prep_pair(peer, peer, plan.descriptors(), dplan.descriptors())
-    lp = LayerwisePusher(agent, LayerPlan(plan), {peer: LayerPlan(dplan)})
-    lp.start("req-1", peer, ids, d["ids"], lease_s=args["serve_s"])
+    released = []
+    lp = LayerwisePusher(agent, LayerPlan(plan), {peer: LayerPlan(dplan)},
+                         release=lambda rid, lids: released.append((rid, time.monotonic(), lids)))
+    lp.start("req-1", peer, ids, d["ids"], lease_s=cfg.get("lease_s", args["serve_s"]))
+    if cfg.get("decode_dies_after") is not None:
+        return _push_to_dying_decode(lp, cfg["decode_dies_after"], released, ids, deadline)
     stall = cfg.get("layers_before_stall")
     scratch = np.random.default_rng(0).random((96, 96))
     t0 = time.monotonic()
@@ -257,9 +267,66 @@ def pusher(args):
     return 0
 
 
+def _push_to_dying_decode(lp, k, released, ids, deadline):
+    """Push k layers, wait until their WRITEs are DONE, print ``{"paused": k}``; after a stdin
+    line (the test killed the decode process meanwhile) push the remaining layers and progress
+    until the lease releases the request; print what the release callback saw."""
+    t_start = time.monotonic()
+    layers = lp.local.layers
+    for layer in layers[:k]:
+        lp.save_layer("req-1", layer)
+    while lp._reqs["req-1"].pending and time.monotonic() < deadline:
+        lp.progress()
+    print(json.dumps({"paused": k, "state": lp.state("req-1").value}), flush=True)
+    if not stdin_line(deadline):
+        return 4
+    t_go = time.monotonic()
+    for layer in layers[k:]:
+        lp.save_layer("req-1", layer)  # WRITEs to a dead peer: fail to post, error or hang
+        lp.progress()
+    state = lp.state("req-1").value
+    error = lp.error("req-1")
+    while not released and time.monotonic() < deadline:
+        lp.progress()
+        time.sleep(0.005)
+    rid, t_rel, lids = released[0] if released else (None, 0.0, None)
+    print(json.dumps({"released": rid, "count": len(released), "state": state, "error": error,
+                      "after_start_s": t_rel - t_start, "after_go_s": t_rel - t_go,
+                      "ids_match": lids is not None and [list(x) for x in lids] == ids,
+                      "still_tracked": list(lp.requests)}), flush=True)
+    stdin_line(deadline)
+    return 0
+
+
+def receiver(args):
+    """A decode process for layer-wise push: prints its agent, plan and block ids, counts layer
+    notifications and prints ``{"arrived": n, ...}`` once ``until`` layers arrived; then waits
+    to be killed."""
+    from hmacore.layerwise import LayerwiseReceiver
+    cfg = args["agents"][0]
+    deadline = time.monotonic() + args["serve_s"]
+    layout, _, _ = tp_case_layout(cfg["case"])
+    pos, _, _ = request_ids(layout, cfg["tokens"])
+    d_ids = decode_ids(layout, pos, cfg["nb"])
+    _, paged, plan = build_rank(cfg["case"], 1, 0, cfg["nb"], None, None, fill=False,
+                                scale=cfg.get("scale", 1))
+    agent = DescAgent(cfg["name"], plan.registration_ranges())
+    recv = LayerwiseReceiver(agent, len(LayerPlan(plan).layers))
+    recv.expect("req-1", d_ids, timeout_s=args["serve_s"])
+    print(json.dumps({**info(agent, plan), "ids": d_ids}), flush=True)
+    while recv.layers_arrived("req-1") < cfg["until"] and time.monotonic() < deadline:
+        recv.poll()
+        time.sleep(0.001)
+    print(json.dumps({"arrived": recv.layers_arrived("req-1"), "state": recv.state("req-1").value,
+                      "valid": recv.valid_blocks("req-1") is not None}), flush=True)
+    stdin_line(deadline)  # killed here
+    return 0
+
+
 def main():
     args = json.loads(sys.argv[1])
-    return {"prefill": prefill, "pusher": pusher, "decode": decode}[args["role"]](args)
+    return {"prefill": prefill, "pusher": pusher, "decode": decode,
+            "receiver": receiver}[args["role"]](args)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ simulated forward (busy compute per layer) and WRITEs each layer into the decode
 as soon as it is computed; this process (decode) counts per-layer notifications and checks
 every byte. The overlap (last layer's WRITE end vs forward end) is REPORTED, not asserted.
 A second test kills the prefill peer after some layers: the decode side must end FAILED with
-nothing valid."""
+nothing valid. A third kills the DECODE process after some layers (both sides are processes):
+the prefill side must release the request's blocks when its lease ends, once, not earlier."""
 import base64
 import json
 import os
@@ -105,3 +106,30 @@ def test_peer_killed_after_some_layers_leaves_request_failed():
     layers = LayerPlan(plan).layers
     assert all(_layer_ok(layout, shard, hbb, pos, d_ids, paged, n) for n in layers[:4])
     assert not any(paged.kv_caches[n].any() for n in layers[4:])
+
+
+def test_decode_killed_after_some_layers_prefill_releases_at_lease_end():
+    lease = 6.0
+    cfg = dict(name="P-push2", case=CASE, nb=NB, tokens=TOKENS, compute_s=0.0, scale=SCALE,
+               decode_dies_after=4, lease_s=lease)
+    pusher = TpPeer({"role": "pusher", "agents": [cfg], "serve_s": 300})
+    recv = TpPeer({"role": "receiver", "serve_s": 300, "agents": [
+        dict(name="D-push2", case=CASE, nb=NB, tokens=TOKENS, scale=SCALE, until=4)]})
+    try:
+        pusher.line(timeout=120)            # the pusher is up (its agent info is unused)
+        d = recv.line(timeout=120)          # the decode side's agent, plan, block ids
+        pusher.send(d)                      # the lease starts here
+        assert pusher.line(timeout=60) == {"paused": 4, "state": "pushing"}
+        assert recv.line(timeout=60) == {"arrived": 4, "state": "waiting", "valid": False}
+        recv.kill()                         # decode gone after 4 of 10 layers
+        pusher.send("go")
+        rep = pusher.line(timeout=lease + 120)
+    finally:
+        recv.kill()
+        pusher.kill()
+    assert rep["released"] == "req-1" and rep["count"] == 1 and rep["ids_match"]
+    assert rep["still_tracked"] == []
+    assert rep["after_start_s"] >= lease    # held until the lease ended, not released early
+    # the remaining WRITEs to the dead peer failed, or were still pending when the lease ended
+    assert rep["state"] in ("failed", "pushing"), rep
+    print("\ndecode killed mid-push:", rep)
