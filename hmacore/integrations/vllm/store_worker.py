@@ -93,6 +93,8 @@ class HmaStoreWorker:
         store: the ``KVStore``; keys: the engine's KeyBuilder (same as the scheduler's).
     """
 
+    LOADED_HISTORY = 1024   # how many loads / saves loaded_blocks / last_saves remember
+
     def __init__(self, layout, num_blocks: int, store: Any, keys: KeyBuilder) -> None:
         self.layout = layout
         self.num_blocks = int(num_blocks)
@@ -104,7 +106,8 @@ class HmaStoreWorker:
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self.last_saves: dict[str, SaveReport] = {}
-        self.loaded_blocks: dict[str, list[list[int]]] = {}   # rid -> per-group ids filled
+        # rid -> per-group ids filled, the last LOADED_HISTORY loads (for tests and debugging)
+        self.loaded_blocks: dict[str, list[list[int]]] = {}
 
     # -- registration -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> list[GroupSegments | None]:
@@ -155,6 +158,8 @@ class HmaStoreWorker:
             return False
         if ok:
             self.loaded_blocks[ld.request_id] = filled
+            if len(self.loaded_blocks) > self.LOADED_HISTORY:   # a record, not a leak
+                del self.loaded_blocks[next(iter(self.loaded_blocks))]
         return ok
 
     def start_load_kv(self, meta: HmaStoreConnectorMetadata) -> None:
@@ -195,6 +200,8 @@ class HmaStoreWorker:
     def wait_for_save(self, meta: HmaStoreConnectorMetadata) -> None:
         for rid, sv in meta.saves.items():
             self.last_saves[rid] = self._save(sv)
+            if len(self.last_saves) > self.LOADED_HISTORY:
+                del self.last_saves[next(iter(self.last_saves))]
 
     # -- results ----------------------------------------------------------------------------
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:

@@ -1,0 +1,106 @@
+"""Test-only connectors for the real two-engine runs: hmacore's connectors plus injected faults,
+so the negative controls prove the equality tests can fail.
+
+Faults (set in the engine process by the runner's ``fault`` command → :func:`set_fault`):
+* ``{"drop_group": g}``: the decode side does not load group g (its blocks keep stale bytes).
+* ``{"corrupt_group": g}``: after a load completes, one loaded block of group g (the last one of
+  the request's table) is overwritten with noise in every layer of the group.
+  (``FaultyStoreConnector`` supports ``corrupt_group`` only.)
+* ``None``: no fault.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hmacore.integrations.vllm import HmaNixlConnector, HmaStoreConnector
+
+FAULT: dict | None = None
+
+
+def set_fault(spec: dict | None) -> None:
+    global FAULT
+    FAULT = dict(spec) if spec else None
+
+
+def _corrupt(caches: dict, layers_of: list[list[str]], ids: list[list[int]] | None) -> None:
+    """Overwrite the last loaded block of the faulted group with noise, in each of its layers."""
+    if not FAULT or "corrupt_group" not in FAULT or not ids:
+        return
+    g = int(FAULT["corrupt_group"])
+    if not ids[g]:
+        return
+    gen = torch.Generator().manual_seed(1)
+    for name in layers_of[g]:
+        page = caches[name][ids[g][-1]]
+        page.copy_(torch.randn(page.shape, generator=gen, dtype=torch.float32).to(page.dtype))
+
+
+def _layers_of(kv_cache_config) -> list[list[str]]:
+    return [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+
+
+class FaultyStoreConnector(HmaStoreConnector):
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        w = self.worker
+        if w is None:
+            return
+        layers_of, caches = _layers_of(kv_cache_config), {}
+        register, start_load = w.register_kv_caches, w.start_load_kv
+
+        def _register(kv_caches):
+            caches.update(kv_caches)
+            return register(kv_caches)
+
+        def _start_load(meta):
+            start_load(meta)
+            for rid in meta.loads:
+                _corrupt(caches, layers_of, w.loaded_blocks.get(rid))
+
+        w.register_kv_caches, w.start_load_kv = _register, _start_load
+
+
+class FaultyNixlConnector(HmaNixlConnector):
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.worker is not None:
+            self._wrap_worker(self.worker, kv_cache_config)
+
+    @staticmethod
+    def _wrap_worker(w, kv_cache_config) -> None:
+        layers_of, caches = _layers_of(kv_cache_config), {}
+        loaded: dict[str, list[list[int]]] = {}
+        register, start_read, start_load, results = (w.register_kv_caches, w._start_read,
+                                                     w.start_load_kv, w.get_transfer_results)
+
+        def corrupt(rid: str) -> None:
+            _corrupt(caches, layers_of, loaded.pop(rid, None))
+
+        def _register(kv_caches):
+            caches.update(kv_caches)
+            return register(kv_caches)
+
+        def _start_read(rid, rr):
+            if FAULT and "drop_group" in FAULT:
+                local = [list(g) for g in rr.local_block_ids]
+                local[int(FAULT["drop_group"])] = []
+                rr = dataclasses.replace(rr, local_block_ids=local)
+            loaded[rid] = [list(g) for g in rr.local_block_ids]
+            return start_read(rid, rr)
+
+        def _start_load(meta):
+            start_load(meta)
+            for rid, rr in meta.reqs_to_recv.items():
+                if not rr.awaiting:          # sync load: complete now
+                    corrupt(rid)
+
+        def _results():
+            sending, recving, failed = results()
+            for rid in recving - failed:
+                corrupt(rid)
+            return sending, recving, failed
+
+        w.register_kv_caches, w._start_read = _register, _start_read
+        w.start_load_kv, w.get_transfer_results = _start_load, _results
