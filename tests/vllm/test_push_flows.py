@@ -88,6 +88,7 @@ def test_push_moves_every_byte(case, order):
         stats = P.w.stats()
         assert stats and stats[-1]["ok"] and stats[-1]["push_id"] == "push-1", stats
         assert stats[-1]["steps"] == len(steps)
+        assert stats[-1]["forward_end"] > 0 and stats[-1]["write_after_forward_ms"] is not None
         _finish(P, D, "d-req")
         assert d_req.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
     finally:

@@ -89,6 +89,7 @@ class HmaPushScheduler(HmaNixlScheduler):
         self._push_reqs: dict[str, tuple[Any, str]] = {}   # rid -> (Request, push id)
         self._hold_since: dict[str, float] = {}
         self._registered: dict[str, list[list[int]]] = {}  # push id -> D's positional table
+        self._registered_at: dict[str, float] = {}         # push id -> arrival (clock s)
         self._unpushed: set[str] = set()                   # registration timed out / bad
         self._push_steps: dict[str, int] = {}              # rid -> steps pushed so far
         self._push_ended: set[str] = set()                 # worker reported the push over
@@ -259,10 +260,12 @@ class HmaPushScheduler(HmaNixlScheduler):
         for pid, ids in (getattr(wmeta, "registered", None) or {}).items():
             if len(ids) == self.layout.num_groups:
                 self._registered[pid] = [[int(x) for x in g] for g in ids]
+                self._registered_at[pid] = self.clock()
             else:
                 logger.warning("push %s: registration has %d groups, the layout %d; ignored",
                                pid, len(ids), self.layout.num_groups)
         now = self.clock()
+        self._drop_stale_registrations(now)
         sending = set()
         for rid in connector_output.finished_sending or ():
             if self._leases.pop(rid, None) is not None:
@@ -279,6 +282,17 @@ class HmaPushScheduler(HmaNixlScheduler):
                 logger.warning("push lease of %s expired after %.1f s; freeing its blocks",
                                rid, self.lease_s)
         connector_output.finished_sending = sending or None
+
+    def _drop_stale_registrations(self, now: float) -> None:
+        """A registration no request of this engine claimed within ``kv_lease_duration``
+        seconds (P's request never came, or was refused) is forgotten."""
+        claimed = {pid for _, pid in self._push_reqs.values()}
+        for pid, t in list(self._registered_at.items()):
+            if pid not in claimed and now - t > self.lease_s:
+                del self._registered_at[pid]
+                self._registered.pop(pid, None)
+                logger.warning("push %s: registration unclaimed for %.1f s; dropped", pid,
+                               self.lease_s)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """P: hold the blocks (True) while a registered push may still be writing from them;
@@ -301,6 +315,7 @@ class HmaPushScheduler(HmaNixlScheduler):
             return False, None
         pid = entry[1]
         registered = self._registered.pop(pid, None) is not None
+        self._registered_at.pop(pid, None)
         if unpushed or not registered or ended or not any(len(g) for g in block_ids):
             return False, None
         if not C.finished_normally(request):

@@ -114,6 +114,7 @@ class HmaPushWorker:
         self._step_meta: Any = None
         self._step_saves: list[tuple[str, str]] = []   # (push id, pusher request id)
         self._stats: deque[dict] = deque(maxlen=1024)
+        self._need_fwd_end: dict[str, dict] = {}   # ended in this step's forward pass
 
     # -- registration -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> TransferPlan:
@@ -230,6 +231,8 @@ class HmaPushWorker:
             for t, pid, doc in self._pending_regs:
                 if doc["agent"] in self.pusher.remote:
                     self._regs[pid] = doc["agent"]
+                    while len(self._regs) > 4096:        # unclaimed registrations: bounded
+                        self._regs.pop(next(iter(self._regs)))
                     self._new_regs[pid] = doc["ids"]
                 elif time.monotonic() - t < self.gate_timeout:
                     keep.append((t, pid, doc))       # its handshake is still being accepted
@@ -313,6 +316,12 @@ class HmaPushWorker:
                 p = self._pushes.get(pid)
                 if p is not None and sub == pid:
                     p.forward_end = now
+                elif sub == pid and pid in self._need_fwd_end:   # done before the pass ended
+                    rec = self._need_fwd_end[pid]
+                    rec["forward_end"] = now
+                    if rec["last_write_done"]:
+                        rec["write_after_forward_ms"] = (rec["last_write_done"] - now) * 1e3
+        self._need_fwd_end.clear()
         self._progress()
 
     def _progress(self) -> None:
@@ -368,16 +377,19 @@ class HmaPushWorker:
         self._sending.add(p.request_id)
         gap = (p.last_write_done - p.forward_end) * 1e3 if p.forward_end and \
             p.last_write_done else None
-        self._stats.append({"push_id": pid, "request_id": p.request_id, "steps": p.steps,
-                            "ok": p.failed is None, "error": p.failed,
-                            "forward_end": p.forward_end, "last_write_done": p.last_write_done,
-                            "write_after_forward_ms": gap})
+        rec = {"push_id": pid, "request_id": p.request_id, "steps": p.steps,
+               "ok": p.failed is None, "error": p.failed, "forward_end": p.forward_end,
+               "last_write_done": p.last_write_done, "write_after_forward_ms": gap}
+        self._stats.append(rec)
+        if not p.forward_end:
+            self._need_fwd_end[pid] = rec
 
     # -- results ----------------------------------------------------------------------------
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
         if self.agent is None:
             return set(), set(), set()
+        self._accept_peers()
         self._route_notifs()
         self._progress()
         self.receiver.poll()
@@ -405,7 +417,8 @@ class HmaPushWorker:
     def stats(self) -> list[dict]:
         """P: one record per ended push (``forward_end`` / ``last_write_done``: monotonic
         seconds; ``write_after_forward_ms``: last layer WRITE seen done minus the entry of
-        ``wait_for_save`` of the prompt's last step, milliseconds)."""
+        ``wait_for_save`` of the prompt's last step, milliseconds; negative when the last
+        WRITE completed before the forward pass returned)."""
         return list(self._stats)
 
     def shutdown(self) -> None:
