@@ -90,7 +90,8 @@ def test_d_gone_midway_p_frees_by_lease_end():
         assert time.monotonic() - t0 >= 2.0          # held until the lease ended
         H.assert_no_leak(P.s)
         assert P.conn.leases() == {}
-        assert P.w.worker._pushes == {}              # the worker dropped the push too
+        P.step()                                     # the expiry reaches the worker
+        assert P.w.worker._pushes == {}              # which dropped the push too
     finally:
         P.close()
 
@@ -183,4 +184,23 @@ def test_bad_push_params_run_locally(bad, needle, caplog):
         PH.step_until(lambda: not D.s.requests, [D], what="D computes locally")
         H.assert_no_leak(D.s)
     finally:
+        D.close()
+
+
+def test_d_abort_while_awaiting_keeps_blocks_until_push_ends():
+    P = PH.Engine(GEMMA, max_num_batched_tokens=64)
+    D = PH.Engine(GEMMA)
+    try:
+        d_params, p_params = PH.push_params("ab", P.port)
+        D.s.add_request(H.make_request("d", _prompt(150), 16, params=d_params, max_tokens=2))
+        D.step()                                     # registered, awaiting the push
+        D.s.finish_requests("d", H.RequestStatus.FINISHED_ABORTED)
+        assert "d" in D.s.requests                   # vLLM keeps its blocks meanwhile
+        P.s.add_request(H.make_request("p", _prompt(150), 16, params=p_params, max_tokens=1))
+        PH.step_until(lambda: not D.s.requests and not P.s.requests, [P, D],
+                      what="the push ends and both engines free")
+        H.assert_no_leak(D.s)
+        H.assert_no_leak(P.s)
+    finally:
+        P.close()
         D.close()

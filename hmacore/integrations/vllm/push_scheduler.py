@@ -296,13 +296,16 @@ class HmaPushScheduler(HmaNixlScheduler):
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """P: hold the blocks (True) while a registered push may still be writing from them;
-        an abort also tells the worker to stop. D and everything else: free now (False)."""
+        an abort also tells the worker to stop. D and everything else: False (for a D request
+        aborted while its push is awaited vLLM itself keeps the blocks until the worker
+        reports it in ``finished_recving``)."""
         rid = request.request_id
         if rid in self.trackers:
             self.trackers.finish(rid)
         self._local_tokens.pop(rid, None)
         self._awaiting.pop(rid, None)
-        self._regs_pending.pop(rid, None)
+        # a queued registration stays queued: vLLM keeps an aborted WAITING_FOR_REMOTE_KVS
+        # request's blocks until the worker reports it (pushed, failed or past its deadline)
         self.failed_recving.discard(rid)
         self._hold_since.pop(rid, None)
         self._push_steps.pop(rid, None)
