@@ -204,3 +204,30 @@ def test_d_abort_while_awaiting_keeps_blocks_until_push_ends():
     finally:
         P.close()
         D.close()
+
+
+@pytest.mark.parametrize("when", ["before_any_step", "midway"])
+def test_p_abort_fails_d_and_frees_p(when):
+    P = PH.Engine(GEMMA, max_num_batched_tokens=40)
+    D = PH.Engine(GEMMA, load_failure_policy="recompute")
+    try:
+        d_params, p_params = PH.push_params("pab", P.port)
+        r = H.make_request("d", _prompt(150), 16, params=d_params, max_tokens=2)
+        D.s.add_request(r)
+        D.step()
+        P.s.add_request(H.make_request("p", _prompt(150), 16, params=p_params, max_tokens=1))
+        if when == "midway":
+            PH.step_until(lambda: any(m and "p" in m.push_saves for m in P.metas), [P, D],
+                          what="P's first pushed step")
+        else:
+            PH.step_until(lambda: "pab" in P.conn.registered(), [P, D],
+                          what="the registration reaches P's scheduler")
+        P.s.finish_requests("p", H.RequestStatus.FINISHED_ABORTED)
+        PH.step_until(lambda: not P.s.requests and "d" in D.conn.failed_recving, [P, D],
+                      timeout=15, what="P frees and D fails")
+        H.assert_no_leak(P.s)
+        assert any("prefill side reported" in e for e in D.w.worker.errors), D.w.worker.errors
+        _recomputed(D, r)
+    finally:
+        P.close()
+        D.close()

@@ -308,7 +308,7 @@ class HmaPushScheduler(HmaNixlScheduler):
         # request's blocks until the worker reports it (pushed, failed or past its deadline)
         self.failed_recving.discard(rid)
         self._hold_since.pop(rid, None)
-        self._push_steps.pop(rid, None)
+        pushed = self._push_steps.pop(rid, 0) > 0
         entry = self._push_reqs.pop(rid, None)
         unpushed = rid in self._unpushed
         self._unpushed.discard(rid)
@@ -319,10 +319,15 @@ class HmaPushScheduler(HmaNixlScheduler):
         pid = entry[1]
         registered = self._registered.pop(pid, None) is not None
         self._registered_at.pop(pid, None)
-        if unpushed or not registered or ended or not any(len(g) for g in block_ids):
+        if unpushed or not registered or ended:
             return False, None
+        has_blocks = any(len(g) for g in block_ids)
         if not C.finished_normally(request):
-            self._aborts.add(pid)
+            self._aborts.add(pid)        # the worker stops and tells D the push failed
+            if not pushed or not has_blocks:
+                return False, None       # no WRITE was ever posted from these blocks
+        if not has_blocks:
+            return False, None
         self._leases[rid] = self._new_leases[rid] = self.clock() + self.lease_s
         return True, None
 

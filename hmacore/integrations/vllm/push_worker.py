@@ -155,7 +155,7 @@ class HmaPushWorker:
                 dplan = payload.remote_plan(self.layout)
                 self.agent.prep_pair(name, name, self.plan.descriptors(), dplan.descriptors())
                 self.pusher.add_peer(name, LayerPlan(dplan))
-            except HmacoreError as e:
+            except Exception as e:  # noqa: BLE001 - hmacore and NIXL errors: refuse this peer
                 self._error(f"decode peer {name!r} not usable for push: {e}")
 
     def _peer(self, host: str, port: int) -> str:
@@ -187,6 +187,8 @@ class HmaPushWorker:
                 if p.request_id == rid:
                     self._abort(pid, "the prefill lease expired")
                     self._pushes.pop(pid, None)
+                    self._regs.pop(pid, None)
+                    self._dead.append(pid)
 
     def _register(self, reg) -> None:
         try:
@@ -198,7 +200,7 @@ class HmaPushWorker:
                 self.receiver.expect(reg.push_id, reg.block_ids, timeout_s=self.recv_timeout)
                 self._expect[reg.push_id] = reg.request_id
             self.agent.send_notif(peer, reg.push_id.encode() + b":" + _REG + body)
-        except HmacoreError as e:
+        except Exception as e:  # noqa: BLE001 - hmacore and NIXL errors fail this request only
             self._error(f"push registration of {reg.request_id!r} with {reg.host}:{reg.port} "
                         f"failed: {e}")
             if reg.push_id in self._expect:
@@ -356,7 +358,14 @@ class HmaPushWorker:
 
     def _abort(self, pid: str, why: str) -> None:
         p = self._pushes.get(pid)
-        if p is None:
+        if p is None:                  # nothing posted yet: only tell D
+            peer = self._regs.pop(pid, None)
+            self._dead.append(pid)
+            if peer is not None:
+                try:
+                    self.agent.send_notif(peer, f"{pid}:failed".encode())
+                except Exception:  # noqa: BLE001 - D's deadline fails it anyway
+                    pass
             return
         self._fail_push(pid, p, why)
         for sub in p.subs:
