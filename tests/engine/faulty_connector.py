@@ -3,6 +3,8 @@ so the negative controls prove the equality tests can fail.
 
 Faults (set in the engine process by the runner's ``fault`` command → :func:`set_fault`):
 * ``{"drop_group": g}``: the decode side does not load group g (its blocks keep stale bytes).
+  In push mode (``transfer_mode="push"``) set it on the prefill engine: P does not WRITE
+  group g into D's blocks (every layer's notification still goes out, so D completes).
 * ``{"corrupt_group": g}``: after a load completes, one loaded block of group g (the last one of
   the request's table) is overwritten with noise in every layer of the group.
   (``FaultyStoreConnector`` supports ``corrupt_group`` only.)
@@ -70,6 +72,9 @@ class FaultyNixlConnector(HmaNixlConnector):
 
     @staticmethod
     def _wrap_worker(w, kv_cache_config) -> None:
+        if hasattr(w, "_start_sub"):             # push mode: faults act on P's WRITEs
+            FaultyNixlConnector._wrap_push_worker(w)
+            return
         layers_of, caches = _layers_of(kv_cache_config), {}
         loaded: dict[str, list[list[int]]] = {}
         register, start_read, start_load, results = (w.register_kv_caches, w._start_read,
@@ -104,3 +109,17 @@ class FaultyNixlConnector(HmaNixlConnector):
 
         w.register_kv_caches, w._start_read = _register, _start_read
         w.start_load_kv, w.get_transfer_results = _start_load, _results
+
+    @staticmethod
+    def _wrap_push_worker(w) -> None:
+        start_sub = w._start_sub
+
+        def _start_sub(save):
+            if FAULT and "drop_group" in FAULT:
+                g = int(FAULT["drop_group"])
+                local, remote = list(save.local_block_ids), list(save.remote_block_ids)
+                local[g], remote[g] = [], []
+                save = dataclasses.replace(save, local_block_ids=local, remote_block_ids=remote)
+            return start_sub(save)
+
+        w._start_sub = _start_sub

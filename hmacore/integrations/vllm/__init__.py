@@ -6,9 +6,10 @@ kv_connector_module_path="hmacore.integrations.vllm")`` works through vLLM's fac
 (``getattr(module, name)``).
 
 Exports:
-    HmaNixlConnector: P/D pull connector over NIXL (KVConnectorBase_V1 + SupportsHMA):
-        scheduler side (HmaNixlScheduler) and worker side (HmaNixlWorker; one worker per
-        engine: TP = PP = 1, other sizes are refused).
+    HmaNixlConnector: P/D connector over NIXL (KVConnectorBase_V1 + SupportsHMA): pull
+        (default; HmaNixlScheduler / HmaNixlWorker) or layer-wise push, decode first
+        (``transfer_mode="push"``; HmaPushScheduler / HmaPushWorker); one worker per engine:
+        TP = PP = 1, other sizes are refused.
     HmaStoreConnector: KV offload / cross-instance prefix reuse through a hash-addressed
         store (embedded in-process store or Mooncake), KVConnectorBase_V1 + SupportsHMA:
         scheduler side (HmaStoreScheduler) and worker side (HmaStoreWorker; TP = PP = 1).

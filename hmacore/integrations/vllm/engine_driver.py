@@ -27,14 +27,15 @@ class EngineError(RuntimeError):
 
 def nixl_config(role: str, port: int, *, sync_load: bool = False, lease_s: float = 30.0,
                 connector: str = "HmaNixlConnector",
-                module: str = "hmacore.integrations.vllm") -> dict:
+                module: str = "hmacore.integrations.vllm", **extra: Any) -> dict:
     """``KVTransferConfig`` fields for :class:`HmaNixlConnector` (``role``: kv_producer /
-    kv_consumer; ``port``: this engine's handshake port on 127.0.0.1)."""
+    kv_consumer; ``port``: this engine's handshake port on 127.0.0.1; ``extra``: more
+    ``kv_connector_extra_config`` keys, e.g. ``transfer_mode="push"``)."""
     return {"kv_connector": connector, "kv_connector_module_path": module, "kv_role": role,
             "kv_connector_extra_config": {"side_channel_host": "127.0.0.1",
                                           "side_channel_port": int(port),
                                           "sync_load": bool(sync_load),
-                                          "kv_lease_duration": float(lease_s)}}
+                                          "kv_lease_duration": float(lease_s), **extra}}
 
 
 def store_config(role: str = "kv_both", **extra: Any) -> dict:

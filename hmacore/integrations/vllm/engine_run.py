@@ -11,13 +11,16 @@ named by ``HMACORE_RESULT_FD`` (stdout stays free for vLLM's logs). The first re
 
 * ``generate``: ``prompts`` (token id lists), ``max_tokens``, optional ``kv_transfer_params``
   (one dict or null per prompt), ``remote_decode`` (P side: ask to keep the KV for a decode
-  engine). Returns ``tokens``, ``num_cached_tokens`` (prefix-hit tokens, local + external),
+  engine; per-prompt ``kv_transfer_params`` are merged in, e.g. a push-mode ``push_id``).
+  Returns ``tokens``, ``num_cached_tokens`` (prefix-hit tokens, local + external),
   ``external_tokens`` (tokens the connector loaded into this engine), ``kv_transfer_params``
   per prompt, ``elapsed_s``.
 * ``drain``: step the engine (nothing to compute) until no request holds blocks, at most
   ``timeout`` s. Returns ``drained`` and the block pool figures.
 * ``blocks``: block pool figures (``free``, ``total``: blocks; the null block is never free).
 * ``fault``: hand ``spec`` to ``set_fault(spec)`` of the connector's module (test connectors).
+* ``connector_stats``: ``stats`` of this engine's worker-side connector (HmaNixlConnector in
+  push mode: one record per ended push, see HmaPushWorker.stats), ``[]`` without one.
 * ``reset_prefix_cache``, ``quit``.
 """
 from __future__ import annotations
@@ -99,6 +102,8 @@ class _Engine:
             extra = None
             if remote_decode:
                 extra = {"kv_transfer_params": {"do_remote_decode": True}}
+                if kv_transfer_params and kv_transfer_params[i] is not None:
+                    extra["kv_transfer_params"].update(kv_transfer_params[i])
             elif kv_transfer_params and kv_transfer_params[i] is not None:
                 extra = {"kv_transfer_params": dict(kv_transfer_params[i])}
             params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
@@ -142,6 +147,10 @@ class _Engine:
                 raise ValueError("fault: this engine has no connector")
             importlib.import_module(self.connector_module).set_fault(cmd.get("spec"))
             return {"ok": True}
+        if name == "connector_stats":
+            from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+            conn = get_kv_transfer_group() if has_kv_transfer_group() else None
+            return {"stats": conn.stats() if hasattr(conn, "stats") else []}
         if name == "reset_prefix_cache":
             return {"ok": bool(self.llm.reset_prefix_cache())}
         raise ValueError(f"unknown cmd {name!r}")

@@ -8,6 +8,11 @@ Scheduler role: :class:`~.nixl_scheduler.HmaNixlScheduler` (proven inside vLLM's
 Worker role: :class:`~.nixl_worker.HmaNixlWorker` (pull over NIXL/UCX; one worker per engine,
 TP = PP = 1; tested with two in-process engines on DRAM). Each instance serves one role;
 calling the other role's methods raises.
+
+``kv_connector_extra_config.transfer_mode``: ``"pull"`` (default: D READs P's finished blocks)
+or ``"push"`` (decode first, layer-wise: :mod:`.push_scheduler` / :mod:`.push_worker`; P
+WRITEs each layer into D's blocks as soon as the forward pass computed it). Both engines must
+use the same mode; a mismatch is refused at the NIXL handshake.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from . import _compat as C
 from ._roles import RoleDispatch, require_single_worker
 from .metadata import HmaNixlConnectorMetadata
 from .nixl_scheduler import HmaNixlScheduler
+from .push_scheduler import HmaPushScheduler, transfer_mode
 
 __all__ = ["HmaNixlConnector"]
 
@@ -26,13 +32,17 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
 
     ``kv_connector_extra_config``: ``kv_lease_duration`` (seconds P keeps finished blocks for
     D, default 30), ``side_channel_host`` / ``side_channel_port`` (P's address advertised in
-    ``kv_transfer_params``).
+    ``kv_transfer_params``), ``transfer_mode`` (``"pull"`` / ``"push"``), push mode only:
+    ``push_register_timeout`` (s, P waits for D's registration, default 30),
+    ``push_recv_timeout`` (s, D waits for every layer, default 60).
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         # The scheduler-side object also validates the config and owns the layout.
-        sched = HmaNixlScheduler(vllm_config, kv_cache_config)
+        self.transfer_mode = transfer_mode(vllm_config)
+        push = self.transfer_mode == "push"
+        sched = (HmaPushScheduler if push else HmaNixlScheduler)(vllm_config, kv_cache_config)
         self.scheduler: HmaNixlScheduler | None = None
         self.worker = None
         self._layout = sched.layout
@@ -40,9 +50,16 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
             self.scheduler = sched
         else:
             require_single_worker(vllm_config, type(self).__name__)
-            from .nixl_worker import HmaNixlWorker  # imports the NIXL driver lazily
-            self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
-                                        sched.engine_id, sched.host, sched.port)
+            if push:
+                from .push_worker import HmaPushWorker
+                self.worker = HmaPushWorker(sched.layout, int(kv_cache_config.num_blocks),
+                                            sched.engine_id, sched.host, sched.port,
+                                            recv_timeout=sched.recv_timeout,
+                                            lease_s=sched.lease_s)
+            else:
+                from .nixl_worker import HmaNixlWorker  # imports the NIXL driver lazily
+                self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
+                                            sched.engine_id, sched.host, sched.port)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
@@ -70,11 +87,21 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
 
     # -- worker side -----------------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing to save: D reads P's blocks in place."""
-        return
+        """Pull: nothing to save (D reads P's blocks in place). Push: post this layer's WRITE
+        for every push request of the step."""
+        if self.transfer_mode == "push" and self.has_connector_metadata():
+            self._work().save_layer(layer_name, self._get_connector_metadata())
 
     def wait_for_save(self) -> None:
-        return
+        """Push: marks the end of the forward pass (overlap figure); WRITEs keep going."""
+        if self.transfer_mode == "push" and self.worker is not None:
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            self.worker.wait_for_save(meta)
+
+    def stats(self) -> list[dict]:
+        """Worker side, push mode: one record per ended push (see HmaPushWorker.stats)."""
+        w = self._work()
+        return w.stats() if hasattr(w, "stats") else []
 
     def build_connector_worker_meta(self):
         return self._work().build_worker_meta()

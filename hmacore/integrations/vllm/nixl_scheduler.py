@@ -99,6 +99,11 @@ class HmaNixlScheduler(TableFollower):
     # -- helpers ---------------------------------------------------------------------------
     def _remote(self, params: dict) -> RemotePeer | None:
         """Parse and validate P's params; None (with a warning) if unusable."""
+        if params.get("transfer_mode", "pull") != "pull":
+            logger.warning("kv_transfer_params.transfer_mode is %r but this engine runs "
+                           "kv_connector_extra_config.transfer_mode='pull'; no remote load",
+                           params.get("transfer_mode"))
+            return None
         if not all(params.get(k) is not None for k in _REMOTE_KEYS):
             logger.warning("kv_transfer_params lack %s; no remote load", _REMOTE_KEYS)
             return None

@@ -27,13 +27,14 @@ import logging
 import time
 from typing import Any
 
-from ...errors import HmacoreError, TransferError
+from ...errors import HandshakeError, HmacoreError, TransferError
 from ...plan import TransferPlan
 from ...transport import configure_ucx_env
 from ...transport.handshake import HandshakeServer, exchange_handshake
 from ...transport.nixl import NixlAgent, Transfer
 from ...windows import trim_remote_to_local
 from .metadata import HmaNixlConnectorMetadata, HmaNixlWorkerMeta, RemotePeer
+from .push_metadata import PUSH_AGENT_SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,11 @@ class HmaNixlWorker:
         if name is None:
             payload = exchange_handshake(remote.host, int(remote.port),
                                          self.agent.handshake_payload())
+            if payload.agent_name.endswith(PUSH_AGENT_SUFFIX):
+                raise HandshakeError(
+                    f"transfer_mode mismatch: peer {payload.agent_name!r} at {remote.host}:"
+                    f"{remote.port} runs push mode, this engine kv_connector_extra_config."
+                    "transfer_mode='pull' (set the same transfer_mode on both engines)")
             name = self.agent.add_peer(payload)
             self._peer_by_addr[key] = name
         return name

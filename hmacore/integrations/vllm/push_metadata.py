@@ -1,0 +1,97 @@
+"""Scheduler <-> worker payloads of :class:`HmaNixlConnector` in layer-wise push mode
+(``kv_connector_extra_config: {"transfer_mode": "push"}``).
+
+Decode first: D's scheduler hands its worker a :class:`PushRegistration` (D's per-group block
+ids); D's worker sends it to P as a NIXL notification; P's worker reports it to P's scheduler
+(:class:`HmaPushWorkerMeta`); P's scheduler then puts one :class:`PushSave` per scheduled push
+request into each step's metadata; P's worker WRITEs each layer as soon as it is computed.
+
+Units: block ids are per KV cache group (blocks of that group, vLLM group order); a
+*positional* table has one entry per block position of the request (position p holds tokens
+``[p * block_size, (p + 1) * block_size)``), 0 (vLLM's null block) where nothing is
+transferred; token counts are tokens. Everything is plain lists (pickle/msgspec friendly).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .metadata import HmaNixlConnectorMetadata, HmaNixlWorkerMeta
+
+__all__ = ["TRANSFER_MODES", "PUSH_AGENT_SUFFIX", "PushRegistration", "PushSave",
+           "HmaPushConnectorMetadata", "HmaPushWorkerMeta", "check_push_id"]
+
+TRANSFER_MODES = ("pull", "push")
+#: NIXL agent names of push-mode engines end with this, so a handshake reveals the peer's mode.
+PUSH_AGENT_SUFFIX = "@push"
+
+
+def check_push_id(value: Any) -> str:
+    """``push_id`` rule: a non-empty string without ``:`` (it prefixes NIXL notifications),
+    at most 256 characters. Raises ValueError naming the field and the rule."""
+    if not isinstance(value, str) or not value or ":" in value or len(value) > 256:
+        raise ValueError(f"kv_transfer_params.push_id must be a non-empty string of at most "
+                         f"256 characters without ':', got {value!r}")
+    return value
+
+
+@dataclasses.dataclass
+class PushRegistration:
+    """D scheduler -> D worker: register ``request_id``'s blocks with prefill peer ``host:port``.
+
+    ``block_ids``: D's positional table per group (covering ``num_tokens`` tokens), window /
+    state clipped, 0 at positions P must not write (outside the window, local prefix hit,
+    null). ``awaiting``: the request waits in WAITING_FOR_REMOTE_KVS for the push (False: a
+    full local hit, the registration only lets P proceed).
+    """
+
+    request_id: str
+    push_id: str
+    host: str
+    port: int
+    block_ids: list[list[int]]
+    num_tokens: int
+    awaiting: bool = True
+
+
+@dataclasses.dataclass
+class PushSave:
+    """P scheduler -> P worker: this step's WRITEs of one push request.
+
+    ``local_block_ids[g][i]`` (P's block) goes to ``remote_block_ids[g][i]`` (D's block): the
+    block positions whose tokens (fully or partly) become computed in this step, pairs with a
+    null id on either side left out. ``step``: 0, 1, ... per request; ``final``: the prompt's
+    last step (after it every layer's notification and ``done`` go to D).
+    """
+
+    request_id: str
+    push_id: str
+    step: int
+    local_block_ids: list[list[int]]
+    remote_block_ids: list[list[int]]
+    final: bool
+
+
+@dataclasses.dataclass
+class HmaPushConnectorMetadata(HmaNixlConnectorMetadata):
+    """Per-step metadata in push mode (the pull fields keep their meaning; unused ones stay
+    empty). ``push_regs``: D side, request id -> registration to send. ``push_saves``: P side,
+    request id -> this step's WRITEs. ``push_aborts``: P side, push ids whose request was
+    aborted (stop pushing, tell D it failed)."""
+
+    push_regs: dict[str, PushRegistration] = dataclasses.field(default_factory=dict)
+    push_saves: dict[str, PushSave] = dataclasses.field(default_factory=dict)
+    push_aborts: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class HmaPushWorkerMeta(HmaNixlWorkerMeta):
+    """Worker -> scheduler: ``registered`` push id -> D's positional table (from D's
+    registration notification), new since the last report."""
+
+    registered: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: Any) -> HmaPushWorkerMeta:
+        return HmaPushWorkerMeta(renewed=set(self.renewed) | set(getattr(other, "renewed", ())),
+                                 registered={**self.registered,
+                                             **(getattr(other, "registered", None) or {})})

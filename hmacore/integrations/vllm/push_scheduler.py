@@ -1,0 +1,341 @@
+"""Scheduler side of :class:`HmaNixlConnector` in layer-wise push mode (decode first).
+
+The proxy sends the request to D first (``kv_transfer_params``: ``do_remote_prefill``,
+``transfer_mode="push"``, ``push_id``, ``remote_host``/``remote_port`` = P's side channel) and to
+P (``do_remote_decode``, ``transfer_mode="push"``, the same ``push_id``, ``max_tokens=1``).
+
+D: :meth:`get_num_new_matched_tokens` answers an async load of the prompt (tokens);
+:meth:`update_state_after_alloc` queues a :class:`PushRegistration` (D's positional per-group
+table) for D's worker, which sends it to P and waits for P's per-layer WRITEs.
+
+P: a push request whose registration has not reached P's scheduler yet is held
+(``get_num_new_matched_tokens`` returns ``None``: ask again next step) for at most
+``push_register_timeout`` seconds, then runs without push (D's deadline then fails it and D
+recomputes). Once registered, every step's metadata carries a :class:`PushSave` per scheduled
+push request: P's and D's ids of the block positions whose tokens become computed in this step
+(all positions up to the step's end in the first pushed step, so a local prefix hit on P is
+pushed too). ``request_finished`` keeps the blocks (returns True) until the worker reports the
+push ended (``finished_sending``), or the lease (``kv_lease_duration`` s) expires.
+
+Units: tokens, blocks of each group (positional tables), seconds of ``clock``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ...spec import GroupKind
+from ...tables import RequestState
+from . import _compat as C
+from ._clip import clip_table
+from .nixl_scheduler import HmaNixlScheduler
+from .push_metadata import (TRANSFER_MODES, HmaPushConnectorMetadata, PushRegistration,
+                            PushSave, check_push_id)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HmaPushScheduler", "transfer_mode"]
+
+
+def transfer_mode(vllm_config: Any) -> str:
+    """``kv_connector_extra_config.transfer_mode``: ``"pull"`` (default) or ``"push"``;
+    anything else raises ValueError naming the field."""
+    ktc = vllm_config.kv_transfer_config
+    mode = "pull" if ktc is None else ktc.get_from_extra_config("transfer_mode", "pull")
+    if mode not in TRANSFER_MODES:
+        raise ValueError(f"kv_connector_extra_config.transfer_mode must be one of "
+                         f"{TRANSFER_MODES}, got {mode!r}")
+    return mode
+
+
+def _positive(ktc: Any, key: str, default: float) -> float:
+    raw = ktc.get_from_extra_config(key, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"kv_connector_extra_config.{key} must be a number of seconds > 0, "
+                         f"got {raw!r}")
+    return value
+
+
+class HmaPushScheduler(HmaNixlScheduler):
+    """Push-mode bookkeeping of one engine (scheduler process); see the module docstring.
+
+    Extra ``kv_connector_extra_config`` keys: ``push_register_timeout`` (P: seconds a push
+    request waits for D's registration, default 30), ``push_recv_timeout`` (D: seconds from
+    registration until every layer must have arrived, default 60; read by the worker).
+    Refused (ValueError): ``sync_load`` true, Mamba groups (not supported in push mode yet).
+    """
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(vllm_config, kv_cache_config, clock=clock)
+        ktc = vllm_config.kv_transfer_config
+        if self.sync_load:
+            raise ValueError("kv_connector_extra_config.sync_load must be false with "
+                             "transfer_mode='push' (pushed KV arrives asynchronously)")
+        if any(s.kind == GroupKind.MAMBA for s in self.layout.groups):
+            raise ValueError("transfer_mode='push' does not support Mamba KV cache groups yet; "
+                             "use transfer_mode='pull'")
+        self.register_timeout = _positive(ktc, "push_register_timeout", 30.0)
+        self.recv_timeout = _positive(ktc, "push_recv_timeout", 60.0)
+        # D side
+        self._regs_pending: dict[str, PushRegistration] = {}
+        # P side
+        self._push_reqs: dict[str, tuple[Any, str]] = {}   # rid -> (Request, push id)
+        self._hold_since: dict[str, float] = {}
+        self._registered: dict[str, list[list[int]]] = {}  # push id -> D's positional table
+        self._registered_at: dict[str, float] = {}         # push id -> arrival (clock s)
+        self._unpushed: set[str] = set()                   # registration timed out / bad
+        self._push_steps: dict[str, int] = {}              # rid -> steps pushed so far
+        self._push_ended: set[str] = set()                 # worker reported the push over
+        self._aborts: set[str] = set()
+
+    # -- params ---------------------------------------------------------------------------
+    def _push_params(self, params: dict, *, decode_side: bool) -> dict | None:
+        """Validated push fields of a request's ``kv_transfer_params``; None (with a warning
+        naming the field and the rule) when unusable: the request then runs without transfer."""
+        try:
+            mode = params.get("transfer_mode", "pull")
+            if mode != "push":
+                raise ValueError(f"kv_transfer_params.transfer_mode is {mode!r} but this engine "
+                                 "runs kv_connector_extra_config.transfer_mode='push' (both "
+                                 "engines and the proxy must agree)")
+            out = {"push_id": check_push_id(params.get("push_id"))}
+            if decode_side:
+                host, port = params.get("remote_host"), params.get("remote_port")
+                if not isinstance(host, str) or not host:
+                    raise ValueError(f"kv_transfer_params.remote_host must be P's side-channel "
+                                     f"host (non-empty string), got {host!r}")
+                if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                    raise ValueError(f"kv_transfer_params.remote_port must be an int in "
+                                     f"[1, 65535], got {port!r}")
+                out.update(host=host, port=port)
+            return out
+        except ValueError as e:
+            logger.warning("%s; the request runs without KV transfer", e)
+            return None
+
+    def _is_push_producer(self, request: Any) -> str | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return None
+        rid = request.request_id
+        if rid in self._push_reqs:
+            return self._push_reqs[rid][1]
+        pp = self._push_params(params, decode_side=False)
+        if pp is None:
+            self._unpushed.add(rid)
+            return None
+        self._push_reqs[rid] = (request, pp["push_id"])
+        return pp["push_id"]
+
+    # -- scheduler hooks ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        """D: ``(prompt tokens beyond num_computed_tokens, True)`` (async load). P: ``(0,
+        False)`` once D registered, ``(None, False)`` while waiting for it (bounded)."""
+        params = request.kv_transfer_params
+        if not params:
+            return 0, False
+        rid = request.request_id
+        if params.get("do_remote_decode"):
+            pid = self._is_push_producer(request)
+            if pid is None or pid in self._registered or rid in self._unpushed:
+                return 0, False
+            now = self.clock()
+            first = self._hold_since.setdefault(rid, now)
+            if now - first < self.register_timeout:
+                return None, False
+            logger.warning("push %s: no registration from the decode engine within %.1f s; "
+                           "prefilling without push", pid, self.register_timeout)
+            self._unpushed.add(rid)
+            return 0, False
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        if self._push_params(params, decode_side=True) is None:
+            return 0, False
+        self._local_tokens[rid] = int(num_computed_tokens)
+        n = C.prompt_len(request)
+        if self.backoff and n > self.backoff:
+            n -= self.backoff
+        count = n - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Track the full table; D: queue the registration (first call with params)."""
+        params = request.kv_transfer_params
+        if not params:
+            return
+        rid = request.request_id
+        table, hashed = C.table_and_hashed(blocks)
+        self._track_full(rid, table, request.num_prompt_tokens)
+        if params.get("do_remote_decode"):
+            self._is_push_producer(request)
+            return
+        if not params.get("do_remote_prefill"):
+            return
+        pp = self._push_params(params, decode_side=True)
+        if pp is not None:
+            start = self._local_tokens.pop(rid, 0)
+            end = start + max(0, int(num_external_tokens))
+            awaiting = num_external_tokens > 0
+            ids = self._positions(table, hashed, start, end) if awaiting else \
+                [[] for _ in self.layout.groups]
+            self._regs_pending[rid] = PushRegistration(
+                request_id=rid, push_id=pp["push_id"], host=pp["host"], port=pp["port"],
+                block_ids=ids, num_tokens=end, awaiting=awaiting)
+            if awaiting:
+                self._awaiting[rid] = ("", pp["push_id"])
+                self.trackers.set_state(rid, RequestState.WAITING_FOR_REMOTE)
+        params["do_remote_prefill"] = False
+        params["_hma_remote_processed"] = True
+
+    def _positions(self, table, hashed, start: int, end: int) -> list[list[int]]:
+        """D's positional table for tokens ``[start, end)``: positions ``< start // bs`` (local
+        hit), hashed, null or outside the window clip become 0."""
+        sliced = [ids[:-(-end // spec.block_size)] for ids, spec in zip(table, self.layout.groups)]
+        clipped = clip_table(sliced, self.layout)
+        out = []
+        for ids, h, keep, spec in zip(sliced, hashed, clipped, self.layout.groups):
+            lo = max(start // spec.block_size, len(ids) - len(keep))
+            out.append([int(b) if p >= lo and not h[p] else 0 for p, b in enumerate(ids)])
+        return out
+
+    def build_connector_meta(self, scheduler_output: Any) -> HmaPushConnectorMetadata:
+        """This step's metadata: D registrations, P per-request WRITE ranges, expiries."""
+        now = self.clock()
+        meta = HmaPushConnectorMetadata(scheduler_clock=now)
+        num_sched = scheduler_output.num_scheduled_tokens
+        for rid in self._follow_step(scheduler_output):
+            save = self._save_for(rid, int(num_sched.get(rid, 0)))
+            if save is not None:
+                meta.push_saves[rid] = save
+        meta.push_regs, self._regs_pending = self._regs_pending, {}
+        meta.reqs_to_send, self._new_leases = self._new_leases, {}
+        meta.expired, self._expired_pending = self._expired_pending, set()
+        meta.push_aborts, self._aborts = self._aborts, set()
+        return meta
+
+    def _save_for(self, rid: str, scheduled: int) -> PushSave | None:
+        if rid not in self._push_reqs or rid in self._unpushed or rid in self._push_ended:
+            return None
+        request, pid = self._push_reqs[rid]
+        remote = self._registered.get(pid)
+        if remote is None or scheduled <= 0:
+            return None
+        total = int(request.num_prompt_tokens)
+        step = self._push_steps.get(rid, 0)
+        start = 0 if step == 0 else int(request.num_computed_tokens)
+        end = min(int(request.num_computed_tokens) + scheduled, total)
+        if start >= end:
+            return None
+        table = self.trackers.block_ids(rid)
+        local, rem = [], []
+        for g, spec in enumerate(self.layout.groups):
+            mine, theirs = [int(x) for x in table[g]], remote[g]
+            lo, hi = start // spec.block_size, -(-end // spec.block_size)
+            hi = min(hi, len(mine), len(theirs))
+            pairs = [(mine[p], theirs[p]) for p in range(lo, hi) if mine[p] and theirs[p]]
+            local.append([a for a, _ in pairs])
+            rem.append([b for _, b in pairs])
+        self._push_steps[rid] = step + 1
+        return PushSave(request_id=rid, push_id=pid, step=step, local_block_ids=local,
+                        remote_block_ids=rem, final=end >= total)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Fold the workers' report: D loads finished/failed; P registrations, pushes ended
+        (only requests P holds become ``finished_sending``), lease expiry."""
+        for rid in connector_output.finished_recving or ():
+            self._awaiting.pop(rid, None)
+        for rid in connector_output.failed_recving or ():
+            self._awaiting.pop(rid, None)
+            self.failed_recving.add(rid)
+            if rid in self.trackers:
+                self.trackers.preempt(rid)
+        wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
+        for pid, ids in (getattr(wmeta, "registered", None) or {}).items():
+            if len(ids) == self.layout.num_groups:
+                self._registered[pid] = [[int(x) for x in g] for g in ids]
+                self._registered_at[pid] = self.clock()
+            else:
+                logger.warning("push %s: registration has %d groups, the layout %d; ignored",
+                               pid, len(ids), self.layout.num_groups)
+        now = self.clock()
+        self._drop_stale_registrations(now)
+        sending = set()
+        for rid in connector_output.finished_sending or ():
+            if self._leases.pop(rid, None) is not None:
+                self._new_leases.pop(rid, None)
+                sending.add(rid)
+            elif rid in self._push_reqs:
+                self._push_ended.add(rid)        # ended (failed) before the request finished
+        for rid, deadline in list(self._leases.items()):
+            if deadline <= now:
+                del self._leases[rid]
+                self._new_leases.pop(rid, None)
+                self._expired_pending.add(rid)
+                sending.add(rid)
+                logger.warning("push lease of %s expired after %.1f s; freeing its blocks",
+                               rid, self.lease_s)
+        connector_output.finished_sending = sending or None
+
+    def _drop_stale_registrations(self, now: float) -> None:
+        """A registration no request of this engine claimed within ``kv_lease_duration``
+        seconds (P's request never came, or was refused) is forgotten."""
+        claimed = {pid for _, pid in self._push_reqs.values()}
+        for pid, t in list(self._registered_at.items()):
+            if pid not in claimed and now - t > self.lease_s:
+                del self._registered_at[pid]
+                self._registered.pop(pid, None)
+                logger.warning("push %s: registration unclaimed for %.1f s; dropped", pid,
+                               self.lease_s)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        """P: hold the blocks (True) while a registered push may still be writing from them;
+        an abort also tells the worker to stop. D and everything else: False (for a D request
+        aborted while its push is awaited vLLM itself keeps the blocks until the worker
+        reports it in ``finished_recving``)."""
+        rid = request.request_id
+        if rid in self.trackers:
+            self.trackers.finish(rid)
+        self._local_tokens.pop(rid, None)
+        self._awaiting.pop(rid, None)
+        # a queued registration stays queued: vLLM keeps an aborted WAITING_FOR_REMOTE_KVS
+        # request's blocks until the worker reports it (pushed, failed or past its deadline)
+        self.failed_recving.discard(rid)
+        self._hold_since.pop(rid, None)
+        pushed = self._push_steps.pop(rid, 0) > 0
+        entry = self._push_reqs.pop(rid, None)
+        unpushed = rid in self._unpushed
+        self._unpushed.discard(rid)
+        ended = rid in self._push_ended
+        self._push_ended.discard(rid)
+        if entry is None:
+            return False, None
+        pid = entry[1]
+        registered = self._registered.pop(pid, None) is not None
+        self._registered_at.pop(pid, None)
+        if unpushed or not registered or ended:
+            return False, None
+        has_blocks = any(len(g) for g in block_ids)
+        if not C.finished_normally(request):
+            self._aborts.add(pid)        # the worker stops and tells D the push failed
+            if not pushed or not has_blocks:
+                return False, None       # no WRITE was ever posted from these blocks
+        if not has_blocks:
+            return False, None
+        self._leases[rid] = self._new_leases[rid] = self.clock() + self.lease_s
+        return True, None
+
+    # -- queries ---------------------------------------------------------------------------
+    def registered(self) -> set[str]:
+        """P: push ids whose registration arrived and whose request has not finished."""
+        return set(self._registered)
+
+    def held(self) -> set[str]:
+        """P: push requests waiting for D's registration."""
+        return set(self._hold_since) - self._unpushed

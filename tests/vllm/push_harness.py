@@ -1,0 +1,138 @@
+"""Two push-mode engines in one process (test-only): each a real vLLM Scheduler with a
+SCHEDULER-role HmaNixlConnector and a WORKER-role one over paged KV memory (real NIXL, DRAM).
+
+The "forward pass" of a step writes, layer by layer, the byte pattern of the tokens that
+become computed in this step into the request's pages (a partly filled block gets only its
+computed tokens' bytes; the rest holds junk until a later step), then calls ``save_kv_layer``
+the way vLLM's attention layers do; then ``start_load_kv``, ``wait_for_save``,
+``get_transfer_results`` as the CPU model runner does after the forward.
+"""
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+
+import harness as H
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
+from hmacore.paged import _write_pages, allocate_paged_kv, expected_pages, read_pages
+from hmacore.plan import layer_sort_key
+
+JUNK = 0xAA
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    def __init__(self, make_kcc, extra=None, mode="push", **vkw):
+        self.port = free_port()
+        self.vc = H.vllm_config(extra={"side_channel_port": self.port, "kv_lease_duration": 30,
+                                       "transfer_mode": mode, **(extra or {})}, **vkw)
+        self.kcc = make_kcc()
+        self.s = H.make_scheduler(self.vc, self.kcc)
+        self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
+        self.layout = self.w.layout
+        self.paged = allocate_paged_kv(self.layout, self.kcc.num_blocks, page_bytes=64)
+        for arr in self.paged.kv_caches.values():
+            for part in (arr if isinstance(arr, (tuple, list)) else [arr]):
+                part[...] = JUNK
+        self.w.register_kv_caches(self.paged.kv_caches)
+        self.layers = sorted(self.layout.layer_to_group, key=layer_sort_key)
+        self.metas: list = []
+        self.outputs: list = []
+        self.forward = True
+
+    @property
+    def conn(self):
+        return self.s.connector.scheduler
+
+    def _forward(self, so) -> None:
+        for layer in self.layers:
+            g = self.layout.layer_to_group[layer]
+            bs, nbytes = self.layout.groups[g].block_size, self.paged.page_bytes[g]
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self.s.requests[rid]
+                end = min(req.num_computed_tokens, req.num_prompt_tokens)
+                start = end - n
+                if start >= end:
+                    continue
+                table = self.s.kv_cache_manager.get_block_ids(rid)[g]
+                for p in range(start // bs, H.cdiv(end, bs)):
+                    if p >= len(table) or table[p] == 0:
+                        continue
+                    want = expected_pages(self.layout, layer, [p], nbytes)[0]
+                    tok = p * bs + np.arange(nbytes) * bs // nbytes
+                    page = read_pages(self.paged.kv_caches[layer], [table[p]])[0]
+                    page[tok < end] = want[tok < end]
+                    _write_pages(self.paged.kv_caches[layer], [table[p]], page[None])
+            self.w.save_kv_layer(layer, None, None)
+
+    def step(self):
+        so = self.s.schedule()
+        self.metas.append(so.kv_connector_metadata)
+        self.w.bind_connector_metadata(so.kv_connector_metadata)
+        if so.total_num_scheduled_tokens and self.forward:
+            self._forward(so)
+        self.w.start_load_kv(None)
+        self.w.wait_for_save()
+        r = self.w.get_transfer_results(so.finished_req_ids)
+        wmeta = self.w.build_connector_worker_meta()
+        self.w.clear_connector_metadata()
+        out = self.s.update_from_output(so, H.runner_output(
+            so, self.s, finished_sending=r.finished_sending, finished_recving=r.finished_recving,
+            failed_recving=r.failed_recving, worker_meta=wmeta))
+        self.outputs.append(out)
+        return so
+
+    def close(self):
+        self.w.shutdown()
+
+
+def push_params(push_id: str, p_port: int | None = None) -> tuple[dict, dict]:
+    """(D's params, P's params) a decode-first proxy sends."""
+    d = {"do_remote_prefill": True, "transfer_mode": "push", "push_id": push_id,
+         "remote_host": "127.0.0.1", "remote_port": p_port}
+    p = {"do_remote_decode": True, "transfer_mode": "push", "push_id": push_id}
+    return d, p
+
+
+def step_until(cond, engines, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        for e in engines:
+            e.step()
+
+
+def registration(D, rid):
+    for m in D.metas:
+        if m is not None and rid in getattr(m, "push_regs", {}):
+            return m.push_regs[rid]
+    raise AssertionError(f"no registration of {rid} in D's metadata")
+
+
+def bad_pages(E, table, num_tokens: int) -> list[tuple[str, int, int]]:
+    """``(layer, group, position)`` of every page of a positional table (0 = skipped) whose
+    bytes of tokens ``< num_tokens`` differ from the pattern (bytes of later tokens are not
+    computed by anyone and are not compared)."""
+    bad = []
+    for g, ids in enumerate(table):
+        spec = E.layout.groups[g]
+        bs, nbytes = spec.block_size, E.paged.page_bytes[g]
+        for p, b in enumerate(ids):
+            if not b:
+                continue
+            tok = p * bs + np.arange(nbytes) * bs // nbytes
+            for layer in spec.layer_names:
+                got = read_pages(E.paged.kv_caches[layer], [b])[0]
+                want = expected_pages(E.layout, layer, [p], nbytes)[0]
+                if not (got[tok < num_tokens] == want[tok < num_tokens]).all():
+                    bad.append((layer, g, p))
+    return bad

@@ -1,0 +1,233 @@
+"""Push mode failure paths (two in-process engines, real Scheduler, real NIXL): D's deadline,
+a peer gone midway, a registration that never comes, transfer_mode mismatches and bad
+params. Each failure is per request: D reports failed_recving with nothing valid (vLLM's
+recompute policy then applies), P frees its blocks; no block leaks on either side."""
+import logging
+import time
+
+import pytest
+
+import harness as H
+import push_harness as PH
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
+
+pytestmark = pytest.mark.nixl
+
+GEMMA = lambda: H.gemma_like(num_blocks=64)  # noqa: E731
+
+
+def _prompt(n):
+    return [1 + i % 900 for i in range(n)]
+
+
+def _recomputed(D, r):
+    """r failed its load: vLLM restarted it from token 0 and it finishes normally."""
+    assert r.request_id in D.conn.failed_recving
+    assert r.num_computed_tokens == 0
+    PH.step_until(lambda: not D.s.requests, [D], what="D finishes after recompute")
+    assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+    H.assert_no_leak(D.s)
+
+
+def test_d_deadline_is_a_failed_recv_and_recompute():
+    P = PH.Engine(GEMMA)
+    D = PH.Engine(GEMMA, extra={"push_recv_timeout": 1.0}, load_failure_policy="recompute")
+    try:
+        d_params, _ = PH.push_params("late", P.port)
+        r = H.make_request("d", _prompt(100), 16, params=d_params, max_tokens=2)
+        D.s.add_request(r)
+        t0 = time.monotonic()
+        PH.step_until(lambda: "d" in D.conn.failed_recving, [D], what="D's deadline")
+        assert time.monotonic() - t0 >= 0.9
+        assert any("deadline" in e for e in D.w.worker.errors), D.w.worker.errors
+        _recomputed(D, r)
+        P.step()                                     # P saw the registration, no request
+        assert "late" in P.conn.registered()
+    finally:
+        P.close()
+        D.close()
+
+
+def test_p_gone_after_some_layers_leaves_nothing_valid():
+    P = PH.Engine(GEMMA, max_num_batched_tokens=40)
+    D = PH.Engine(GEMMA, extra={"push_recv_timeout": 3.0}, load_failure_policy="recompute")
+    try:
+        d_params, p_params = PH.push_params("gone", P.port)
+        r = H.make_request("d", _prompt(150), 16, params=d_params, max_tokens=2)
+        D.s.add_request(r)
+        D.step()
+        P.s.add_request(H.make_request("p", _prompt(150), 16, params=p_params, max_tokens=1))
+        PH.step_until(lambda: any(m and "p" in m.push_saves for m in P.metas), [P, D],
+                      what="P's first pushed step")
+        assert not P.metas[-1].push_saves["p"].final
+        P.close()                                    # P dies midway (its agent is gone)
+        PH.step_until(lambda: "d" in D.conn.failed_recving, [D], timeout=20,
+                      what="D's deadline")
+        _recomputed(D, r)
+    finally:
+        D.close()
+
+
+def test_d_gone_midway_p_frees_by_lease_end():
+    """D dies after P's first pushed step and P's WRITEs hang (never DONE nor ERR): P's
+    request finishes, its blocks are held under the lease and freed when it ends."""
+    P = PH.Engine(GEMMA, extra={"kv_lease_duration": 3.0}, max_num_batched_tokens=40)
+    D = PH.Engine(GEMMA)
+    try:
+        d_params, p_params = PH.push_params("dgone", P.port)
+        D.s.add_request(H.make_request("d", _prompt(150), 16, params=d_params, max_tokens=2))
+        D.step()
+        P.s.add_request(H.make_request("p", _prompt(150), 16, params=p_params, max_tokens=1))
+        PH.step_until(lambda: any(m and "p" in m.push_saves for m in P.metas), [P, D],
+                      what="P's first pushed step")
+        D.close()                                    # D dies midway
+        P.w.worker.agent.state = lambda handle: "PROC"   # its WRITEs never complete
+        PH.step_until(lambda: "p" in P.conn.leases(), [P], what="P's request finishes")
+        t0 = time.monotonic()
+        PH.step_until(lambda: not P.s.requests, [P], timeout=3.0 + 15, what="P frees")
+        assert time.monotonic() - t0 >= 2.0          # held until the lease ended
+        H.assert_no_leak(P.s)
+        assert P.conn.leases() == {}
+        P.step()                                     # the expiry reaches the worker
+        assert P.w.worker._pushes == {}              # which dropped the push too
+    finally:
+        P.close()
+
+
+def test_registration_never_comes_p_runs_without_push():
+    P = PH.Engine(GEMMA, extra={"push_register_timeout": 1.0})
+    try:
+        _, p_params = PH.push_params("nobody", P.port)
+        r = H.make_request("p", _prompt(60), 16, params=p_params, max_tokens=1)
+        P.s.add_request(r)
+        P.step()
+        assert r.num_computed_tokens == 0 and P.conn.held() == {"p"}
+        t0 = time.monotonic()
+        PH.step_until(lambda: not P.s.requests, [P], what="P runs after the timeout")
+        assert time.monotonic() - t0 >= 0.9
+        assert all(not m.push_saves for m in P.metas if m)
+        H.assert_no_leak(P.s)
+    finally:
+        P.close()
+
+
+def test_mode_mismatch_push_decoder_pull_prefiller():
+    P = PH.Engine(GEMMA, mode="pull")
+    D = PH.Engine(GEMMA, load_failure_policy="recompute")
+    try:
+        d_params, _ = PH.push_params("mm", P.port)
+        r = H.make_request("d", _prompt(50), 16, params=d_params, max_tokens=2)
+        D.s.add_request(r)
+        PH.step_until(lambda: "d" in D.conn.failed_recving, [D], what="the refused handshake")
+        errs = " ".join(D.w.worker.errors)
+        assert "transfer_mode mismatch" in errs and "pull" in errs, errs
+        _recomputed(D, r)
+    finally:
+        P.close()
+        D.close()
+
+
+def test_mode_mismatch_pull_decoder_push_prefiller(caplog):
+    P = PH.Engine(GEMMA)
+    D = PH.Engine(GEMMA, mode="pull", load_failure_policy="recompute")
+    try:
+        params = H.remote_params("x", D.kcc, 50)
+        params["remote_port"] = P.port                # P's push-mode handshake server
+        r = H.make_request("x", _prompt(50), 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        with caplog.at_level(logging.WARNING):
+            PH.step_until(lambda: "x" in D.conn.failed_recving, [D],
+                          what="the refused handshake")
+        assert "transfer_mode mismatch" in caplog.text
+        _recomputed(D, r)
+        P.step()                                     # P records the pull-mode peer
+        assert any("transfer_mode mismatch" in e for e in P.w.worker.errors)
+    finally:
+        P.close()
+        D.close()
+
+
+@pytest.mark.parametrize("extra, mamba, needle", [
+    ({"transfer_mode": "bulk"}, False, "kv_connector_extra_config.transfer_mode"),
+    ({"transfer_mode": "push", "sync_load": True}, False, "sync_load"),
+    ({"transfer_mode": "push", "push_recv_timeout": 0}, False, "push_recv_timeout"),
+    ({"transfer_mode": "push", "push_register_timeout": "x"}, False, "push_register_timeout"),
+    ({"transfer_mode": "push"}, True, "Mamba"),
+])
+def test_bad_config_is_a_clear_error(extra, mamba, needle):
+    vkw = dict(block_size=64, mamba_cache_mode="align") if mamba else {}
+    vc = H.vllm_config(extra=extra, **vkw)
+    kcc = H.qwen3_next_like(num_blocks=16) if mamba else H.gemma_like(num_blocks=16)
+    with pytest.raises(ValueError, match=needle):
+        HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"push_id": "a:b"}, "push_id"),
+    ({"push_id": ""}, "push_id"),
+    ({"remote_port": "80"}, "remote_port"),
+    ({"remote_host": None}, "remote_host"),
+    ({"transfer_mode": "pull"}, "transfer_mode"),
+])
+def test_bad_push_params_run_locally(bad, needle, caplog):
+    D = PH.Engine(GEMMA)
+    try:
+        d_params, _ = PH.push_params("ok", 5999)
+        r = H.make_request("d", _prompt(40), 16, params={**d_params, **bad}, max_tokens=2)
+        D.s.add_request(r)
+        with caplog.at_level(logging.WARNING):
+            D.step()
+        assert needle in caplog.text
+        assert r.status == H.RequestStatus.RUNNING and not D.metas[-1].push_regs
+        PH.step_until(lambda: not D.s.requests, [D], what="D computes locally")
+        H.assert_no_leak(D.s)
+    finally:
+        D.close()
+
+
+def test_d_abort_while_awaiting_keeps_blocks_until_push_ends():
+    P = PH.Engine(GEMMA, max_num_batched_tokens=64)
+    D = PH.Engine(GEMMA)
+    try:
+        d_params, p_params = PH.push_params("ab", P.port)
+        D.s.add_request(H.make_request("d", _prompt(150), 16, params=d_params, max_tokens=2))
+        D.step()                                     # registered, awaiting the push
+        D.s.finish_requests("d", H.RequestStatus.FINISHED_ABORTED)
+        assert "d" in D.s.requests                   # vLLM keeps its blocks meanwhile
+        P.s.add_request(H.make_request("p", _prompt(150), 16, params=p_params, max_tokens=1))
+        PH.step_until(lambda: not D.s.requests and not P.s.requests, [P, D],
+                      what="the push ends and both engines free")
+        H.assert_no_leak(D.s)
+        H.assert_no_leak(P.s)
+    finally:
+        P.close()
+        D.close()
+
+
+@pytest.mark.parametrize("when", ["before_any_step", "midway"])
+def test_p_abort_fails_d_and_frees_p(when):
+    P = PH.Engine(GEMMA, max_num_batched_tokens=40)
+    D = PH.Engine(GEMMA, load_failure_policy="recompute")
+    try:
+        d_params, p_params = PH.push_params("pab", P.port)
+        r = H.make_request("d", _prompt(150), 16, params=d_params, max_tokens=2)
+        D.s.add_request(r)
+        D.step()
+        P.s.add_request(H.make_request("p", _prompt(150), 16, params=p_params, max_tokens=1))
+        if when == "midway":
+            PH.step_until(lambda: any(m and "p" in m.push_saves for m in P.metas), [P, D],
+                          what="P's first pushed step")
+        else:
+            PH.step_until(lambda: "pab" in P.conn.registered(), [P, D],
+                          what="the registration reaches P's scheduler")
+        P.s.finish_requests("p", H.RequestStatus.FINISHED_ABORTED)
+        PH.step_until(lambda: not P.s.requests and "d" in D.conn.failed_recving, [P, D],
+                      timeout=15, what="P frees and D fails")
+        H.assert_no_leak(P.s)
+        assert any("prefill side reported" in e for e in D.w.worker.errors), D.w.worker.errors
+        _recomputed(D, r)
+    finally:
+        P.close()
+        D.close()

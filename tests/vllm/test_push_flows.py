@@ -1,0 +1,117 @@
+"""Layer-wise push mode (decode first) between two engines in one process: vLLM's real
+Scheduler + HmaNixlConnector on both sides, real NIXL (UCX, DRAM).
+
+D registers its blocks, P is held until the registration arrives, then P's worker WRITEs
+every layer of every step's computed block positions into D's blocks as the (simulated)
+forward pass produces them. Checked: every byte of every block D asked for (pattern by
+token position, so partly filled blocks re-written in a later step are covered), that P
+was held before the registration, that nothing leaks on either side.
+"""
+import pytest
+
+import harness as H
+import push_harness as PH
+
+pytestmark = pytest.mark.nixl
+
+CASES = {
+    # name: (engine kwargs, KV cache config, prompt tokens, P's token budget per step)
+    "gemma-1step": (dict(), lambda: H.gemma_like(num_blocks=64), 150, 256),
+    "gemma-chunk64": (dict(), lambda: H.gemma_like(num_blocks=64), 150, 64),
+    "gemma-chunk40": (dict(), lambda: H.gemma_like(num_blocks=64), 150, 40),
+    "gemma-short": (dict(), lambda: H.gemma_like(num_blocks=64), 37, 64),
+    "dsv4-chunk200": (dict(), lambda: H.dsv4_like(num_blocks=600), 600, 200),
+}
+
+
+def _engines(case):
+    vkw, make, n, budget = CASES[case]
+    P = PH.Engine(make, max_num_batched_tokens=budget, **vkw)
+    D = PH.Engine(make, max_num_batched_tokens=max(budget, 256) if "dsv4" not in case
+                  else 1024, **vkw)
+    return P, D, n
+
+
+def _check_bytes(D, rid):
+    reg = PH.registration(D, rid)
+    n = reg.num_tokens
+    assert reg.awaiting
+    assert sum(1 for g in reg.block_ids for b in g if b) > 0
+    # every block D asked for holds P's bytes (the pattern of its token positions) for every
+    # computed token, in every layer
+    assert PH.bad_pages(D, reg.block_ids, n) == []
+    # sliding groups asked only for their window: at most cdiv(window, bs) + 1 positions
+    for g, spec in zip(reg.block_ids, D.layout.groups):
+        if spec.sliding_window:
+            assert sum(1 for b in g if b) <= -(-spec.sliding_window // spec.block_size) + 1
+    return reg
+
+
+def _finish(P, D, rid):
+    PH.step_until(lambda: not D.s.requests, [D], what="D finishes")
+    H.assert_no_leak(D.s)
+    PH.step_until(lambda: not P.s.requests, [P], what="P frees its blocks")
+    H.assert_no_leak(P.s)
+    assert P.conn.leases() == {} and P.conn.registered() == set()
+
+
+@pytest.mark.parametrize("order", ["d_first", "p_first"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_push_moves_every_byte(case, order):
+    P, D, n = _engines(case)
+    try:
+        prompt = [1 + i % 900 for i in range(n)]
+        d_params, p_params = PH.push_params("push-1", P.port)
+        hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+        d_req = H.make_request("d-req", prompt, hbs, params=d_params, max_tokens=3)
+        p_req = H.make_request("p-req", prompt, hbs, params=p_params, max_tokens=1)
+        if order == "d_first":
+            D.s.add_request(d_req)
+            D.step()                                 # registration sent to P
+            P.s.add_request(p_req)
+        else:
+            P.s.add_request(p_req)
+            for _ in range(3):
+                P.step()                             # held: nothing scheduled without D
+            assert p_req.num_computed_tokens == 0 and P.conn.held() == {"p-req"}
+            D.s.add_request(d_req)
+            D.step()
+        assert d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS
+        PH.step_until(lambda: "d-req" not in D.conn.awaiting(), [P, D],
+                      what="the push completes")
+        assert "d-req" not in D.conn.failed_recving
+        _check_bytes(D, "d-req")
+        steps = [m.push_saves["p-req"] for m in P.metas if m and "p-req" in m.push_saves]
+        assert [s.step for s in steps] == list(range(len(steps)))
+        assert steps[-1].final and not any(s.final for s in steps[:-1])
+        assert len(steps) == -(-n // CASES[case][3])
+        stats = P.w.stats()
+        assert stats and stats[-1]["ok"] and stats[-1]["push_id"] == "push-1", stats
+        assert stats[-1]["steps"] == len(steps)
+        assert stats[-1]["forward_end"] > 0 and stats[-1]["write_after_forward_ms"] is not None
+        _finish(P, D, "d-req")
+        assert d_req.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+    finally:
+        P.close()
+        D.close()
+
+
+def test_two_pushes_in_one_batch():
+    P, D, _ = _engines("gemma-chunk64")
+    try:
+        reqs = []
+        for k, n in enumerate((100, 70)):
+            prompt = [1 + (i * (k + 3)) % 900 for i in range(n)]
+            d_params, p_params = PH.push_params(f"push-{k}", P.port)
+            D.s.add_request(H.make_request(f"d{k}", prompt, 16, params=d_params, max_tokens=2))
+            reqs.append(H.make_request(f"p{k}", prompt, 16, params=p_params, max_tokens=1))
+        D.step()
+        for r in reqs:
+            P.s.add_request(r)
+        PH.step_until(lambda: not D.conn.awaiting(), [P, D], what="both pushes complete")
+        for k in range(2):
+            _check_bytes(D, f"d{k}")
+        _finish(P, D, None)
+    finally:
+        P.close()
+        D.close()
