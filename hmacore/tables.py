@@ -593,6 +593,19 @@ class TrackerSet:
         _k.apply_flat_step(rts, new_ids, offsets, int(RequestState.NEW),
                            int(RequestState.RUNNING))
 
+    def apply_step_lists(self, req_ids: Sequence[Hashable], new_block_ids: Sequence[Any]) -> None:
+        """:meth:`apply_step_flat` straight from vLLM's ``CachedRequestData``: ``req_ids``
+        and ``new_block_ids`` (per request None or one list of ids per group, blocks of each
+        group) as the scheduler output carries them; flattened in one C pass. Same checks and
+        all-or-nothing behaviour (errors name the entry, e.g. ``new_block_ids[3][1][0]``)."""
+        ids, offsets, err = _k.flatten_step(new_block_ids, self.num_groups)
+        if err is not None:
+            raise BlockTableError(f"apply_step_lists: {err}")
+        if len(req_ids) != len(new_block_ids):
+            raise BlockTableError(f"apply_step_lists: {len(req_ids)} req_ids but "
+                                  f"{len(new_block_ids)} new_block_ids entries")
+        self.apply_step_flat(req_ids, ids, offsets)
+
     def _tables_of(self, req_ids: Sequence[Hashable]) -> list:
         reqs = self._reqs
         try:

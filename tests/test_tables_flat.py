@@ -104,3 +104,26 @@ def test_clip_spans_unknown_request():
         clip_tracked_spans(ts, ["a", "x"])
     with pytest.raises(TypeError, match="trackers must be a TrackerSet"):
         clip_tracked_spans({}, ["a"])
+
+
+def test_apply_step_lists_matches_flat_and_rejects():
+    layout = LAYOUTS[1]                          # 5 groups
+    G = layout.num_groups
+    a, b = TrackerSet(layout), TrackerSet(layout)
+    for ts in (a, b):
+        for r in range(3):
+            ts.add(r, [[r + 1]] * G)
+    step = [([5], [], [6, 7], [], [8]), None, ([9], [10], [], [], [])]
+    a.apply_step_lists([0, 1, 2], step)
+    ids, offs = flat([s if s is not None else [[]] * G for s in step], G)
+    b.apply_step_flat([0, 1, 2], ids, offs)
+    assert snapshot(a) == snapshot(b)
+    before = snapshot(a)
+    for bad, msg in [([([5],) * 2, None, None], r"new_block_ids\[0\] must be None or 5"),
+                     ([None, None, ([1], [2.0], [], [], [])], r"new_block_ids\[2\]\[1\]\[0\] must be an int"),
+                     ([None, None, ([1], [-2], [], [], [])], r"new_block_ids\[2\]\[1\]\[0\]: block id -2"),
+                     ([None, None, ([1], [NB], [], [], [])], "block id 1000 is >= num_blocks"),
+                     ([None, None], "3 req_ids but 2 new_block_ids")]:
+        with pytest.raises(BlockTableError, match=msg):
+            a.apply_step_lists([0, 1, 2], bad)
+        assert snapshot(a) == before

@@ -459,3 +459,57 @@ def clip_spans(list rts, const long long[::1] keep, long long[:, :, ::1] out):
                 end = n - (k if k < n - 1 else n - 1)
                 out[r, g, 0] = end - 1
                 out[r, g, 1] = end
+
+
+def flatten_step(object new_block_ids, int num_groups):
+    """vLLM's ``CachedRequestData.new_block_ids`` (a list, per request None or G lists of
+    ints) -> ``(ids int32, offsets int64, None)`` for ``apply_step_flat``, or ``(None, None,
+    message)`` naming the first bad entry. Two C passes (count, copy), no object per id."""
+    cdef Py_ssize_t R, r, g, i, m, total = 0, k = 0
+    cdef long long v
+    cdef int overflow
+    if not (type(new_block_ids) is list or type(new_block_ids) is tuple):
+        return None, None, f"new_block_ids must be a list, got {type(new_block_ids).__name__}"
+    R = len(new_block_ids)
+    for r in range(R):
+        per = new_block_ids[r]
+        if per is None:
+            continue
+        if not (type(per) is list or type(per) is tuple) or len(per) != num_groups:
+            return None, None, (f"new_block_ids[{r}] must be None or {num_groups} per-group "
+                                "lists of ints")
+        for g in range(num_groups):
+            seq = per[g]
+            if not (type(seq) is list or type(seq) is tuple):
+                return None, None, f"new_block_ids[{r}][{g}] must be a list of ints"
+            total += len(seq)
+    cdef cnp.npy_intp dim = total
+    ids = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+    dim = R * num_groups + 1
+    offsets = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
+    cdef block_id_t* dst = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
+    cdef long long* off = <long long*>cnp.PyArray_DATA(<cnp.ndarray>offsets)
+    off[0] = 0
+    for r in range(R):
+        per = new_block_ids[r]
+        for g in range(num_groups):
+            if per is not None:
+                seq = per[g]
+                m = len(seq)
+                if k + m > total:       # a list grew between the passes
+                    return None, None, "new_block_ids changed while being read"
+                for i in range(m):
+                    x = seq[i]
+                    if type(x) is not int:
+                        return None, None, (f"new_block_ids[{r}][{g}][{i}] must be an int, "
+                                            f"got {type(x).__name__}")
+                    v = PyLong_AsLongLongAndOverflow(x, &overflow)
+                    if overflow or v < 0 or v > INT32_MAX:
+                        return None, None, (f"new_block_ids[{r}][{g}][{i}]: block id {x} is "
+                                            "outside [0, 2**31)")
+                    dst[k] = <block_id_t>v
+                    k += 1
+            off[r * num_groups + g + 1] = k
+    if k != total:
+        return None, None, "new_block_ids changed while being read"
+    return ids, offsets, None
