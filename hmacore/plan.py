@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ._fast import _plan
+from ._fast import _plan, _tables
 from .errors import BlockTableError, LayoutError
 from .grain import cdiv
 from .spec import GroupKind, KVLayout
@@ -553,6 +553,10 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
             return np.empty(0, dtype=np.int32)
         a = x
     else:
+        if type(x) is list or type(x) is tuple:
+            arr, status, _ = _tables.seq_to_int32(x, 0)   # one C pass; errors: path below
+            if status == _tables.STATUS_OK:
+                return arr
         try:
             a = np.asarray(list(x) if not isinstance(x, (list, tuple)) else x)
         except (TypeError, ValueError):
