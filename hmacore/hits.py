@@ -264,6 +264,11 @@ class HitFinder:
                 never go past the N*h tokens the rows cover.
             apply_eagle: False when ``max_length`` is a hit that already had the eagle drop
                 (mask mode on the loading side), so the drop is not applied twice.
+
+        One call into the compiled kernel (the layout's spec table was checked when the
+        finder was built); bad ``hashes`` / ``exists`` / ``max_length`` raise HashInputError
+        naming the argument before any probe. The result's ``masks`` are built on first
+        access.
         """
         tokens, spans = self._kernel.run(exists, hashes, max_length, apply_eagle)
         return HitResult._lazy(tokens, spans, self)
