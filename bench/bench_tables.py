@@ -14,13 +14,17 @@ connector). Each pair shares a pytest-benchmark group; results are checked equal
 
 Run: python -m pytest bench/bench_tables.py --benchmark-only --benchmark-group-by=group
 """
+import gc
+
 import pytest
 
 from hmacore.grain import cdiv
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind
 from hmacore.tables import TrackerSet
-from hmacore.windows import clip_tracked
+import numpy as np
+
+from hmacore.windows import clip_tracked, clip_tracked_spans
 from tests import oracle_core as oracle
 
 NUM_REQS = 256
@@ -97,6 +101,13 @@ def case(request):
     return layout, tables, (warm, new_ids), f"step-{groups}groups-{tokens // 1024}k"
 
 
+def _settled(obj):
+    """Setup result with the cyclic GC's counters reset: the allocations of building a fresh
+    tracker/oracle must not bill a collection to whichever implementation runs next."""
+    gc.collect()
+    return (obj,), {}
+
+
 def _rounds(tables):
     size = sum(len(g) for g in tables[0])
     return 3 if size > 20000 else 10
@@ -107,7 +118,7 @@ def test_step_hmacore(benchmark, case):
     benchmark.group = group
     benchmark.extra_info["impl"] = "hmacore"
     benchmark.pedantic(lambda ts: lib_step(ts, layout, new_ids),
-                       setup=lambda: ((make_lib(layout, tables, warm),), {}), rounds=_rounds(tables))
+                       setup=lambda: _settled(make_lib(layout, tables, warm)), rounds=_rounds(tables))
 
 
 def test_step_oracle(benchmark, case):
@@ -116,7 +127,65 @@ def test_step_oracle(benchmark, case):
     benchmark.extra_info["impl"] = "oracle"
     groups = oracle.layout_to_dicts(layout)
     benchmark.pedantic(lambda ora: ora_step(ora, groups, new_ids),
-                       setup=lambda: ((make_ora(layout, tables, warm),), {}), rounds=_rounds(tables))
+                       setup=lambda: _settled(make_ora(layout, tables, warm)), rounds=_rounds(tables))
+
+
+# -- the batched step API: one call for every request's new ids, one call for the clip -----
+def flat_inputs(new_ids):
+    """The step's new ids as one int32 array + int64 offsets (request-major, group-minor)."""
+    ids = np.array([b for per_req in new_ids for g in per_req for b in g], dtype=np.int32)
+    lens = [len(g) for per_req in new_ids for g in per_req]
+    return ids, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+
+
+REQS = list(range(NUM_REQS))
+
+
+def lib_step_flat(ts, flat):
+    ts.apply_step_flat(REQS, *flat)
+    return clip_tracked_spans(ts, REQS)
+
+
+def spans_to_lists(ts, spans):
+    return [[ts.block_ids(r, copy=False)[g][spans[r, g, 0]:spans[r, g, 1]].tolist()
+             for g in range(spans.shape[1])] for r in REQS]
+
+
+@pytest.fixture(scope="module", params=[(g, n) for g in (2, 5) for n in TOKENS],
+                ids=lambda p: f"{p[0]}groups-{p[1] // 1024}k")
+def flat_case(request):
+    """``step_flat``: the same decode step as ``step`` through ``apply_step_flat`` (new ids as
+    one int32 array + offsets, built once outside the timing like vLLM's own flat
+    ``new_block_ids`` arrays would be) and ``clip_tracked_spans`` ([start, end) per request
+    and group into the tracker's buffers instead of one view object per group)."""
+    groups, tokens = request.param
+    layout = LAYOUTS[groups]
+    tables, next_id = full_tables(layout, tokens, NUM_REQS)
+    warm = step_inputs(layout, next_id)
+    new_ids = step_inputs(layout, next_id + NUM_REQS * groups)
+    flat = flat_inputs(new_ids)
+    ts = make_lib(layout, tables, warm)
+    got = spans_to_lists(ts, lib_step_flat(ts, flat))
+    want = ora_step(make_ora(layout, tables, warm), oracle.layout_to_dicts(layout), new_ids)
+    assert got == want
+    return layout, tables, (warm, new_ids, flat), f"step_flat-{groups}groups-{tokens // 1024}k"
+
+
+def test_step_flat_hmacore(benchmark, flat_case):
+    layout, tables, (warm, _, flat), group = flat_case
+    benchmark.group = group
+    benchmark.extra_info["impl"] = "hmacore"
+    benchmark.pedantic(lambda ts: lib_step_flat(ts, flat),
+                       setup=lambda: _settled(make_lib(layout, tables, warm)), rounds=_rounds(tables) * 3)
+
+
+def test_step_flat_oracle(benchmark, flat_case):
+    layout, tables, (warm, new_ids, _), group = flat_case
+    benchmark.group = group
+    benchmark.extra_info["impl"] = "oracle"
+    groups = oracle.layout_to_dicts(layout)
+    benchmark.pedantic(lambda ora: ora_step(ora, groups, new_ids),
+                       setup=lambda: _settled(make_ora(layout, tables, warm)), rounds=_rounds(tables) * 3)
 
 
 # -- prefill-style step: the full table arrives (twice) for every request --------------
@@ -152,7 +221,7 @@ def test_alloc_hmacore(benchmark, alloc_case):
     benchmark.group = group
     benchmark.extra_info["impl"] = "hmacore"
     benchmark.pedantic(lambda ts: lib_alloc(ts, tables),
-                       setup=lambda: ((make_lib(layout, empty),), {}), rounds=_rounds(tables))
+                       setup=lambda: _settled(make_lib(layout, empty)), rounds=_rounds(tables))
 
 
 def test_alloc_oracle(benchmark, alloc_case):
@@ -160,4 +229,4 @@ def test_alloc_oracle(benchmark, alloc_case):
     benchmark.group = group
     benchmark.extra_info["impl"] = "oracle"
     benchmark.pedantic(lambda ora: ora_alloc(ora, tables),
-                       setup=lambda: ((make_ora(layout, empty),), {}), rounds=_rounds(tables))
+                       setup=lambda: _settled(make_ora(layout, empty)), rounds=_rounds(tables))

@@ -13,7 +13,8 @@ import pytest
 from hmacore.grain import cdiv
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind
-from hmacore.windows import clip_to_window, expand_layout_to_kernel, trim_remote_to_local
+from hmacore.windows import (clip_to_window, clip_windows, expand_layout_to_kernel,
+                             trim_remote_to_local)
 from tests import oracle_core as oracle
 
 NUM_REQS = 256
@@ -36,7 +37,7 @@ def tables(layout, tokens, offset=1):
 
 
 def as_lists(result):
-    return [[x.tolist() for x in t] for t in result]
+    return [[x if isinstance(x, list) else x.tolist() for x in t] for t in result]
 
 
 CASES = [(name, n, form) for name in LAYOUTS for n in TOKENS for form in ("lists", "arrays")]
@@ -44,26 +45,47 @@ CASES = [(name, n, form) for name in LAYOUTS for n in TOKENS for form in ("lists
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1] // 1024}k-{p[2]}")
 def clip_case(request):
+    """``clip-*``: :func:`clip_windows` (vLLM's clipper contract: cut groups validated and
+    kept in the caller's form, whole groups passed through) vs the oracle, which has the same
+    contract. ``clipcheck-*``: :func:`clip_to_window`, which also converts every whole
+    group to int32 and range-checks it (O(all blocks)); the oracle does not, so that ratio
+    measures the price of the extra validation, not the same work."""
     name, tokens, form = request.param
     layout = LAYOUTS[name]
     ts = tables(layout, tokens)
     inp = [tuple(t) for t in ts] if form == "lists" else \
         [tuple(np.array(g, dtype=np.int32) for g in t) for t in ts]
     groups = oracle.layout_to_dicts(layout)
-    assert as_lists([clip_to_window(t, layout) for t in inp]) == [oracle.clip(t, groups) for t in ts]
-    return layout, inp, ts, groups, f"clip-{name}-{tokens // 1024}k-{form}"
+    want = [oracle.clip(t, groups) for t in ts]
+    assert as_lists([clip_to_window(t, layout) for t in inp]) == want
+    assert as_lists([clip_windows(t, layout) for t in inp]) == want
+    return layout, inp, ts, groups, f"{name}-{tokens // 1024}k-{form}"
 
 
 def test_clip_hmacore(benchmark, clip_case):
     layout, inp, _, _, group = clip_case
-    benchmark.group = group
+    benchmark.group = "clip-" + group
     benchmark.extra_info["impl"] = "hmacore"
-    benchmark(lambda: [clip_to_window(t, layout) for t in inp])
+    benchmark(lambda: [clip_windows(t, layout) for t in inp])
 
 
 def test_clip_oracle(benchmark, clip_case):
     _, _, ts, groups, group = clip_case
-    benchmark.group = group
+    benchmark.group = "clip-" + group
+    benchmark.extra_info["impl"] = "oracle"
+    benchmark(lambda: [oracle.clip(t, groups) for t in ts])
+
+
+def test_clipcheck_hmacore(benchmark, clip_case):
+    layout, inp, _, _, group = clip_case
+    benchmark.group = "clipcheck-" + group
+    benchmark.extra_info["impl"] = "hmacore"
+    benchmark(lambda: [clip_to_window(t, layout) for t in inp])
+
+
+def test_clipcheck_oracle(benchmark, clip_case):
+    _, _, ts, groups, group = clip_case
+    benchmark.group = "clipcheck-" + group
     benchmark.extra_info["impl"] = "oracle"
     benchmark(lambda: [oracle.clip(t, groups) for t in ts])
 

@@ -3,9 +3,11 @@
 Convention: every case is one pytest-benchmark ``group``; inside it, one benchmark per
 implementation, named by ``extra_info["impl"]`` (or a parameter called ``impl``, or the test
 name containing ``hmacore`` / ``oracle`` / ``vllm``). The report has one entry per case:
-``name``, ``hmacore_s``, ``baseline`` ("vllm-0.32.0" when vLLM's own function ran, else
-"oracle"), ``baseline_s``, ``ratio`` (baseline / hmacore; > 1 means hmacore is faster), the
+``name``, ``hmacore_s``, ``baseline`` ("vllm-0.32.0" when vLLM's own function ran, "raw-nixl",
+"numpy-memwrite" (a same-size buffer fill), else "oracle"), ``baseline_s``, ``ratio`` (baseline / hmacore; > 1 means hmacore is faster), the
 oracle figures when vLLM is the baseline, and any ``extra_info`` figures (bytes per key, ...).
+Groups whose benchmarks carry ``objects_per_block`` go to the ``memory`` list (Python objects
+allocated per call / per block on a hot path, bench/bench_memory.py).
 Times are medians in seconds.
 """
 from __future__ import annotations
@@ -18,6 +20,8 @@ import sys
 from collections import defaultdict
 
 VLLM_LABEL = "vllm-0.32.0"
+BASELINE_LABELS = {"vllm": VLLM_LABEL, "raw": "raw-nixl", "oracle": "oracle",
+                   "memwrite": "numpy-memwrite"}
 
 
 def impl_of(bench: dict) -> str | None:
@@ -28,7 +32,7 @@ def impl_of(bench: dict) -> str | None:
     if params.get("impl"):
         return str(params["impl"])
     name = bench.get("name", "").lower()
-    for key in ("hmacore", "oracle", "vllm", "raw"):
+    for key in ("hmacore", "oracle", "vllm", "raw", "memwrite"):
         if re.search(rf"(^|[_\[\-]){key}", name):
             return key
     return None
@@ -51,14 +55,13 @@ def build_report(raw: dict) -> dict:
         impls = cases[name]
         if "hmacore" not in impls:
             continue
-        base_key = "vllm" if "vllm" in impls else ("raw" if "raw" in impls else
-                                                   ("oracle" if "oracle" in impls else None))
+        base_key = next((k for k in ("vllm", "raw", "memwrite", "oracle") if k in impls), None)
         if base_key is None:
             continue
         entry = {
             "name": name,
             "hmacore_s": impls["hmacore"],
-            "baseline": {"vllm": VLLM_LABEL, "raw": "raw-nixl", "oracle": "oracle"}[base_key],
+            "baseline": BASELINE_LABELS[base_key],
             "baseline_s": impls[base_key],
             "ratio": impls[base_key] / impls["hmacore"] if impls["hmacore"] > 0 else None,
         }
@@ -66,7 +69,11 @@ def build_report(raw: dict) -> dict:
             entry["oracle_s"] = impls["oracle"]
             entry["oracle_ratio"] = impls["oracle"] / impls["hmacore"]
         entry.update(extras.get(name, {}))
+        if name.startswith("sched_step"):
+            entry["fraction_of_vllm_step"] = impls["hmacore"] / impls[base_key]
         entries.append(entry)
+    memory = [dict(name=g, **{k: v for k, v in extras[g].items()})
+              for g in sorted(extras) if "objects_per_block" in extras[g]]
     mi = raw.get("machine_info", {})
     return {
         "machine": {
@@ -77,6 +84,7 @@ def build_report(raw: dict) -> dict:
         },
         "datetime": raw.get("datetime"),
         "cases": entries,
+        "memory": memory,
     }
 
 
@@ -88,6 +96,12 @@ def markdown(report: dict) -> str:
         extra = f" (oracle x{e['oracle_ratio']:.1f})" if "oracle_ratio" in e else ""
         lines.append(f"| {e['name']} | {_t(e['hmacore_s'])} | {e['baseline']} | "
                      f"{_t(e['baseline_s'])} | x{e['ratio']:.1f}{extra} |")
+    if report.get("memory"):
+        lines += ["", "| hot path (memory) | objects per call | objects per block | blocks |",
+                  "|---|---:|---:|---:|"]
+        for m in report["memory"]:
+            lines.append(f"| {m['name']} | {m['objects_per_call']:.1f} | "
+                         f"{m['objects_per_block']:.5f} | {m['blocks']} |")
     return "\n".join(lines)
 
 

@@ -67,7 +67,6 @@ class SpecGroup:
     chunk: int = 0           # attention chunk, tokens
 
 
-@dataclasses.dataclass(frozen=True)
 class HitResult:
     """A longest hit.
 
@@ -76,11 +75,51 @@ class HitResult:
         masks: one uint8 array per layout group: ``masks[g][i] == 1`` iff block i of group g
             (blocks of ``block_size_g`` tokens) must be loaded for the hit; its length is the
             group's hit block count including leading null positions (SW/Mamba/chunked
-            groups load only a tail). Groups not looked up get an empty array.
+            groups load only a tail). Groups not looked up get an empty array. Built on
+            first access when the result comes from :meth:`HitFinder.longest_hit` (a caller
+            that only needs ``tokens`` never pays for them).
+
+    ``HitResult(tokens, masks)`` builds one directly; results are immutable.
     """
 
-    tokens: int
-    masks: tuple[np.ndarray, ...]
+    __slots__ = ("tokens", "_masks", "_spans", "_finder")
+
+    def __init__(self, tokens: int, masks: tuple[np.ndarray, ...]) -> None:
+        object.__setattr__(self, "tokens", int(tokens))
+        object.__setattr__(self, "_masks", tuple(masks))
+        object.__setattr__(self, "_spans", None)
+        object.__setattr__(self, "_finder", None)
+
+    @classmethod
+    def _lazy(cls, tokens: int, spans: np.ndarray, finder: HitFinder) -> HitResult:
+        self = object.__new__(cls)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "_masks", None)
+        object.__setattr__(self, "_spans", spans)
+        object.__setattr__(self, "_finder", finder)
+        return self
+
+    @property
+    def masks(self) -> tuple[np.ndarray, ...]:
+        m = self._masks
+        if m is None:
+            m = self._finder._masks_from_spans(self._spans)
+            object.__setattr__(self, "_masks", m)
+        return m
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __eq__(self, other):
+        if not isinstance(other, HitResult):
+            return NotImplemented
+        return self.tokens == other.tokens and len(self.masks) == len(other.masks) and all(
+            np.array_equal(a, b) for a, b in zip(self.masks, other.masks))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"HitResult(tokens={self.tokens}, masks={self.masks!r})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +243,8 @@ class HitFinder:
         self._specs_no_eagle = self._specs.copy()
         self._specs_no_eagle[:, 4] = 0
         self._members = np.array(members, dtype=np.int32)
+        self._kernel = _hits.HitKernel(self._specs, self._members, self.hash_block_size,
+                                       self.alignment, self.partial, self.unitary)
 
     # -- lookups --------------------------------------------------------------------------
     def align_length(self, num_tokens: int) -> int:
@@ -223,23 +264,30 @@ class HitFinder:
                 never go past the N*h tokens the rows cover.
             apply_eagle: False when ``max_length`` is a hit that already had the eagle drop
                 (mask mode on the loading side), so the drop is not applied twice.
+
+        One call into the compiled kernel (the layout's spec table was checked when the
+        finder was built); bad ``hashes`` / ``exists`` / ``max_length`` raise HashInputError
+        naming the argument before any probe. The result's ``masks`` are built on first
+        access.
         """
-        _check_tokens("max_length", max_length)
-        if exists is not None and not isinstance(exists, ExistenceSet):
-            raise HashInputError(f"exists must be an ExistenceSet or None, got {type(exists).__name__}")
-        specs = self._specs if apply_eagle else self._specs_no_eagle
-        out = np.zeros((specs.shape[0], 2), dtype=np.int64)
-        tokens = _hits.longest_hit(exists, hashes, int(max_length), specs, self._members,
-                                   self.hash_block_size, self.alignment, self.partial,
-                                   self.unitary, out)
+        tokens, spans = self._kernel.run(exists, hashes, max_length, apply_eagle)
+        return HitResult._lazy(tokens, spans, self)
+
+    def hit_tokens(self, hashes: np.ndarray, exists: ExistenceSet | None, max_length: int,
+                   *, apply_eagle: bool = True) -> int:
+        """Only the length (tokens) of :meth:`longest_hit` (vLLM's
+        ``get_num_new_matched_tokens`` needs nothing else)."""
+        return self._kernel.run(exists, hashes, max_length, apply_eagle)[0]
+
+    def _masks_from_spans(self, spans: np.ndarray) -> tuple[np.ndarray, ...]:
         masks = [_EMPTY] * self.num_groups
         for s, sg in enumerate(self.spec_groups):
-            length, lo = int(out[s, 0]), int(out[s, 1])
+            length, lo = int(spans[s, 0]), int(spans[s, 1])
             m = np.zeros(length, dtype=np.uint8)
             m[min(lo, length):] = 1
             for g in sg.group_ids:
                 masks[g] = m if len(sg.group_ids) == 1 else m.copy()
-        return HitResult(int(tokens), tuple(masks))
+        return tuple(masks)
 
     def load_masks(self, hashes: np.ndarray, hit_tokens: int) -> tuple[np.ndarray, ...]:
         """Blocks of each group to load for a hit of ``hit_tokens`` found earlier (mask mode,

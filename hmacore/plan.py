@@ -14,13 +14,14 @@ them is listed once per user so that ``-1`` never lets a group touch another gro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ._fast import _plan
+from ._fast import _plan, _tables
 from .errors import BlockTableError, LayoutError
 from .grain import cdiv
 from .spec import GroupKind, KVLayout
@@ -201,6 +202,9 @@ class TransferPlan:
                 if r.state == bool(self._gstate[g]) and r.group in (SHARED, g))
             for g in range(layout.num_groups))
         self.group_major = bool(self._rstate.any() or (self._rgroup != SHARED).any())
+        self._desc = _plan.DescPlan(self._offset, self._logical, self._ratio, self._rgroup,
+                                    self._rstate, self._gstate, self.group_major,
+                                    functools.partial(_as_tuple_n, layout.num_groups))
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -346,13 +350,7 @@ class TransferPlan:
 
     # -- per request -----------------------------------------------------------------------
     def _as_tuple(self, block_ids: Sequence[Any]) -> tuple[np.ndarray, ...]:
-        if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__len__"):
-            raise BlockTableError(f"block_ids must be a sequence of {self.layout.num_groups} "
-                                  f"per-group id lists, got {type(block_ids).__name__}")
-        if len(block_ids) != self.layout.num_groups:
-            raise BlockTableError(f"block_ids has {len(block_ids)} groups, the layout has "
-                                  f"{self.layout.num_groups}")
-        return tuple(_as_block_ids(g, x) for g, x in enumerate(block_ids))
+        return _as_tuple_n(self.layout.num_groups, block_ids)
 
     def desc_ids(self, block_ids: Sequence[Any], *, out: np.ndarray | None = None,
                  kernel_ids: bool = False, allow_null: bool = False) -> np.ndarray:
@@ -364,10 +362,9 @@ class TransferPlan:
         ids give consecutive descriptor indices (NIXL merges them). ``out`` (int64, C-contiguous,
         large enough) is written in place and a prefix view returned. Raises BlockTableError.
         """
-        ids = self._as_tuple(block_ids)
-        return _plan.flatten_desc_ids(ids, self._offset, self._logical, self._ratio, self._rgroup,
-                                      self._rstate, self._gstate, group_major=self.group_major,
-                                      kernel_ids=kernel_ids, allow_null=allow_null, out=out)
+        # One Cython call: int32-array groups take an O(1) form check + one min/max pass per
+        # group; anything else goes through _as_tuple_n's conversion and the full checks.
+        return self._desc.run(block_ids, kernel_ids=kernel_ids, allow_null=allow_null, out=out)
 
     def count_desc_ids(self, block_ids: Sequence[Any], *, kernel_ids: bool = False) -> int:
         """How many descriptor ids :meth:`desc_ids` returns (size an ``out`` buffer with it)."""
@@ -534,6 +531,17 @@ def describe_layout_plan(layout: KVLayout, num_tokens: int) -> tuple[str, dict[s
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
+def _as_tuple_n(num_groups: int, block_ids: Sequence[Any]) -> tuple[np.ndarray, ...]:
+    """``block_ids`` (one id sequence per group) as a tuple of C-contiguous int32 arrays."""
+    if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__len__"):
+        raise BlockTableError(f"block_ids must be a sequence of {num_groups} "
+                              f"per-group id lists, got {type(block_ids).__name__}")
+    if len(block_ids) != num_groups:
+        raise BlockTableError(f"block_ids has {len(block_ids)} groups, the layout has "
+                              f"{num_groups}")
+    return tuple(_as_block_ids(g, x) for g, x in enumerate(block_ids))
+
+
 def _as_block_ids(g: int, x: Any) -> np.ndarray:
     """Group g's ids as a C-contiguous int32 array (no copy when already one)."""
     if isinstance(x, np.ndarray):
@@ -545,6 +553,10 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
             return np.empty(0, dtype=np.int32)
         a = x
     else:
+        if type(x) is list or type(x) is tuple:
+            arr, status, _ = _tables.seq_to_int32(x, 0)   # one C pass; errors: path below
+            if status == _tables.STATUS_OK:
+                return arr
         try:
             a = np.asarray(list(x) if not isinstance(x, (list, tuple)) else x)
         except (TypeError, ValueError):

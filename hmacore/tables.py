@@ -556,3 +556,62 @@ class TrackerSet:
             if rt.state == NEW:
                 rt.state = RUNNING
         return out
+
+    def apply_step_flat(self, req_ids: Sequence[Hashable], new_ids: Any, offsets: Any) -> None:
+        """Append one scheduler step's new blocks of many running requests in one call.
+
+        ``new_ids``: 1-D int32 array (C-contiguous) holding every appended id, request by
+        request and, within a request, group by group. ``offsets``: 1-D int64 array of
+        ``len(req_ids) * num_groups + 1`` entries: request ``req_ids[r]`` gets the ids
+        ``new_ids[offsets[r*G + g]:offsets[r*G + g + 1]]`` appended to group g (blocks of
+        group g). Same effect as ``append(r, ...)`` per request; NEW requests become RUNNING.
+
+        All-or-nothing: unknown / PREEMPTED requests, ids outside ``[0, num_blocks)``,
+        malformed offsets or wrong dtypes raise (TrackerStateError / BlockTableError naming
+        the argument and the rule) before anything changes.
+        """
+        if not isinstance(req_ids, (list, tuple)):
+            req_ids = list(req_ids)
+        if not (isinstance(new_ids, np.ndarray) and new_ids.dtype == np.int32
+                and new_ids.ndim == 1 and new_ids.flags.c_contiguous):
+            raise BlockTableError("new_ids must be a C-contiguous 1-D int32 array")
+        if not (isinstance(offsets, np.ndarray) and offsets.dtype == np.int64
+                and offsets.ndim == 1 and offsets.flags.c_contiguous):
+            raise BlockTableError("offsets must be a C-contiguous 1-D int64 array")
+        reqs = self._reqs
+        try:
+            rts = [reqs[r] for r in req_ids]
+        except (KeyError, TypeError):
+            for r in req_ids:
+                self._get(r)   # raises the TrackerStateError naming the request
+            raise
+        err = _k.check_flat_step(rts, new_ids, offsets, self.num_groups, self._num_blocks or 0,
+                                 int(RequestState.PREEMPTED))
+        if err is not None:
+            cls = TrackerStateError if "PREEMPTED" in err else BlockTableError
+            raise cls(f"apply_step_flat: {err}")
+        _k.apply_flat_step(rts, new_ids, offsets, int(RequestState.NEW),
+                           int(RequestState.RUNNING))
+
+    def apply_step_lists(self, req_ids: Sequence[Hashable], new_block_ids: Sequence[Any]) -> None:
+        """:meth:`apply_step_flat` straight from vLLM's ``CachedRequestData``: ``req_ids``
+        and ``new_block_ids`` (per request None or one list of ids per group, blocks of each
+        group) as the scheduler output carries them; flattened in one C pass. Same checks and
+        all-or-nothing behaviour (errors name the entry, e.g. ``new_block_ids[3][1][0]``)."""
+        ids, offsets, err = _k.flatten_step(new_block_ids, self.num_groups)
+        if err is not None:
+            raise BlockTableError(f"apply_step_lists: {err}")
+        if len(req_ids) != len(new_block_ids):
+            raise BlockTableError(f"apply_step_lists: {len(req_ids)} req_ids but "
+                                  f"{len(new_block_ids)} new_block_ids entries")
+        self.apply_step_flat(req_ids, ids, offsets)
+
+    def _tables_of(self, req_ids: Sequence[Hashable]) -> list:
+        reqs = self._reqs
+        try:
+            return [reqs[r] for r in req_ids]
+        except (KeyError, TypeError):
+            for r in req_ids:
+                self._get(r)
+            raise
+

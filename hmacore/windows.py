@@ -11,13 +11,14 @@ from typing import Any
 
 import numpy as np
 
+from ._fast import _tables as _tk
 from ._fast import _windows as _k
 from .errors import BlockTableError
 from .spec import GroupKind, KVLayout
 from .tables import TrackerSet, _as_group, _split_groups, as_block_table
 
 __all__ = [
-    "clip_to_window", "clip_state_blocks", "window_plan", "clip_tracked", "trim_remote_to_local", "expand_to_kernel",
+    "clip_to_window", "clip_windows", "clip_tracked_spans", "clip_state_blocks", "window_plan", "clip_tracked", "trim_remote_to_local", "expand_to_kernel",
     "expand_layout_to_kernel", "expand_group", "map_block_size",
 ]
 
@@ -143,6 +144,32 @@ def clip_to_window(block_ids: Any, layout: KVLayout, *, exact: bool = False,
     return tuple(out)
 
 
+def clip_windows(block_ids: Any, layout: KVLayout, *, exact: bool = False,
+                 clip_state: bool = True) -> tuple[Any, ...]:
+    """:func:`clip_to_window` with vLLM's clipper contract: only what is cut is touched.
+
+    Groups the clip leaves whole (FULL, CHUNKED_LOCAL, and MAMBA without ``clip_state``) are
+    returned as the very objects passed in, not copied and not inspected (O(1) per group;
+    their ids are validated where they are consumed: ``TrackerSet``, ``plan.desc_ids``,
+    ``from_wire``). Clipped groups keep their form: a list/tuple gives a list slice, a
+    contiguous int32 array a view; every kept id is validated (BlockTableError naming the
+    group and index). Cost: O(kept blocks of the clipped groups). Other input forms (NumPy
+    arrays of other dtypes, generators, ...) are converted like :func:`clip_to_window`.
+    ``()`` (full prefix hit) is returned unchanged.
+    """
+    return _k.clip_windows(block_ids, layout, exact, clip_state)
+
+
+def _clip_plan_and_pool(layout: Any, exact: bool, clip_state: bool) -> tuple[np.ndarray, int]:
+    layout = _check_layout(layout)
+    return _plan(layout, exact, clip_state), layout.num_blocks or 0
+
+
+def _clip_general(block_ids: Any, layout: KVLayout, exact: bool, clip_state: bool) -> tuple:
+    # Off the fast path: clip_to_window converts the form or raises the precise error.
+    return clip_to_window(block_ids, layout, exact=exact, clip_state=clip_state)
+
+
 def window_plan(layout: KVLayout, *, exact: bool = False, clip_state: bool = True) -> np.ndarray:
     """The per-group clip of :func:`clip_to_window` as an int64 array (one entry per group):
     ``k > 0`` keep the last k blocks (SLIDING_WINDOW), ``0`` keep all, ``-1 - s`` keep the
@@ -204,6 +231,24 @@ def clip_tracked(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: bool = 
     plan = _plan(trackers.layout, exact, clip_state)
     rts = [trackers._get(r) for r in req_ids]  # all lookups first: unknown id -> no output
     return [rt.clip_views(plan) for rt in rts]
+
+
+def clip_tracked_spans(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: bool = False,
+                       clip_state: bool = True) -> np.ndarray:
+    """:func:`clip_tracked` as positions: an int64 array ``(len(req_ids), num_groups, 2)``
+    whose ``[r, g]`` row is the ``[start, end)`` range (blocks of group g) of request
+    ``req_ids[r]``'s clipped table inside ``trackers.block_ids(req_ids[r], copy=False)[g]``.
+
+    One call for a whole step, no Python object per request. Raises TrackerStateError for an
+    unknown request. Positions are valid until the next update of that request.
+    """
+    if not isinstance(trackers, TrackerSet):
+        raise TypeError(f"trackers must be a TrackerSet, got {type(trackers).__name__}")
+    plan = _plan(trackers.layout, exact, clip_state)
+    rts = trackers._tables_of(req_ids if isinstance(req_ids, (list, tuple)) else list(req_ids))
+    out = np.empty((len(rts), trackers.num_groups, 2), dtype=np.int64)
+    _tk.clip_spans(rts, plan, out)
+    return out
 
 
 def trim_remote_to_local(local: Any, remote: Any, layout: KVLayout, *,
@@ -378,3 +423,6 @@ def map_block_size(block_ids: Any, ratio: int, remote_lengths: Sequence[int],
     if all(x.shape[0] == 0 for x in out):
         return ()
     return out
+
+
+_k.register_clip_helpers(_clip_plan_and_pool, _clip_general)

@@ -28,3 +28,10 @@ def longest_hit(es: ExistenceSet | None, hashes: npt.NDArray[np.uint8], max_leng
                 specs: npt.NDArray[np.int64], members: npt.NDArray[np.int32],
                 hash_block: int, align: int, partial: bool, unitary: bool,
                 out: npt.NDArray[np.int64]) -> int: ...
+
+class HitKernel:
+    num_spec_groups: int
+    def __init__(self, specs: npt.NDArray[np.int64], members: npt.NDArray[np.int32],
+                 hash_block: int, align: int, partial: bool, unitary: bool) -> None: ...
+    def run(self, exists: ExistenceSet | None, hashes: npt.NDArray[np.uint8], max_length: int,
+            apply_eagle: bool = True) -> tuple[int, npt.NDArray[np.int64]]: ...

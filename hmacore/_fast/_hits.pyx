@@ -18,6 +18,9 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
+cimport numpy as cnp
+
+cnp.import_array()
 
 from hmacore.errors import HashInputError
 
@@ -57,15 +60,23 @@ cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
     return x
 
 
+cdef inline uint64_t _rotl(uint64_t x, int r) noexcept nogil:
+    return (x << r) | (x >> (64 - r))
+
+
 cdef inline uint64_t _key_hash(int32_t group, const uint8_t* d, int ds) noexcept nogil:
-    cdef uint64_t h = _mix(<uint64_t>(<uint32_t>group) + <uint64_t>0x9e3779b97f4a7c15)
-    cdef uint64_t w
-    cdef int off = 0
-    while off < ds:
-        memcpy(&w, d + off, 8)
-        h = _mix(h ^ w)
-        off += 8
-    return h
+    # Digests are already uniform (sha256 / xxh3): fold the words with distinct rotations
+    # and odd multipliers, then one full mix (two mixes for 32-byte digests instead of five).
+    cdef uint64_t w0, w1, h
+    memcpy(&w0, d, 8)
+    memcpy(&w1, d + 8, 8)
+    h = (<uint64_t>(<uint32_t>group) * <uint64_t>0x9e3779b97f4a7c15) ^ w0 \
+        ^ (_rotl(w1, 29) * <uint64_t>0xc2b2ae3d27d4eb4f)
+    if ds == 32:
+        memcpy(&w0, d + 16, 8)
+        memcpy(&w1, d + 24, 8)
+        h = _mix(h) ^ _rotl(w0, 17) ^ (_rotl(w1, 43) * <uint64_t>0x165667b19e3779f9)
+    return _mix(h)
 
 
 def _check_group(object group, str name="group"):
@@ -688,3 +699,121 @@ cdef long long _fixed_point(ExistenceSet es, Ctx* c, const int64_t* sp, Py_ssize
             if out[2 * s] > L:
                 out[2 * s] = L
     return hit
+
+
+# ---------------------------------------------------------------------------------------
+# Compiled lookup: the per-layout constants validated once, one call per lookup
+# ---------------------------------------------------------------------------------------
+cdef inline bint _is_hash_array(object x, int ds):
+    """O(1) form check of an (N, ds) C-contiguous uint8 array (ds 0: 16 or 32)."""
+    if not cnp.PyArray_Check(x):
+        return False
+    cdef cnp.ndarray a = <cnp.ndarray>x
+    if cnp.PyArray_TYPE(a) != cnp.NPY_UINT8 or cnp.PyArray_NDIM(a) != 2 \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(a):
+        return False
+    if ds == 0:
+        return a.shape[1] == 16 or a.shape[1] == 32
+    return a.shape[1] == ds
+
+
+cdef class HitKernel:
+    """``longest_hit`` with the layout's spec table checked and copied once.
+
+    Built by :class:`hmacore.hits.HitFinder` from the same ``specs`` / ``members`` /
+    ``hash_block`` / ``align`` / ``partial`` / ``unitary`` arguments ``longest_hit`` takes
+    (validated here with the same rules, once). :meth:`run` validates only the per-call
+    arguments (O(1) form checks), runs the kernel and returns ``(tokens, spans)``: the hit in
+    tokens and a fresh (S, 2) int64 array, per spec group (hit list length in blocks, first
+    loaded index).
+    """
+    cdef object _specs, _specs_no_eagle, _members
+    cdef const int64_t* _sp
+    cdef const int64_t* _sp_ne
+    cdef const int32_t* _mem
+    cdef Py_ssize_t S
+    cdef long long nm, hash_block, align
+    cdef bint partial, unitary
+
+    def __init__(self, specs, members, long long hash_block, long long align, bint partial,
+                 bint unitary):
+        probe = np.zeros((specs.shape[0] if isinstance(specs, np.ndarray) and specs.ndim == 2
+                          else 0, 2), dtype=np.int64)
+        # reuse longest_hit's validation of the layout constants (mask mode, no rows)
+        longest_hit(None, np.zeros((0, 32), dtype=np.uint8), 0, specs, members, hash_block,
+                    align, partial, unitary, probe)
+        self._specs = np.array(specs, dtype=np.int64, order="C", copy=True)
+        self._specs_no_eagle = self._specs.copy()
+        self._specs_no_eagle[:, C_EAGLE] = 0
+        self._members = np.array(members, dtype=np.int32, order="C", copy=True)
+        self._specs.flags.writeable = False
+        self._specs_no_eagle.flags.writeable = False
+        self._members.flags.writeable = False
+        self.S = self._specs.shape[0]
+        self.nm = self._members.shape[0]
+        self._sp = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>self._specs)
+        self._sp_ne = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>self._specs_no_eagle)
+        self._mem = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>self._members)
+        self.hash_block = hash_block
+        self.align = align
+        self.partial = partial
+        self.unitary = unitary
+
+    @property
+    def num_spec_groups(self):
+        return self.S
+
+    def run(self, exists, hashes, max_length, bint apply_eagle=True):
+        """(tokens, spans) of the longest hit; see :meth:`hmacore.hits.HitFinder.longest_hit`
+        for the arguments (``exists`` None = mask mode). Raises HashInputError naming the
+        argument on bad input, before any work."""
+        cdef ExistenceSet es
+        cdef long long ml
+        if exists is None:
+            es = None
+            if not _is_hash_array(hashes, 0):
+                if isinstance(hashes, np.ndarray) and hashes.ndim == 2 \
+                        and hashes.shape[1] in (16, 32):
+                    _check_digests(hashes, hashes.shape[1], "hashes")
+                raise HashInputError("hashes must be a uint8 array of shape (N, 16) or (N, 32)")
+        elif type(exists) is ExistenceSet:
+            es = <ExistenceSet>exists
+            if not _is_hash_array(hashes, es.digest_size):
+                _check_digests(hashes, es.digest_size, "hashes")
+        else:
+            raise HashInputError(f"exists must be an ExistenceSet or None, got "
+                                 f"{type(exists).__name__}")
+        if type(max_length) is not int:
+            if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)):
+                raise HashInputError(f"max_length must be an int (tokens), got "
+                                     f"{type(max_length).__name__}")
+        if max_length < 0:
+            raise HashInputError(f"max_length must be >= 0 tokens, got {max_length}")
+        if max_length > 9223372036854775807:
+            raise HashInputError(f"max_length must be < 2**63 tokens, got {max_length}")
+        ml = max_length
+        cdef cnp.npy_intp dims[2]
+        dims[0] = self.S
+        dims[1] = 2
+        out = cnp.PyArray_ZEROS(2, dims, cnp.NPY_INT64, 0)
+        cdef int64_t* o = <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>out)
+        if self.S == 0:
+            return 0, out
+        cdef cnp.ndarray hv = <cnp.ndarray>hashes
+        cdef Ctx c
+        c.n_rows = hv.shape[0]
+        c.ds = hv.shape[1]
+        c.all_present = es is None
+        c.hashes = <const uint8_t*>cnp.PyArray_DATA(hv) if c.n_rows > 0 else NULL
+        c.members = self._mem
+        c.hash_block = self.hash_block
+        cdef const int64_t* sp = self._sp if apply_eagle else self._sp_ne
+        cdef long long hit
+        with nogil:
+            if es is not None:
+                es.lock()
+            hit = _fixed_point(es, &c, sp, self.S, ml, self.align, self.partial,
+                               self.unitary, o)
+            if es is not None:
+                es.unlock()
+        return hit, out

@@ -13,3 +13,11 @@ def flatten_desc_ids(block_ids: tuple[npt.NDArray[np.int32], ...],
                      region_state: npt.NDArray[np.uint8], group_state: npt.NDArray[np.uint8], *,
                      group_major: bool, kernel_ids: bool = ..., allow_null: bool = ...,
                      out: npt.NDArray[np.int64] | None = ...) -> npt.NDArray[np.int64]: ...
+
+class DescPlan:
+    def __init__(self, region_offset: npt.NDArray[np.int64], region_logical: npt.NDArray[np.int64],
+                 region_ratio: npt.NDArray[np.int32], region_group: npt.NDArray[np.int32],
+                 region_state: npt.NDArray[np.uint8], group_state: npt.NDArray[np.uint8],
+                 group_major: bool, convert: object = ...) -> None: ...
+    def run(self, block_ids: object, *, kernel_ids: bool = ..., allow_null: bool = ...,
+            out: npt.NDArray[np.int64] | None = ...) -> npt.NDArray[np.int64]: ...

@@ -212,3 +212,163 @@ cdef void _emit(const block_id_t** ptrs, const Py_ssize_t* lens, Py_ssize_t G, P
                 if lens[g] != 0 and _serves(r, g, rgroup, rstate, gstate):
                     rr = 1 if (rstate[r] or kernel_ids) else ratio[r]
                     pos += _emit_run(ptrs[g], lens[g], off[r], rr, dst + pos)
+
+
+# ---------------------------------------------------------------------------------------
+# Compiled plan: region arrays validated once, one call per request
+# ---------------------------------------------------------------------------------------
+cdef class DescPlan:
+    """``flatten_desc_ids`` with the plan's region arrays validated and copied once.
+
+    Per group g it precomputes whether any region serves g, the descriptors emitted per id
+    (logical and kernel ids) and the id bounds valid in *every* serving region, so
+    :meth:`run` checks a group with one min/max pass. Any id outside those bounds is
+    re-checked by ``flatten_desc_ids``, which raises the precise BlockTableError.
+    """
+    cdef object _arrays
+    cdef const int64_t* off
+    cdef const int64_t* logical
+    cdef const int32_t* ratio
+    cdef const int32_t* rgroup
+    cdef const uint8_t* rstate
+    cdef const uint8_t* gstate
+    cdef Py_ssize_t R, G
+    cdef bint group_major
+    cdef object _per_group            # int64 (G, 6): served, per_logical, per_kernel, hi_l, hi_k, lo_k
+    cdef object _convert
+
+    def __init__(self, region_offset, region_logical, region_ratio, region_group,
+                 region_state, group_state, bint group_major, convert=None):
+        """``convert``: called on any ``block_ids`` off the fast path (not a tuple/list of
+        int32 arrays); must return a tuple of C-contiguous int32 arrays or raise."""
+        self._convert = convert
+        R = len(region_offset)
+        G = len(group_state)
+        arrays = [np.array(region_offset, dtype=np.int64, copy=True),
+                  np.array(region_logical, dtype=np.int64, copy=True),
+                  np.array(region_ratio, dtype=np.int32, copy=True),
+                  np.array(region_group, dtype=np.int32, copy=True),
+                  np.array(region_state, dtype=np.uint8, copy=True),
+                  np.array(group_state, dtype=np.uint8, copy=True)]
+        for name, a, n in zip(("region_offset", "region_logical", "region_ratio",
+                               "region_group", "region_state", "group_state"), arrays,
+                              (R, R, R, R, R, G)):
+            _region_array(name, a, a.dtype, n)
+            a.flags.writeable = False
+        self._arrays = arrays
+        self.R = R
+        self.G = G
+        self.group_major = group_major
+        self.off = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[0])
+        self.logical = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[1])
+        self.ratio = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[2])
+        self.rgroup = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[3])
+        self.rstate = <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[4])
+        self.gstate = <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[5])
+        cdef Py_ssize_t r, g
+        for r in range(R):
+            if self.ratio[r] < 1 or self.logical[r] < 1 or self.off[r] < 0:
+                raise BlockTableError(f"region {r}: ratio, logical block count must be >= 1 "
+                                      "and offset >= 0")
+        pg = np.zeros((G, 6), dtype=np.int64)
+        cdef int64_t[:, ::1] p = pg
+        cdef int64_t rk, hi_l, hi_k, lo_k
+        for g in range(G):
+            hi_l = hi_k = 2147483648
+            lo_k = 1
+            for r in range(R):
+                if not _serves(r, g, self.rgroup, self.rstate, self.gstate):
+                    continue
+                p[g, 0] = 1
+                p[g, 1] += 1 if self.rstate[r] else self.ratio[r]
+                p[g, 2] += 1
+                rk = 1 if self.rstate[r] else self.ratio[r]
+                hi_l = min(hi_l, self.logical[r])
+                hi_k = min(hi_k, self.logical[r] * rk)
+                lo_k = max(lo_k, rk)
+            p[g, 3] = hi_l
+            p[g, 4] = hi_k
+            p[g, 5] = lo_k
+        pg.flags.writeable = False
+        self._per_group = pg
+
+    def __reduce__(self):
+        a = self._arrays
+        return (DescPlan, (a[0], a[1], a[2], a[3], a[4], a[5], self.group_major, self._convert))
+
+    def run(self, block_ids, *, bint kernel_ids=False, bint allow_null=False, out=None):
+        """Descriptor ids (int64) of one request; same contract as ``flatten_desc_ids``.
+        ``block_ids``: a tuple/list of G C-contiguous 1-D int32 arrays."""
+        cdef Py_ssize_t G = self.G, g, i, m, n = 0
+        cdef int32_t mn, mx
+        cdef int64_t lo, hi
+        cdef const int32_t* src
+        cdef const int64_t[:, ::1] p = self._per_group
+        cdef const block_id_t* ptrs[64]
+        cdef Py_ssize_t lens[64]
+        cdef bint ok = True
+        if not (type(block_ids) is tuple or type(block_ids) is list) or len(block_ids) != G \
+                or G > 64:
+            return self._slow(block_ids, kernel_ids, allow_null, out)
+        for g in range(G):
+            a = block_ids[g]
+            if not (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == cnp.NPY_INT32
+                    and cnp.PyArray_NDIM(<cnp.ndarray>a) == 1
+                    and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a)):
+                return self._slow(block_ids, kernel_ids, allow_null, out)
+            m = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
+            src = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>a)
+            ptrs[g] = src
+            lens[g] = m
+            if m == 0:
+                continue
+            if not p[g, 0]:
+                ok = False
+                break
+            mn = src[0]
+            mx = src[0]
+            with nogil:
+                for i in range(1, m):
+                    mn = src[i] if src[i] < mn else mn
+                    mx = src[i] if src[i] > mx else mx
+            if kernel_ids:
+                hi = p[g, 4]
+                lo = 0 if allow_null else p[g, 5]
+                n += m * p[g, 2]
+            else:
+                hi = p[g, 3]
+                lo = 0 if allow_null else 1
+                n += m * p[g, 1]
+            if mn < lo or mx >= hi:
+                ok = False
+                break
+        if not ok:
+            return self._slow(block_ids, kernel_ids, allow_null, out)
+        cdef cnp.npy_intp dim = n
+        if out is None:
+            result = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
+        else:
+            if not (cnp.PyArray_Check(out) and cnp.PyArray_TYPE(<cnp.ndarray>out) == cnp.NPY_INT64
+                    and cnp.PyArray_NDIM(<cnp.ndarray>out) == 1
+                    and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>out)
+                    and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out)
+                    and cnp.PyArray_DIM(<cnp.ndarray>out, 0) >= n):
+                return self._slow(block_ids, kernel_ids, allow_null, out)
+            result = out[:n] if cnp.PyArray_DIM(<cnp.ndarray>out, 0) != n else out
+        if n == 0:
+            return result
+        cdef desc_id_t* dst = <desc_id_t*>cnp.PyArray_DATA(<cnp.ndarray>result)
+        with nogil:
+            _emit(ptrs, lens, G, self.R, self.off, self.ratio, self.rgroup, self.rstate,
+                  self.gstate, self.group_major, kernel_ids, dst)
+        return result
+
+    cdef object _slow(self, block_ids, bint kernel_ids, bint allow_null, out):
+        a = self._arrays
+        if self._convert is not None:
+            block_ids = self._convert(block_ids)
+        elif not isinstance(block_ids, tuple):
+            block_ids = tuple(block_ids)
+        return flatten_desc_ids(block_ids, a[0], a[1], a[2], a[3], a[4], a[5],
+                                group_major=self.group_major, kernel_ids=kernel_ids,
+                                allow_null=allow_null, out=out)

@@ -19,6 +19,7 @@ cdef class RequestTables:
                                     # flagged read-only for NumPy, written via _data)
     cdef block_id_t** _data         # per group: data pointer of _bufs[g]
     cdef Py_ssize_t* _lens          # per group: live length (malloc'd, num_groups entries)
+    cdef Py_ssize_t* _caps          # per group: capacity of _bufs[g] (no object touched to grow)
     cdef public token_t scheduled_tokens
     cdef public token_t saved_tokens
     cdef public token_t loaded_tokens

@@ -176,7 +176,8 @@ cdef class RequestTables:
         self.num_groups = num_groups
         self._lens = <Py_ssize_t*>PyMem_Malloc(num_groups * sizeof(Py_ssize_t))
         self._data = <block_id_t**>PyMem_Malloc(num_groups * sizeof(block_id_t*))
-        if self._lens == NULL or self._data == NULL:
+        self._caps = <Py_ssize_t*>PyMem_Malloc(num_groups * sizeof(Py_ssize_t))
+        if self._lens == NULL or self._data == NULL or self._caps == NULL:
             raise MemoryError()
         self._bufs = []
         for g in range(num_groups):
@@ -192,6 +193,7 @@ cdef class RequestTables:
     def __dealloc__(self):
         PyMem_Free(self._lens)
         PyMem_Free(self._data)
+        PyMem_Free(self._caps)
 
     cdef inline int _check_group(self, int g) except -1:
         if g < 0 or g >= self.num_groups:
@@ -204,11 +206,12 @@ cdef class RequestTables:
         arr.flags.writeable = False
         self._bufs[g] = arr
         self._data[g] = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
+        self._caps[g] = cnp.PyArray_DIM(<cnp.ndarray>arr, 0)
 
     cdef void _reserve(self, int g, Py_ssize_t need) except *:
         # Growth with headroom (the first appends after a full table are free), then
         # doubling; the live prefix is copied once per growth.
-        cdef Py_ssize_t cap = (<cnp.ndarray>self._bufs[g]).shape[0]
+        cdef Py_ssize_t cap = self._caps[g]
         if need <= cap:
             return
         cdef Py_ssize_t new_cap = need + (need >> 3) + 16
@@ -364,3 +367,149 @@ STATUS_NOT_INT = ID_NOT_INT
 STATUS_NEGATIVE = ID_NEGATIVE
 STATUS_PAST_INT32 = ID_PAST_INT32
 STATUS_PAST_POOL = ID_PAST_POOL
+
+
+# ---------------------------------------------------------------------------------------
+# Batched step: every request's appended ids in one flat int32 array
+# ---------------------------------------------------------------------------------------
+def check_flat_step(list rts, const block_id_t[::1] ids, const long long[::1] offsets,
+                    int num_groups, long long num_blocks, int preempted_state):
+    """Validate a flat step without changing anything; return None when it is valid, else an
+    error message naming the argument and the rule.
+
+    ``rts``: list of R RequestTables (the requests in ``offsets`` order). ``offsets``: int64,
+    R*num_groups + 1 entries, ``offsets[0] == 0``, non-decreasing, ``offsets[-1] ==
+    len(ids)``; request r's new ids of group g are ``ids[offsets[r*G+g]:offsets[r*G+g+1]]``.
+    """
+    cdef Py_ssize_t R = len(rts), k, n = ids.shape[0]
+    cdef Py_ssize_t i
+    cdef RequestTables rt
+    if offsets.shape[0] != R * num_groups + 1:
+        return (f"offsets must have len(req_ids) * num_groups + 1 = {R * num_groups + 1} "
+                f"entries, got {offsets.shape[0]}")
+    if offsets[0] != 0 or offsets[offsets.shape[0] - 1] != n:
+        return f"offsets must start at 0 and end at len(new_ids) = {n}"
+    for k in range(R * num_groups):
+        if offsets[k + 1] < offsets[k]:
+            return f"offsets must be non-decreasing (offsets[{k + 1}] < offsets[{k}])"
+    with nogil:
+        i = first_bad_id(ids, num_blocks)
+    if i >= 0:
+        if ids[i] < 0:
+            return f"new_ids[{i}]: block id {ids[i]} is negative"
+        return f"new_ids[{i}]: block id {ids[i]} is >= num_blocks ({num_blocks})"
+    for k in range(R):
+        rt = <RequestTables?>rts[k]
+        if rt.num_groups != num_groups:
+            return f"request {k} has {rt.num_groups} groups, expected {num_groups}"
+        if rt.state == preempted_state:
+            return (f"req_ids[{k}] is PREEMPTED: a resumed request brings its full table "
+                    "(replace), not appended ids")
+    return None
+
+
+def apply_flat_step(list rts, const block_id_t[::1] ids, const long long[::1] offsets,
+                    int new_state, int running_state):
+    """Append a flat step that :func:`check_flat_step` accepted (no checks here); requests in
+    state ``new_state`` become ``running_state``."""
+    cdef Py_ssize_t R = len(rts), r, base, m, lo
+    cdef int g, G
+    cdef RequestTables rt
+    for r in range(R):
+        rt = <RequestTables>rts[r]
+        G = rt.num_groups
+        for g in range(G):
+            lo = offsets[r * G + g]
+            m = offsets[r * G + g + 1] - lo
+            if m == 0:
+                continue
+            base = rt._lens[g]
+            rt._reserve(g, base + m)
+            memcpy(rt._data[g] + base, &ids[lo], m * sizeof(block_id_t))
+            rt._lens[g] = base + m
+        if rt.state == new_state:
+            rt.state = running_state
+
+
+def clip_spans(list rts, const long long[::1] keep, long long[:, :, ::1] out):
+    """Write, per request r and group g, the ``[start, end)`` positions (blocks of group g)
+    that ``clip_views`` would return, into ``out[r, g, :]``; nothing is copied."""
+    cdef Py_ssize_t R = len(rts), r, n, k, end
+    cdef int g, G = keep.shape[0]
+    cdef RequestTables rt
+    if out.shape[0] != R or out.shape[1] != G or out.shape[2] != 2:
+        raise ValueError(f"out must have shape ({R}, {G}, 2)")
+    for r in range(R):
+        rt = <RequestTables?>rts[r]
+        if rt.num_groups != G:
+            raise ValueError(f"request {r} has {rt.num_groups} groups, the plan {G}")
+    for r in range(R):
+        rt = <RequestTables>rts[r]
+        for g in range(G):
+            n = rt._lens[g]
+            k = keep[g]
+            if k > 0:
+                out[r, g, 0] = n - k if n > k else 0
+                out[r, g, 1] = n
+            elif k == 0 or n == 0:
+                out[r, g, 0] = 0
+                out[r, g, 1] = n
+            else:
+                k = -1 - k
+                end = n - (k if k < n - 1 else n - 1)
+                out[r, g, 0] = end - 1
+                out[r, g, 1] = end
+
+
+def flatten_step(object new_block_ids, int num_groups):
+    """vLLM's ``CachedRequestData.new_block_ids`` (a list, per request None or G lists of
+    ints) -> ``(ids int32, offsets int64, None)`` for ``apply_step_flat``, or ``(None, None,
+    message)`` naming the first bad entry. Two C passes (count, copy), no object per id."""
+    cdef Py_ssize_t R, r, g, i, m, total = 0, k = 0
+    cdef long long v
+    cdef int overflow
+    if not (type(new_block_ids) is list or type(new_block_ids) is tuple):
+        return None, None, f"new_block_ids must be a list, got {type(new_block_ids).__name__}"
+    R = len(new_block_ids)
+    for r in range(R):
+        per = new_block_ids[r]
+        if per is None:
+            continue
+        if not (type(per) is list or type(per) is tuple) or len(per) != num_groups:
+            return None, None, (f"new_block_ids[{r}] must be None or {num_groups} per-group "
+                                "lists of ints")
+        for g in range(num_groups):
+            seq = per[g]
+            if not (type(seq) is list or type(seq) is tuple):
+                return None, None, f"new_block_ids[{r}][{g}] must be a list of ints"
+            total += len(seq)
+    cdef cnp.npy_intp dim = total
+    ids = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+    dim = R * num_groups + 1
+    offsets = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
+    cdef block_id_t* dst = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
+    cdef long long* off = <long long*>cnp.PyArray_DATA(<cnp.ndarray>offsets)
+    off[0] = 0
+    for r in range(R):
+        per = new_block_ids[r]
+        for g in range(num_groups):
+            if per is not None:
+                seq = per[g]
+                m = len(seq)
+                if k + m > total:       # a list grew between the passes
+                    return None, None, "new_block_ids changed while being read"
+                for i in range(m):
+                    x = seq[i]
+                    if type(x) is not int:
+                        return None, None, (f"new_block_ids[{r}][{g}][{i}] must be an int, "
+                                            f"got {type(x).__name__}")
+                    v = PyLong_AsLongLongAndOverflow(x, &overflow)
+                    if overflow or v < 0 or v > INT32_MAX:
+                        return None, None, (f"new_block_ids[{r}][{g}][{i}]: block id {x} is "
+                                            "outside [0, 2**31)")
+                    dst[k] = <block_id_t>v
+                    k += 1
+            off[r * num_groups + g + 1] = k
+    if k != total:
+        return None, None, "new_block_ids changed while being read"
+    return ids, offsets, None

@@ -2,6 +2,9 @@
 
 Callers (hmacore/windows.py) validate dtypes, shapes and the int32 overflow bound first.
 """
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+
 import numpy as np
 cimport numpy as cnp
 
@@ -102,6 +105,7 @@ def clip_groups(object groups, const long long[::1] plan, long long num_blocks):
     cdef const block_id_t* src
     cdef block_id_t* dst
     cdef bint is_arr
+    cdef cnp.npy_intp dim
     if not (type(groups) is tuple or type(groups) is list) or len(groups) != G:
         return None
     out = [None] * G
@@ -128,7 +132,8 @@ def clip_groups(object groups, const long long[::1] plan, long long num_blocks):
                 return None
             out[g] = x[start:end]
         else:
-            arr = np.empty(end - start, dtype=np.int32)
+            dim = end - start
+            arr = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
             dst = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
             for i in range(start, end):
                 item = x[i]
@@ -158,7 +163,8 @@ cdef object _take_ids(object x, Py_ssize_t start, Py_ssize_t end, long long hi, 
         return x[start:end]
     if not (type(x) is list or type(x) is tuple):
         return None
-    arr = np.empty(end - start, dtype=np.int32)
+    cdef cnp.npy_intp dim = end - start
+    arr = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)   # C-level: no np.empty call
     dst = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
     for i in range(start, end):
         item = x[i]
@@ -218,3 +224,93 @@ def trim_groups(object local, object remote, const signed char[::1] is_state,
             out_l[g] = a
             out_r[g] = b
     return tuple(out_l), tuple(out_r)
+
+
+def clip_keep_form(object groups, const long long[::1] plan, long long num_blocks):
+    """Fast path of ``hmacore.windows.clip_windows``: groups with ``plan[g] == 0`` are returned
+    as the very objects given (not inspected); clipped groups keep their form (list/tuple ->
+    a list slice, int32 array -> a view) and every kept id is checked (an int, ``0 <= id <
+    num_blocks``, or < 2**31 when num_blocks is 0). Returns None when the input is off this
+    path or a kept id is invalid (the caller then names the error)."""
+    cdef Py_ssize_t G = plan.shape[0], g, n, start, end, i
+    cdef long long keep, spec, v
+    cdef long long hi = num_blocks if num_blocks > 0 else INT32_MAX + 1
+    cdef int overflow
+    cdef bint is_arr
+    if not (type(groups) is tuple or type(groups) is list) or len(groups) != G:
+        return None
+    out = PyTuple_New(G)
+    for g in range(G):
+        x = groups[g]
+        keep = plan[g]
+        if keep == 0:
+            if not (type(x) is list or type(x) is tuple or _is_id_array(x)):
+                return None
+            Py_INCREF(x)
+            PyTuple_SET_ITEM(out, g, x)
+            continue
+        is_arr = _is_id_array(x)
+        if not is_arr and not (type(x) is list or type(x) is tuple):
+            return None
+        n = len(x)
+        if keep > 0:
+            start = n - keep if n > keep else 0
+            end = n
+        elif n == 0:
+            start = 0
+            end = 0
+        else:
+            spec = -1 - keep
+            end = n - (spec if spec < n - 1 else n - 1)
+            start = end - 1
+        if is_arr:
+            if not _all_in_range(<const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>x),
+                                 start, end, 0, hi):
+                return None
+            y = x[start:end]
+        else:
+            for i in range(start, end):
+                item = x[i]
+                if type(item) is not int:
+                    return None
+                v = PyLong_AsLongLongAndOverflow(item, &overflow)
+                if overflow or v < 0 or v >= hi:
+                    return None
+            y = x[start:end] if (start != 0 or end != n) else x
+        Py_INCREF(y)
+        PyTuple_SET_ITEM(out, g, y)
+    return out
+
+
+# Per-layout clip plans for clip_windows (key: id(layout), exact, clip_state; the layout is
+# kept in the entry and identity-checked, ids can be reused), and the Python helpers the
+# slow path needs (registered by hmacore.windows at import).
+cdef dict _CLIP_CACHE = {}
+cdef object _plan_fn = None
+cdef object _fallback_fn = None
+
+
+def register_clip_helpers(plan_fn, fallback_fn):
+    """``plan_fn(layout, exact, clip_state)`` -> (int64 plan, num_blocks or 0), raising for a
+    bad layout; ``fallback_fn(block_ids, layout, exact, clip_state)`` -> the general path."""
+    global _plan_fn, _fallback_fn
+    _plan_fn = plan_fn
+    _fallback_fn = fallback_fn
+
+
+def clip_windows(block_ids, layout, bint exact=False, bint clip_state=True):
+    """One C call of ``hmacore.windows.clip_windows`` (see there for the contract)."""
+    key = (<long long><Py_ssize_t><void*>layout) * 4 + exact * 2 + clip_state
+    entry = _CLIP_CACHE.get(key)
+    if entry is None or (<tuple>entry)[0] is not layout:
+        plan, nb = _plan_fn(layout, exact, clip_state)
+        if len(_CLIP_CACHE) > 256:
+            _CLIP_CACHE.clear()
+        entry = (layout, plan, nb)
+        _CLIP_CACHE[key] = entry
+    if (type(block_ids) is tuple or type(block_ids) is list) and len(block_ids) == 0:
+        return ()
+    fast = clip_keep_form(block_ids, (<tuple>entry)[1], (<tuple>entry)[2])
+    if fast is not None:
+        return fast
+    return _fallback_fn(block_ids, layout, exact, clip_state)
