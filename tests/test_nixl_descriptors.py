@@ -28,7 +28,10 @@ def test_dram_registration_merges_aliased_regions_once():
 
 
 def test_ids_int32_when_they_fit():
-    assert _nixl_ids(np.array([1, 2**31 - 1], np.int64)).dtype == np.int32
+    small = np.array([1, 2**31 - 1], np.int64)
+    assert _nixl_ids(small, 2**31).dtype == np.int32            # bound by the dlist: no scan
+    assert (_nixl_ids(small, 2**31) == small).all()
+    assert _nixl_ids(small, 2**40).dtype == np.int32            # huge dlist: scanned, fits
     big = np.array([1, 2**31], np.int64)
-    assert _nixl_ids(big).dtype == np.int64
-    assert _nixl_ids(np.empty(0, np.int64)).dtype == np.int32
+    assert _nixl_ids(big, 2**40).dtype == np.int64
+    assert _nixl_ids(np.empty(0, np.int64), 2**40).dtype == np.int32

@@ -33,9 +33,10 @@ def registration_args(plan: TransferPlan) -> tuple[list[tuple[int, int, int, str
     return [(a, n, dev, "") for a, n, dev in plan.registration_ranges()], plan.mem_type
 
 
-def _nixl_ids(ids: np.ndarray) -> np.ndarray:
-    """int32 when every id fits (NIXL's fast path), else int64."""
-    if ids.size == 0 or int(ids.max()) <= _INT32_MAX:
+def _nixl_ids(ids: np.ndarray, num_descs: int) -> np.ndarray:
+    """int32 when every id fits (NIXL's fast path), else int64. ``num_descs`` bounds the ids
+    (they index a dlist of that length), so the common case needs no scan of the ids."""
+    if num_descs <= _INT32_MAX + 1 or ids.size == 0 or int(ids.max()) <= _INT32_MAX:
         return ids.astype(np.int32)
     return ids
 
@@ -201,8 +202,10 @@ class NixlAgent:
             return t
         msg = b"" if notif is None else request_id.encode() + b":" + bytes(notif)
         try:
-            t.handle = self._agent.make_prepped_xfer(op, self._local, _nixl_ids(lids), p.dlist,
-                                                     _nixl_ids(rids), notif_msg=msg)
+            t.handle = self._agent.make_prepped_xfer(op, self._local,
+                                                     _nixl_ids(lids, self.plan.num_descs), p.dlist,
+                                                     _nixl_ids(rids, p.plan.num_descs),
+                                                     notif_msg=msg)
             state = self._agent.transfer(t.handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
             raise self._fail(request_id, f"{op} to {peer!r} could not be posted: {e}",
