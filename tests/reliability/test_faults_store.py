@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,11 +121,24 @@ def test_mooncake_master_killed_and_restarted():
         out, err = proc.communicate()
         raise AssertionError(f"mc_restart overran 240 s:\n{err[-3000:]}")
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    err = "\n".join(ln for ln in err.splitlines() if not re.match(r"[IWE]\d{4} ", ln))  # glog noise
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
     r = json.loads(lines[-1])
     print(f"\nmooncake restart: {r}")
     assert r["written"] > 0 and r["hit_before"] == 3 * 256
-    assert r["hit_down"] == 0 and r["down_lookup_s"] < 30          # a miss, bounded
-    assert r["hit_after_restart"] == 0                              # new master: nothing stale
-    assert r["hit_final"] == 3 * 256                                # hits again after re-store
-    assert r["loaded"] is True and r["compared"] > 0 and r["mismatched"] == 0
+    assert len(r["cycles"]) == 2
+    for c in r["cycles"]:
+        assert c["hit_down"] == 0 and c["down_lookup_s"] < 5          # a miss, fail-fast
+        assert c["down_save_written"] == 0 and c["down_save_failed"] > 0 and c["down_save_s"] < 5
+        assert c["suspect_while_down"] is True
+        assert c["hit_after_restart"] == 0                            # new master: nothing stale
+        assert c["old_keys_present"] == 0 and c["old_keys_asked"] > 0
+        assert c["restarted_lookup_s"] < 12                           # bounded recovery
+        assert c["suspect_after_restart"] is False                    # the same client recovered
+        assert c["load_of_old_hit"] is True                           # a 0-token hit loads nothing
+        assert c["restore_written"] > 0 and c["restore_failed"] == 0 and not c["restore_no_space"]
+        assert c["hit_final"] == 3 * 256                              # hits again after re-store
+        assert c["loaded"] is True and c["compared"] > 0 and c["mismatched"] == 0
+    assert r["recovery"]["recovered"] >= 2
+    # cycle 2 asks at once after the restart: the client waited for its segment's re-mount
+    assert r["recovery"]["probe_waits"] > r["cycles"][1]["probe_waits_before"]
