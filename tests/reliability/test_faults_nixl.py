@@ -104,8 +104,9 @@ MID_REQS = 4          # per iteration: READ, WRITE, READ, WRITE
 def test_peer_killed_mid_transfer_deterministic():
     """The peer dies while transfers are provably in flight, every iteration.
 
-    The doomed peer runs UCX over TCP only, so every byte of a READ or WRITE needs its UCX
-    worker; after the handshake and one verified warm-up READ it is frozen (SIGSTOP), then
+    The doomed peer and this decoder run UCX over TCP only, so every byte of a READ or WRITE
+    needs the peer's UCX worker (with shared memory or CMA, a frozen peer's memory is still
+    read and written: 3 of 4 transfers completed in that setup); after the handshake and one verified warm-up READ it is frozen (SIGSTOP), then
     4 transfers (2 READ, 2 WRITE, 1,200-token requests) are posted to it and polled: all must
     still be in flight 0.3 s later. Then the peer is SIGKILLed (by PID) and reaped. Every
     one of those requests must fail, named, with nothing marked valid, within a bounded
@@ -115,7 +116,15 @@ def test_peer_killed_mid_transfer_deterministic():
     fig = {"iterations": 0, "posted_to_doomed": 0, "in_flight_at_kill": 0,
            "failed_named": 0, "beat_kill": 0, "max_fail_wait_s": 0.0,
            "replacement_verified": 0}
-    dec = Decoder(NixlAgent, "midflight-decode", seed=9)
+    saved_tls = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = "tcp"      # both ends TCP only: no shared-memory/CMA path that
+    try:                                # could move bytes without the peer's CPU
+        dec = Decoder(NixlAgent, "midflight-decode", seed=9)
+    finally:
+        if saved_tls is None:
+            os.environ.pop("UCX_TLS")
+        else:
+            os.environ["UCX_TLS"] = saved_tls
     procs = []
     try:
         with dec.agent:
