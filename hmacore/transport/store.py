@@ -277,12 +277,35 @@ def lookup_hit(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.n
 @dataclasses.dataclass
 class SaveReport:
     """What a save did: keys written, keys skipped because already present, whether the
-    store ran out of space (remaining saves skipped), and failed keys."""
+    store ran out of space (remaining saves skipped), and failed keys.
+
+    ``refused_keys``: keys whose put answered NO_SPACE; ``failed_keys``: keys whose put (or
+    existence check) failed otherwise; ``skipped``: keys of groups not attempted after a
+    NO_SPACE. None of them is stored: a lookup never counts them as hits.
+    :meth:`raise_for_failures` turns a save that did not write everything into a StoreError
+    naming the request and the keys (savers that treat NO_SPACE as pressure just read the
+    fields)."""
 
     written: int = 0
     present: int = 0
     no_space: bool = False
     failed: int = 0
+    refused_keys: list = dataclasses.field(default_factory=list)
+    failed_keys: list = dataclasses.field(default_factory=list)
+    skipped: int = 0
+
+    def raise_for_failures(self, request_id=None) -> None:
+        """Raise StoreError (with ``.request_id`` and ``.keys``) if any key was refused,
+        failed or skipped; return None when the save stored everything it had to."""
+        bad = list(self.refused_keys) + list(self.failed_keys)
+        if not bad and not self.failed and not self.skipped:
+            return
+        err = StoreError(f"save of request {request_id!r}: {len(self.refused_keys)} put(s) "
+                         f"refused for lack of space (NO_SPACE), "
+                         f"{max(self.failed, len(self.failed_keys))} failed, {self.skipped} "
+                         f"skipped after NO_SPACE; first keys not stored: {bad[:3]}")
+        err.request_id, err.keys = request_id, bad
+        raise err
 
 
 def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
@@ -328,8 +351,12 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
             there = list(store.batch_exists(ks))
         except Exception:
             there = [0] * len(ks)
+        if rep.no_space:                   # out of space: the rest is not attempted
+            rep.skipped += len(ks)
+            continue
         if there and all(e < 0 for e in there):
             rep.failed += len(ks)          # the store is unreachable: skip, do not block on puts
+            rep.failed_keys.extend(ks)
             continue
         todo = [i for i, e in enumerate(there) if e != 1]
         rep.present += len(ks) - len(todo)
@@ -340,15 +367,17 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
             codes = list(store.batch_put([ks[i] for i in todo], parts))
         except Exception:
             codes = [RPC_FAIL] * len(todo)
-        for c in codes:
+        if len(codes) != len(todo):
+            codes = [RPC_FAIL] * len(todo)
+        for i, c in zip(todo, codes):
             if c == OK:
                 rep.written += 1
             elif c == NO_SPACE:
                 rep.no_space = True
+                rep.refused_keys.append(ks[i])
             else:
                 rep.failed += 1
-        if rep.no_space:
-            break
+                rep.failed_keys.append(ks[i])
     return rep
 
 
