@@ -8,7 +8,9 @@ READ: every page read is compared with the peer's fill pattern. WRITE (every 3rd
 pages holding the pattern of never-used positions are pushed, read back into scratch blocks
 and compared (rel_nixl.Decoder).
 
-CI form: HMACORE_SOAK_S (default 15) seconds and at least 300 requests per layout. The
+CI form: HMACORE_SOAK_S (default 15) seconds and at least HMACORE_SOAK_MIN (default 300)
+requests per layout (the RSS bound is not checked under ASan, whose quarantine keeps freed
+memory resident; tracemalloc and object counts still are). The
 `slow` form: 75 s and at least 2,000 requests per layout. Either stops posting at 6x its
 nominal time (at least 120 s) whatever the count."""
 from __future__ import annotations
@@ -33,6 +35,7 @@ IN_FLIGHT = 8                 # requests posted before the oldest is completed
 WRITE_EVERY = 3               # every 3rd request is a WRITE
 HARD_FACTOR = 6               # hard time limit, in units of the nominal duration
 CASES = ["fsm", "gpt-oss", "deepseek-v4", "qwen3-next"]
+SANITIZED = os.environ.get("HMACORE_SANITIZED") == "1"    # scripts/sanitize.sh (ASan preload)
 
 
 def soak(case, seconds, min_requests):
@@ -90,7 +93,8 @@ def soak(case, seconds, min_requests):
     print(f"\nsoak: {report}")
     assert dec.failed == 0 and dec.verified == i and dec.verified >= min_requests
     assert dec.ops["READ"] > 0 and dec.ops["WRITE"] > 0
-    assert report["rss_growth"] <= RSS_TOLERANCE, report
+    if not SANITIZED:   # ASan's quarantine keeps freed memory resident (up to 256 MiB)
+        assert report["rss_growth"] <= RSS_TOLERANCE, report
     assert report["traced_growth"] <= TRACED_TOLERANCE, report
     assert report["object_growth"] <= OBJ_TOLERANCE, report
     return report
@@ -99,7 +103,8 @@ def soak(case, seconds, min_requests):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", CASES)
 def test_soak_ci(case):
-    soak(case, float(os.environ.get("HMACORE_SOAK_S", "15")), 300)
+    soak(case, float(os.environ.get("HMACORE_SOAK_S", "15")),
+         max(int(os.environ.get("HMACORE_SOAK_MIN", "300")), WARMUP + 1))
 
 
 @pytest.mark.slow
