@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import socket
+import threading
 import time
 from collections.abc import Sequence
 
@@ -94,6 +95,7 @@ class MooncakeStore:
         self._register_raw(ctypes.addressof(self._probe_buf), 64)
         self._suspect = False
         self._last_try = -float("inf")
+        self._recover_lock = threading.Lock()   # one recovery at a time (shared clients)
         self.calls = {"exists": 0, "put": 0, "get": 0, "remove": 0}
         self.recovery = {"suspected": 0, "recovered": 0, "reconnected": 0, "gave_up": 0,
                          "probe_waits": 0}
@@ -210,8 +212,15 @@ class MooncakeStore:
 
     def _call(self, method: str, *args) -> list[int] | None:
         """Codes of one client call, or None (RPC failure / master gone)."""
-        if self._suspect and not self._recover():
-            return None
+        if self._suspect:
+            if not self._recover_lock.acquire(blocking=False):
+                return None                # another thread is recovering: fail fast
+            try:
+                ok = self._recover()
+            finally:
+                self._recover_lock.release()
+            if not ok:
+                return None
         try:
             return self._mark([int(r) for r in getattr(self._store, method)(*args)])
         except Exception:  # noqa: BLE001 - master down / RPC failure: a failed batch, not a crash
