@@ -79,9 +79,10 @@ class PeerProc:
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout=60):
+        limit = 180 if os.environ.get("HMACORE_SANITIZED") == "1" else 60   # ASan starts slowly
+        if not sel.select(timeout=limit):
             self.kill()
-            raise RuntimeError("peer did not start within 60 s")
+            raise RuntimeError(f"peer did not start within {limit} s")
         line = self.proc.stdout.readline()
         if not line:
             self.kill()
