@@ -14,8 +14,9 @@ imported lazily. Contracts:
 * ``connect`` checks that the master accepts TCP connections (bounded wait) before
   ``setup``, because ``setup`` with no master blocks for about 90 s.
 * master killed and restarted: a call that sees the master gone (an exception or RPC_FAIL)
-  marks the client *suspect*. The next call first recovers, bounded by ``recover_timeout_s``
-  and tried at most once per ``retry_interval_s`` (while the master is down every call is
+  marks the client *suspect*. The next call first recovers -- bounded: ``recover_timeout_s``
+  of probing, once more after a re-created client (plus its setup) -- tried at most once per
+  ``retry_interval_s`` (while the master is down every call is
   an immediate miss/failure, never a hang): once the master's port answers, a 64-byte probe
   put (from the client's own registered buffer) must succeed. Mooncake 0.3.13's client
   re-mounts its segment on the new master by itself about 1 s after the restart (puts
