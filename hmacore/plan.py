@@ -553,12 +553,23 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
             return np.empty(0, dtype=np.int32)
         a = x
     else:
-        if type(x) is list or type(x) is tuple:
-            arr, status, _ = _tables.seq_to_int32(x, 0)   # one C pass; errors: path below
-            if status == _tables.STATUS_OK:
-                return arr
+        if not isinstance(x, (list, tuple)):
+            try:
+                x = list(x)
+            except TypeError:
+                raise BlockTableError(f"block_ids[{g}] must be a sequence of ints") from None
+        # the package's id scan (as_block_table's): bools / NumPy bools are not block ids
+        # (np.asarray([True, 1]) would silently turn True into block 1)
+        out, status, i = _tables.seq_to_int32(x, 0)
+        if status == _tables.STATUS_OK:
+            return out
+        if isinstance(x[i], (bool, np.bool_)):
+            err = BlockTableError(f"block_ids[{g}][{i}]: block ids must be integers, not bools "
+                                  f"(got {x[i]!r})")
+            err.group, err.block_index = g, i
+            raise err
         try:
-            a = np.asarray(list(x) if not isinstance(x, (list, tuple)) else x)
+            a = np.asarray(x)
         except (TypeError, ValueError):
             raise BlockTableError(f"block_ids[{g}] must be a sequence of ints") from None
         if a.size == 0:

@@ -8,7 +8,10 @@
 # normal in-place .so files are never touched. The interpreter is not instrumented, so
 # libasan/libubsan are LD_PRELOADed with leak detection off (CPython's arenas are not
 # leaks); any ASan report or UBSan runtime error aborts the run with a non-zero status.
-# short: ~100 examples per property (CI, a few minutes); full: HMACORE_REL_EXAMPLES or 300.
+# short: ~100 examples per property (CI, a few minutes) + the in-process NIXL round trips;
+# full: HMACORE_REL_EXAMPLES or 300, + two-process NIXL, the NIXL fault tests, a short soak
+# over four layouts (READ+WRITE), the Mooncake recovery/store-full tests (real master in
+# unshare -n, when available).
 set -euo pipefail
 MODE=${1:-full}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -56,4 +59,30 @@ fi
 start=$(date +%s)
 # shellcheck disable=SC2086
 timeout 1800 "$PY" -m pytest -q -p no:cacheprovider -p no:randomly $TESTS
+# Phase 2: the NIXL (and, in the full form, Mooncake) paths with the same preload: the
+# kernels run inside real transfers (desc_ids, clipping, tables), peer processes inherit the
+# preload. tests/nixl runs in its own pytest (its conftest is imported by name).
+export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
+if "$PY" -c "import nixl" 2>/dev/null; then
+  if [ "$MODE" = short ]; then
+    NIXL_TESTS="tests/nixl/test_nixl_agent.py"
+    REL_TESTS=""
+  else
+    NIXL_TESTS="tests/nixl/test_nixl_agent.py tests/nixl/test_nixl_pd.py"
+    REL_TESTS="tests/reliability/test_faults_nixl.py tests/reliability/test_soak.py
+               tests/reliability/test_mooncake_recovery.py"
+    if unshare -n true 2>/dev/null && "$PY" -c "import mooncake.store" 2>/dev/null; then
+      REL_TESTS="$REL_TESTS tests/reliability/test_faults_store.py tests/mooncake/test_store_mooncake.py"
+    fi
+  fi
+  # shellcheck disable=SC2086
+  timeout 900 "$PY" -m pytest -q -p no:cacheprovider -p no:randomly $NIXL_TESTS
+  if [ -n "$REL_TESTS" ]; then
+    # shellcheck disable=SC2086
+    HMACORE_SOAK_S=${HMACORE_SOAK_S:-5} HMACORE_SOAK_MIN=${HMACORE_SOAK_MIN:-150} \
+      timeout 1800 "$PY" -m pytest -q -p no:cacheprovider -p no:randomly -m "not slow and not vllm" $REL_TESTS
+  fi
+else
+  echo "sanitize: nixl not installed, NIXL phase skipped"
+fi
 echo "sanitize: $MODE run clean in $(( $(date +%s) - start )) s (ASan+UBSan, LD_PRELOAD, detect_leaks=0)"

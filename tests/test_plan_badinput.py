@@ -28,6 +28,12 @@ def plan():
     (([1.0], [2]), "integers"),
     ((["x"], [2]), "integers"),
     (([True], [2]), "integers"),
+    (([1, True], [2]), r"block_ids\[0\]\[1\]: block ids must be integers, not bools"),
+    (([1], (2, False)), r"block_ids\[1\]\[1\].*bools"),
+    (([np.bool_(True), 2], [2]), r"block_ids\[0\]\[0\].*bools"),
+    ((iter([3, True]), [2]), r"block_ids\[0\]\[1\].*bools"),
+    (([1, None], [2]), "integers"),
+    (([1, 2.0], [2]), "integers"),
     ((np.array([[1, 2]]), [2]), "1-D"),
     ((np.arange(10)[::2], [2]), "C-contiguous"),
     (([2**31], [2]), "int32"),
@@ -187,3 +193,13 @@ def test_readonly_and_int64_inputs_accepted(plan):
     ro.flags.writeable = False
     assert plan.desc_ids((ro, np.array([3], np.int64))).tolist() == \
         [2, 3, 4, 5, 6, 7, 202, 203, 204, 205, 206, 207, 402, 403, 404, 405, 406, 407]
+
+
+def test_bool_id_carries_group_and_index(plan):
+    with pytest.raises(BlockTableError) as ei:
+        plan.desc_ids(([1, 2], [3, True]))
+    assert ei.value.group == 1 and ei.value.block_index == 1
+    with pytest.raises(BlockTableError, match="bools"):
+        plan.count_desc_ids(([True, 2], []))
+    # iterables of ints (not list/tuple) still work
+    assert plan.desc_ids((range(1, 3), iter([4]))).tolist() == plan.desc_ids(([1, 2], [4])).tolist()

@@ -22,11 +22,12 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import HashInputError, StoreError
+from ..errors import BlockTableError, HashInputError, StoreError
 from .._fast import _hits
 from ..hits import HitFinder, HitResult
 from ..keys import KeyBuilder
 from ..spec import GroupKind
+from ..tables import as_block_table
 
 __all__ = ["OK", "NO_SPACE", "INVALID", "NOT_FOUND", "RPC_FAIL", "KVStore", "EmbeddedStore",
            "GroupSegments", "lookup_hit", "save_blocks", "save_state", "load_blocks",
@@ -64,6 +65,15 @@ def _check_hashes(hashes) -> np.ndarray:
     if not isinstance(hashes, np.ndarray) or hashes.ndim != 2 or hashes.shape[1] not in (16, 32):
         raise HashInputError("hashes must be a uint8 array of shape (N, 16) or (N, 32)")
     return _hits._check_digests(hashes, hashes.shape[1], "hashes")
+
+
+def _block_ids(x, name: str, num_blocks: int | None = None) -> np.ndarray:
+    """One group's block ids through the package's id check (``as_block_table``): ints only
+    (bools, floats, None refused), ``>= 0``, int32, ``< num_blocks`` when given."""
+    if isinstance(x, np.ndarray) and x.ndim == 0:
+        x = x.reshape(1)
+    (ids,) = as_block_table((x,), 1, num_blocks=num_blocks, name=name)
+    return ids.astype(np.int64)
 
 
 def _check_parts(keys: list[str], parts) -> list[list[tuple[int, int]]]:
@@ -223,8 +233,8 @@ class GroupSegments:
 
     def parts(self, block_ids) -> list[list[tuple[int, int]]]:
         """Per block id: the (addr, size) buffers of that block in every segment."""
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        if ids.size and (ids.min() <= 0 or ids.max() >= self.num_blocks):
+        ids = _block_ids(block_ids, "block_ids", self.num_blocks)
+        if ids.size and ids.min() <= 0:
             raise HashInputError(f"block ids must be in [1, {self.num_blocks}) (0 is the null block)")
         return [[(base + int(b) * sz, sz) for base, sz in zip(self.bases, self.block_bytes)]
                 for b in ids]
@@ -267,12 +277,35 @@ def lookup_hit(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.n
 @dataclasses.dataclass
 class SaveReport:
     """What a save did: keys written, keys skipped because already present, whether the
-    store ran out of space (remaining saves skipped), and failed keys."""
+    store ran out of space (remaining saves skipped), and failed keys.
+
+    ``refused_keys``: keys whose put answered NO_SPACE; ``failed_keys``: keys whose put (or
+    existence check) failed otherwise; ``skipped``: keys of groups not attempted after a
+    NO_SPACE. None of them is stored: a lookup never counts them as hits.
+    :meth:`raise_for_failures` turns a save that did not write everything into a StoreError
+    naming the request and the keys (savers that treat NO_SPACE as pressure just read the
+    fields)."""
 
     written: int = 0
     present: int = 0
     no_space: bool = False
     failed: int = 0
+    refused_keys: list = dataclasses.field(default_factory=list)
+    failed_keys: list = dataclasses.field(default_factory=list)
+    skipped: int = 0
+
+    def raise_for_failures(self, request_id=None) -> None:
+        """Raise StoreError (with ``.request_id`` and ``.keys``) if any key was refused,
+        failed or skipped; return None when the save stored everything it had to."""
+        bad = list(self.refused_keys) + list(self.failed_keys)
+        if not bad and not self.failed and not self.skipped:
+            return
+        err = StoreError(f"save of request {request_id!r}: {len(self.refused_keys)} put(s) "
+                         f"refused for lack of space (NO_SPACE), "
+                         f"{max(self.failed, len(self.failed_keys))} failed, {self.skipped} "
+                         f"skipped after NO_SPACE; first keys not stored: {bad[:3]}")
+        err.request_id, err.keys = request_id, bad
+        raise err
 
 
 def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
@@ -292,7 +325,11 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
     n = hashes.shape[0]
     rows = finder.store_rows(n, num_tokens, start_token)
     h = finder.hash_block_size
+    # every table and segment is checked before the first store call: a bad group is the
+    # caller's error and no other group's keys are written (no half-applied save)
+    work = []
     for g in finder.group_ids:
+        table = _block_ids(block_ids[g], f"block_ids[{g}]")
         if rows[g].size == 0:
             continue
         seg = segments[g]
@@ -300,7 +337,6 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
             raise HashInputError(f"segments[{g}] is missing for a stored group")
         k = finder.block_sizes[g] // h
         blocks = (rows[g] + 1) // k - 1
-        table = np.asarray(block_ids[g], dtype=np.int64)
         keep = blocks < table.size
         blocks, grow = blocks[keep], rows[g][keep]
         ids = table[blocks] if blocks.size else blocks
@@ -308,13 +344,19 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
         ids, grow = ids[real], grow[real]
         if ids.size == 0:
             continue
-        ks = keys.keys(g, finder.key_digests(hashes, g, grow))
+        seg.parts(ids)                      # ids inside the group's segment, or raise now
+        work.append((seg, ids, keys.keys(g, finder.key_digests(hashes, g, grow))))
+    for seg, ids, ks in work:
         try:
             there = list(store.batch_exists(ks))
         except Exception:
             there = [0] * len(ks)
+        if rep.no_space:                   # out of space: the rest is not attempted
+            rep.skipped += len(ks)
+            continue
         if there and all(e < 0 for e in there):
             rep.failed += len(ks)          # the store is unreachable: skip, do not block on puts
+            rep.failed_keys.extend(ks)
             continue
         todo = [i for i, e in enumerate(there) if e != 1]
         rep.present += len(ks) - len(todo)
@@ -325,15 +367,17 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
             codes = list(store.batch_put([ks[i] for i in todo], parts))
         except Exception:
             codes = [RPC_FAIL] * len(todo)
-        for c in codes:
+        if len(codes) != len(todo):
+            codes = [RPC_FAIL] * len(todo)
+        for i, c in zip(todo, codes):
             if c == OK:
                 rep.written += 1
             elif c == NO_SPACE:
                 rep.no_space = True
+                rep.refused_keys.append(ks[i])
             else:
                 rep.failed += 1
-        if rep.no_space:
-            break
+                rep.failed_keys.append(ks[i])
     return rep
 
 
@@ -346,6 +390,8 @@ def save_state(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.n
     (``store_masks`` is all-zero for them); the caller hands the exact state block over.
     Returns the store's code (OK, NO_SPACE, ...); 0 tokens to name writes nothing (OK).
     """
+    if isinstance(block_id, (bool, np.bool_)) or not isinstance(block_id, (int, np.integer)):
+        raise BlockTableError(f"block_id must be an int, got {type(block_id).__name__} {block_id!r}")
     hashes = _check_hashes(hashes)
     g = finder._check_group(group)
     if finder.layout.groups[g].kind != GroupKind.MAMBA or g not in finder.group_ids:
@@ -356,8 +402,9 @@ def save_state(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.n
     if row >= hashes.shape[0]:
         raise HashInputError(f"hashes cover {hashes.shape[0]} rows; the boundary needs row {row}")
     k = keys.keys(g, finder.key_digests(hashes, g, np.array([row], dtype=np.int64)))
+    parts = segments.parts([block_id])     # a bad id is the caller's error, not a store failure
     try:
-        return int(list(store.batch_put(k, segments.parts([block_id])))[0])
+        return int(list(store.batch_put(k, parts))[0])
     except Exception:
         return RPC_FAIL
 
@@ -385,7 +432,7 @@ def load_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
         # row at the hit boundary (vLLM's TailKeyBoundary)
         tail = hit.tokens // h - 1
         rows = np.minimum(rows, tail)
-        table = np.asarray(block_ids[g], dtype=np.int64)
+        table = _block_ids(block_ids[g], f"block_ids[{g}]")
         if blocks.max() >= table.size:
             raise HashInputError(f"block_ids[{g}] has {table.size} blocks; the hit needs "
                                  f"{int(blocks.max()) + 1}")

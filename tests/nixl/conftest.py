@@ -9,6 +9,9 @@ import pytest
 
 from hmacore.transport import configure_ucx_env
 
+# under scripts/sanitize.sh (ASan preload) processes start and exit several times slower
+SLOW = 4 if os.environ.get("HMACORE_SANITIZED") == "1" else 1
+
 # Keep UCX's TCP traffic (wireup, notifications) on loopback, for this process and its peers;
 # configure_ucx_env() keeps UCX's ib module out (NIXL 1.5.1 exit-time SIGSEGV otherwise).
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -34,9 +37,10 @@ class Peer:
         if self._ports is None:
             sel = selectors.DefaultSelector()
             sel.register(self.proc.stdout, selectors.EVENT_READ)
-            if not sel.select(timeout=30):
+            limit = 30 * SLOW
+            if not sel.select(timeout=limit):
                 self.kill()
-                raise RuntimeError("peer did not start within 30 s")
+                raise RuntimeError(f"peer did not start within {limit} s")
             line = self.proc.stdout.readline()
             if not line:
                 self.kill()
@@ -47,7 +51,7 @@ class Peer:
     def kill(self):
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(timeout=10)
+        self.proc.wait(timeout=10 * SLOW)
 
 
 @pytest.fixture

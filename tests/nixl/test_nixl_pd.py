@@ -16,7 +16,7 @@ from hmacore.spec import GroupKind, GroupSpec, KVLayout
 from hmacore.transport.handshake import exchange_handshake
 from hmacore.transport.nixl import NixlAgent
 
-from conftest import Peer
+from conftest import SLOW, Peer
 
 pytestmark = pytest.mark.nixl
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -123,7 +123,7 @@ def test_peer_exits_cleanly(prefill_peer):
         name = a.add_peer(exchange_handshake("127.0.0.1", prefill_peer.ports["push-target"],
                                              a.handshake_payload()))
         a.send_notif(name, "end", b"bye")
-    assert prefill_peer.proc.wait(timeout=10) == 0
+    assert prefill_peer.proc.wait(timeout=10 * SLOW) == 0
 
 
 def test_dead_peer_fails_request_and_survivor_keeps_working(start_peer):

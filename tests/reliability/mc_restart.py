@@ -3,9 +3,10 @@
 ``python mc_restart.py <port>``: brings lo up, starts mooncake_master on 127.0.0.1, stores a
 DeepSeek-V4-shaped request through a client with a segment, looks it up (hit), SIGKILLs the
 master, looks up again (miss, bounded), restarts the master on the same port, looks up
-(miss: the new master knows nothing), re-stores (the same client first; a fresh client if
-the old one cannot reach the new master), looks up (hit) and loads every hit block into
-other memory, comparing bytes. Prints one JSON line; kills everything it started by PID.
+(miss: the new master knows nothing, none of the old keys exists), re-stores with the SAME
+client (MooncakeStore recovers by itself), looks up (hit) and loads every hit block into
+other memory, comparing bytes; twice (two kill/restart cycles). Prints one JSON line; kills
+everything it started by PID.
 """
 from __future__ import annotations
 
@@ -40,65 +41,89 @@ def timed(fn, *a):
     return r, round(time.monotonic() - t0, 2)
 
 
+def compare(finder, src, src_t, dst, dst_t, hit):
+    compared = mismatched = nbytes = 0
+    for g in finder.group_ids:
+        for i in np.flatnonzero(hit.masks[g]):
+            for s, d in zip(src[g], dst[g]):
+                compared += 1
+                nbytes += s[src_t[g][i]].nbytes
+                mismatched += int(not np.array_equal(s[src_t[g][i]], d[dst_t[g][i]]))
+    return compared, mismatched, nbytes
+
+
+CYCLES = 2
+
+
 def main(port):
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     log = open(os.path.join(os.environ.get("HMACORE_MC_LOGDIR", "/tmp"),
                             f"mc_restart_{os.getpid()}.log"), "w")
     master = start_master(port, log)
-    out = {}
-    clients = []
+    out = {"cycles": []}
+    st = None
     try:
         assert wait_for_port("127.0.0.1", port, 20), "master did not start"
         layout, finder, tokens, hashes = sc.request()
         src, segs = sc.memory(layout, seed=1)
+        dst, dsegs = sc.memory(layout, seed=2)
         keys = KeyBuilder("dsv4")
-        st = sc.client(port, 128 << 20)
-        clients.append(st)
+        st = sc.client(port, 128 << 20)          # ONE client for the whole run
         st.register_group_segments(segs)
+        st.register_group_segments(dsegs)
         src_t = sc.tables(finder, tokens, 1)
+        dst_t = sc.tables(finder, tokens, 100)
         out["written"] = save_blocks(finder, keys, st, hashes, tokens, src_t, segs).written
         out["hit_before"] = lookup_hit(finder, keys, st, hashes, tokens).tokens
-        master.send_signal(signal.SIGKILL)
-        master.wait(timeout=10)
-        hit, out["down_lookup_s"] = timed(lookup_hit, finder, keys, st, hashes, tokens)
-        out["hit_down"] = hit.tokens
-        master = start_master(port, log)
-        assert wait_for_port("127.0.0.1", port, 20), "master did not restart"
-        hit, out["restarted_lookup_s"] = timed(lookup_hit, finder, keys, st, hashes, tokens)
-        out["hit_after_restart"] = hit.tokens
-        rep, out["restore_s"] = timed(save_blocks, finder, keys, st, hashes, tokens, src_t, segs)
-        out["same_client_restore_written"] = rep.written
-        hit = lookup_hit(finder, keys, st, hashes, tokens)
-        out["same_client_hit"] = hit.tokens
-        reader = st
-        if hit.tokens == 0:            # the old client lost its mount: a fresh client re-stores
-            st2 = sc.client(port, 128 << 20)
-            clients.append(st2)
-            src2, segs2 = sc.memory(layout, seed=1)
-            st2.register_group_segments(segs2)
-            out["fresh_client_restore_written"] = save_blocks(finder, keys, st2, hashes, tokens,
-                                                              src_t, segs2).written
-            hit = lookup_hit(finder, keys, st2, hashes, tokens)
-            reader = st2
-        out["hit_final"] = hit.tokens
-        dst, dsegs = sc.memory(layout, seed=2)
-        reader.register_group_segments(dsegs)
-        dst_t = sc.tables(finder, tokens, 100)
-        out["loaded"] = load_blocks(finder, keys, reader, hashes, hit, dst_t, dsegs)
-        compared = mismatched = nbytes = 0
-        for g in finder.group_ids:
-            for i in np.flatnonzero(hit.masks[g]):
-                for s, d in zip(src[g], dst[g]):
-                    compared += 1
-                    nbytes += s[src_t[g][i]].nbytes
-                    mismatched += int(not np.array_equal(s[src_t[g][i]], d[dst_t[g][i]]))
-        out.update(compared=compared, mismatched=mismatched, bytes_checked=nbytes)
+        old_keys = [k for g in finder.group_ids
+                    for k in keys.keys(g, finder.key_digests(hashes, g, np.arange(
+                        hashes.shape[0], dtype=np.int64)))]
+        for cycle in range(CYCLES):
+            c = {}
+            if cycle == 1:   # no fail-fast interval: the first call after the restart recovers,
+                st.retry_interval_s = 0.0   # before the segment is re-mounted (waits, bounded)
+            master.send_signal(signal.SIGKILL)
+            master.wait(timeout=10)
+            hit, c["down_lookup_s"] = timed(lookup_hit, finder, keys, st, hashes, tokens)
+            c["hit_down"] = hit.tokens
+            other = hashes.copy()
+            other[:, 7] ^= 0x33 + cycle
+            rep, c["down_save_s"] = timed(save_blocks, finder, keys, st, other, tokens, src_t, segs)
+            c["down_save_written"], c["down_save_failed"] = rep.written, rep.failed
+            c["suspect_while_down"] = st.suspect
+            master = start_master(port, log)
+            assert wait_for_port("127.0.0.1", port, 20), "master did not restart"
+            if cycle == 0:
+                time.sleep(1.1)                   # past the client's fail-fast retry interval
+            c["probe_waits_before"] = st.recovery["probe_waits"]
+            hit, c["restarted_lookup_s"] = timed(lookup_hit, finder, keys, st, hashes, tokens)
+            c["hit_after_restart"] = hit.tokens
+            c["suspect_after_restart"] = st.suspect
+            # nothing stale: none of the old keys exists on the new master
+            c["old_keys_present"] = sum(1 for e in st.batch_exists(old_keys) if e == 1)
+            c["old_keys_asked"] = len(old_keys)
+            for arr in dst:                       # a failed load must not leave old bytes
+                for a in arr:
+                    a[:] = 0
+            c["load_of_old_hit"] = load_blocks(finder, keys, st, hashes,
+                                               lookup_hit(finder, keys, st, hashes, tokens),
+                                               dst_t, dsegs)
+            rep, c["restore_s"] = timed(save_blocks, finder, keys, st, hashes, tokens, src_t, segs)
+            c["restore_written"], c["restore_failed"] = rep.written, rep.failed
+            c["restore_no_space"] = rep.no_space
+            hit = lookup_hit(finder, keys, st, hashes, tokens)
+            c["hit_final"] = hit.tokens
+            c["loaded"] = load_blocks(finder, keys, st, hashes, hit, dst_t, dsegs)
+            c["compared"], c["mismatched"], c["bytes_checked"] = compare(
+                finder, src, src_t, dst, dst_t, hit)
+            out["cycles"].append(c)
+        out["recovery"] = dict(st.recovery)
         print(json.dumps(out), flush=True)
         return 0
     finally:
-        for c in clients:
+        if st is not None:
             try:
-                c.close()
+                st.close()
             except Exception:  # noqa: BLE001
                 pass
         sc.kill(master)

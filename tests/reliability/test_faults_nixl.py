@@ -6,6 +6,8 @@ checker), and the survivor keeps serving with byte-verified transfers. Extends
 tests/nixl/test_nixl_pd.py (one request per fault there; many interleaved requests here)."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -93,3 +95,101 @@ def test_peer_killed_with_requests_in_flight_leases_and_bad_handshake():
     figures.update(verified=dec.verified, failed=dec.failed, bytes_checked=dec.bytes_checked)
     print(f"\nnixl faults: {figures}")
     assert figures["named_failures"] >= 4 + PER_PEER * 2 // 5 - 1
+
+
+MID_ITER = int(os.environ.get("HMACORE_MIDFLIGHT_ITER", "3"))
+MID_REQS = 4          # per iteration: READ, WRITE, READ, WRITE
+
+
+def test_peer_killed_mid_transfer_deterministic():
+    """The peer dies while transfers are provably in flight, every iteration.
+
+    The doomed peer and this decoder run UCX over TCP only, so every byte of a READ or WRITE
+    needs the peer's UCX worker (with shared memory or CMA, a frozen peer's memory is still
+    read and written: 3 of 4 transfers completed in that setup); after the handshake and one verified warm-up READ it is frozen (SIGSTOP), then
+    4 transfers (2 READ, 2 WRITE, 1,200-token requests) are posted to it and polled: all must
+    still be in flight 0.3 s later. Then the peer is SIGKILLed (by PID) and reaped. Every
+    one of those requests must fail, named, with nothing marked valid, within a bounded
+    wait; its blocks are released exactly once. The decoder then hand-shakes a replacement
+    peer and READs and WRITEs to it, byte-verified (WRITEs read back), and the invariant
+    checker finds the pool empty."""
+    fig = {"iterations": 0, "posted_to_doomed": 0, "in_flight_at_kill": 0,
+           "failed_named": 0, "beat_kill": 0, "max_fail_wait_s": 0.0,
+           "replacement_verified": 0}
+    saved_tls = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = "tcp"      # both ends TCP only: no shared-memory/CMA path that
+    try:                                # could move bytes without the peer's CPU
+        dec = Decoder(NixlAgent, "midflight-decode", seed=9)
+    finally:
+        if saved_tls is None:
+            os.environ.pop("UCX_TLS")
+        else:
+            os.environ["UCX_TLS"] = saved_tls
+    procs = []
+    try:
+        with dec.agent:
+            pay = dec.agent.handshake_payload()
+            for it in range(MID_ITER):
+                doomed = PeerProc(f"doomed{it}", serve_s=150, env={"UCX_TLS": "tcp"})
+                procs.append(doomed)
+                name = dec.agent.add_peer(exchange_handshake("127.0.0.1", doomed.port, pay))
+                dec.new_request(f"warm{it}", 400)
+                dec.submit(f"warm{it}", name)
+                assert dec.complete(f"warm{it}")            # the path works before the fault
+                os.kill(doomed.proc.pid, signal.SIGSTOP)
+                reqs = []
+                for k in range(MID_REQS):
+                    req = f"mid{it}-{k}"
+                    dec.new_request(req, 1200)
+                    dec.submit(req, name, op="WRITE" if k % 2 else "READ")
+                    reqs.append(req)
+                fig["posted_to_doomed"] += len(reqs)
+                time.sleep(0.3)
+                states = {}
+                for req in reqs:
+                    try:
+                        states[req] = dec.agent.poll(dec.pending[req][0])
+                    except TransferError:
+                        states[req] = "ERR"
+                in_flight = [r for r in reqs if states[r] == "PROC"]
+                assert in_flight == reqs, f"not in flight before the kill: {states}"
+                fig["in_flight_at_kill"] += len(in_flight)
+                os.kill(doomed.proc.pid, signal.SIGKILL)
+                doomed.proc.wait(timeout=10)
+                for req in reqs:
+                    t0 = time.monotonic()
+                    ok = dec.complete(req, timeout=15)      # asserts named + nothing valid
+                    waited = time.monotonic() - t0
+                    fig["max_fail_wait_s"] = max(fig["max_fail_wait_s"], round(waited, 2))
+                    assert waited < 20
+                    if ok:
+                        fig["beat_kill"] += 1
+                    else:
+                        fig["failed_named"] += 1
+                assert fig["beat_kill"] == 0, "a transfer to a frozen, then killed peer completed"
+                dec.agent.remove_peer(name)
+                assert name not in dec.agent.peers
+                # a new peer: the decoder keeps serving, byte-verified both ways
+                repl = PeerProc(f"replacement{it}", serve_s=150)
+                procs.append(repl)
+                rname = dec.agent.add_peer(exchange_handshake("127.0.0.1", repl.port, pay))
+                for k in range(4):
+                    req = f"repl{it}-{k}"
+                    dec.new_request(req, int(dec.rng.integers(1, 1200)))
+                    dec.submit(req, rname, op="WRITE" if k % 2 else "READ")
+                    assert dec.complete(req)
+                    fig["replacement_verified"] += 1
+                dec.agent.send_notif(rname, "end", b"bye")
+                assert repl.proc.wait(timeout=20) == 0
+                dec.agent.remove_peer(rname)
+                fig["iterations"] += 1
+            dec.chk.check_tracker(dec.ts, dec.pool)
+            assert len(dec.ts) == 0 and dec.pool.num_free == dec.nb - 1
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                os.kill(p.proc.pid, signal.SIGCONT)
+            p.kill()
+    fig.update(verified=dec.verified, bytes_checked=dec.bytes_checked)
+    print(f"\nnixl mid-flight kill: {fig}")
+    assert fig["in_flight_at_kill"] == MID_ITER * MID_REQS == fig["failed_named"]

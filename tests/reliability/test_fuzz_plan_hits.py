@@ -9,16 +9,17 @@ import numpy as np
 import pytest
 from hypothesis import event, given, strategies as st
 
-from hmacore.errors import HashInputError
+from hmacore.errors import BlockTableError, HashInputError
 from hmacore.hits import ExistenceSet, HitFinder
 from hmacore.keys import KeyBuilder, RankNamespace
 from hmacore.paged import allocate_paged_kv
 from hmacore.plan import TransferPlan
 from hmacore.presets import get_preset
-from hmacore.transport.store import NOT_FOUND, OK, EmbeddedStore
+from hmacore.transport.store import (NOT_FOUND, OK, EmbeddedStore, GroupSegments, load_blocks,
+                                     lookup_hit, save_blocks, save_state)
 from oracle_hits import OracleFinder
 from oracle_plan import oracle_desc_ids
-from rel_common import FUZZ, call, group_form
+from rel_common import FUZZ, _is_int, call, group_form
 from test_plan_props import plans
 
 pytestmark = pytest.mark.reliability
@@ -49,10 +50,8 @@ def test_desc_ids_adversarial(data, pg):
                                       for v in m) and (served[g] or not m)
                 for g, m in enumerate(meanings))
     if ok:
-        # known leniency (reported): Python bools in a list pass as ids 0/1 in desc_ids
-        meanings = [m if m is not None else [int(v) for v in f[0]] for m, f in zip(meanings, forms)]
-        for m, f in zip(meanings, forms):
-            assert f[1] is not None or all(isinstance(v, (int, np.integer)) for v in f[0])
+        # a junk element (bool, float, None, str, nested list...) never passes as a block id
+        assert all(m is not None for m in meanings), f"junk accepted as block ids: {table!r}"
         want = oracle_desc_ids([(r.logical_blocks, r.ratio, r.group, r.state) for r in plan.regions],
                                gstate, meanings, group_major=plan.group_major)
         assert got.tolist() == want and (not ok2 or cnt == len(want))
@@ -62,6 +61,12 @@ def test_desc_ids_adversarial(data, pg):
         canonical = all(f[2] and (not isinstance(f[0], np.ndarray) or f[0].flags.c_contiguous)
                         for f in forms)
         assert not (valid and canonical), f"refused a valid table: {got}"
+        f0 = forms[0][0] if forms else None    # group 0 is converted first: a bool in it is named
+        if isinstance(f0, list) and any(isinstance(v, bool) for v in f0):
+            first = next(i for i, v in enumerate(f0) if isinstance(v, bool))
+            if all(_is_int(v) and 0 <= v < 2**31 for v in f0[:first]):
+                assert f"block_ids[0][{first}]" in str(got) and "bool" in str(got), str(got)
+                event("bool named")
 
 
 @FUZZ
@@ -334,3 +339,61 @@ def test_embedded_store_protocol_vs_dict(data):
                 model.pop(k, None)
         assert store.used_bytes <= cap
         assert store.used_bytes == sum(len(v) for v in model.values())
+
+
+# -- GroupSegments.parts / save_blocks: the store path's block ids ---------------------------
+@FUZZ
+@given(data=st.data())
+def test_group_segments_parts_adversarial(data):
+    """``GroupSegments.parts`` answers the address rule for ids in [1, num_blocks) or refuses
+    with a clear error; bools, floats, None, ids past the pool never become addresses."""
+    nb = data.draw(st.integers(2, 40))
+    bb = data.draw(st.lists(st.integers(1, 64), min_size=1, max_size=3))
+    bases = tuple(4096 * (i + 1) * 1000 for i in range(len(bb)))
+    seg = GroupSegments(bases, tuple(bb), nb)
+    obj, meaning, canonical = data.draw(group_form(nb + 2, max_size=8))
+    ok, got = call(seg.parts, obj)
+    valid = meaning is not None and all(_is_int(v) and 1 <= v < nb for v in meaning)
+    event(f"parts ok={ok}")
+    if ok:
+        assert meaning is not None and valid, f"accepted {obj!r}"
+        assert got == [[(b + v * s, s) for b, s in zip(bases, bb)] for v in meaning]
+    else:
+        assert not (valid and canonical), f"refused valid ids {obj!r}: {got}"
+        if isinstance(obj, list) and any(isinstance(v, bool) for v in obj):
+            first = next(i for i, v in enumerate(obj) if isinstance(v, bool))
+            if all(_is_int(v) and 1 <= v < nb for v in obj[:first]):   # the bool is the first fault
+                assert f"index {first}" in str(got) and "integers" in str(got), str(got)
+                event("bool named")
+
+
+def test_save_and_load_refuse_bool_block_ids():
+    """A bool in a save/load table is the caller's error (named), never block 1, and the
+    store is not touched."""
+    layout = get_preset("gpt-oss", num_blocks=64)
+    finder = HitFinder(layout)
+    keys = KeyBuilder("m")
+    arrays = [[np.zeros((64, 8 * s.block_size), np.uint8)] for s in layout.groups]
+    segs = [GroupSegments.from_arrays(a) for a in arrays]
+    store = EmbeddedStore(1 << 20)
+    for a in arrays:
+        store.register(a[0].ctypes.data, a[0].nbytes)
+    T = 3 * finder.scheduler_block_size
+    hashes = np.ascontiguousarray(np.random.default_rng(0).integers(
+        0, 256, (T // finder.hash_block_size, 32), dtype=np.uint8))
+    good = [list(range(1 + 10 * g, 1 + 10 * g + -(-T // bs))) for g, bs in enumerate(finder.block_sizes)]
+    for bad_value in (True, 1.0, None):
+        bad = [list(t) for t in good]
+        bad[1][1] = bad_value
+        with pytest.raises((BlockTableError, HashInputError), match=r"block_ids\[1\]"):
+            save_blocks(finder, keys, store, hashes, T, bad, segs)
+        assert len(store) == 0
+    assert save_blocks(finder, keys, store, hashes, T, good, segs).written > 0
+    hit = lookup_hit(finder, keys, store, hashes, T + 1)
+    assert hit.tokens == T
+    bad = [list(t) for t in good]
+    bad[0][0] = False
+    with pytest.raises(BlockTableError, match=r"block_ids\[0\]"):
+        load_blocks(finder, keys, store, hashes, hit, bad, segs)
+    with pytest.raises(BlockTableError, match="block_id must be an int"):
+        save_state(finder, keys, store, hashes, T, 0, True, segs[0])
