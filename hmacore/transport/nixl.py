@@ -58,10 +58,16 @@ class Transfer:
 
 @dataclasses.dataclass
 class _Peer:
+    """A peer agent. Same-shape peers: ``plan`` (its regions over our layout) and its
+    ``dlist``. Heterogeneous-TP peers: a :class:`~hmacore.tp.TpPairPlan` with its own local
+    and remote dlists. Notify-only peers (``add_notify_peer``): neither."""
+
     name: str
     payload: HandshakePayload
-    plan: TransferPlan
+    plan: TransferPlan | None
     dlist: Any
+    pair: Any = None
+    local: Any = None       # local dlist of a pair (None: the agent's plan dlist)
 
 
 class NixlAgent:
@@ -72,10 +78,14 @@ class NixlAgent:
         plan: the local plan; its regions are registered and a local dlist prepared.
         backends: NIXL backends (default UCX).
         hma: HMA on/off, carried in the handshake (peers must agree).
+        tp: keyword arguments of :meth:`HandshakePayload.for_tp_plan` (``tp_size``,
+            ``tp_rank``, ``shardings``, ``kv_dtype``, ``head_dim``, ``page_layout``): the agent
+            then speaks the TP-aware handshake and can take heterogeneous-TP peers
+            (``add_peer(payload, pair=...)``). None: same-TP payloads only.
     """
 
     def __init__(self, name: str, plan: TransferPlan, *, backends: Sequence[str] = ("UCX",),
-                 hma: bool = True):
+                 hma: bool = True, tp: dict[str, Any] | None = None):
         from . import configure_ucx_env
         configure_ucx_env()  # before nixl loads UCX (exit-time SIGSEGV with libibverbs present)
         from nixl._api import nixl_agent, nixl_agent_config  # lazy: core never imports nixl
@@ -83,6 +93,7 @@ class NixlAgent:
         self.name = name
         self.plan = plan
         self.hma = hma
+        self.tp = dict(tp) if tp is not None else None
         self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
         ranges, mem = registration_args(plan)
         self._reg = self._agent.register_memory(ranges, mem)
@@ -99,11 +110,40 @@ class NixlAgent:
         return self._agent.get_agent_metadata()
 
     def handshake_payload(self) -> HandshakePayload:
+        if self.tp is not None:
+            return HandshakePayload.for_tp_plan(self.plan, self.name, self.metadata(),
+                                                hma=self.hma, **self.tp)
         return HandshakePayload.for_plan(self.plan, self.name, self.metadata(), hma=self.hma)
 
-    def add_peer(self, payload: HandshakePayload) -> str:
+    def add_peer(self, payload: HandshakePayload, *, pair: Any = None) -> str:
         """Accept a peer from its handshake payload: check compatibility, load its agent
-        metadata, prepare its dlist from its region table. Returns the peer name."""
+        metadata, prepare its dlist from its region table. Returns the peer name.
+
+        ``pair``: a :class:`~hmacore.tp.TpPairPlan` for a peer of another TP size (built by
+        :func:`hmacore.transport.tp_peer.tp_pair_plans` from this payload): its sub-block
+        descriptors get their own local and remote dlists and reads to this peer use
+        ``pair.desc_ids`` (remote ids are the peer's own block ids)."""
+        name = self._load_peer(payload)
+        if pair is None:
+            plan = payload.remote_plan(self.plan.layout)
+            dlist = self._agent.prep_xfer_dlist(name, plan.descriptors(), plan.mem_type)
+            self._peers[name] = _Peer(name, payload, plan, dlist)
+        else:
+            local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", pair.local.descriptors(),
+                                                pair.local.mem_type)
+            dlist = self._agent.prep_xfer_dlist(name, pair.remote.descriptors(),
+                                                pair.remote.mem_type)
+            self._peers[name] = _Peer(name, payload, None, dlist, pair, local)
+        return name
+
+    def add_notify_peer(self, payload: HandshakePayload) -> str:
+        """Accept a peer only to send it notifications (no dlist: transfers to it raise).
+        The payload must still be compatible. Returns the peer name."""
+        name = self._load_peer(payload)
+        self._peers[name] = _Peer(name, payload, None, None)
+        return name
+
+    def _load_peer(self, payload: HandshakePayload) -> str:
         self.handshake_payload().check_compatible(payload)
         if payload.agent_name in self._peers:
             self.remove_peer(payload.agent_name)
@@ -111,9 +151,6 @@ class NixlAgent:
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != payload.agent_name:
             raise HandshakeError(f"agent metadata names {name!r}, payload says {payload.agent_name!r}")
-        plan = payload.remote_plan(self.plan.layout)
-        dlist = self._agent.prep_xfer_dlist(name, plan.descriptors(), plan.mem_type)
-        self._peers[name] = _Peer(name, payload, plan, dlist)
         return name
 
     def remove_peer(self, name: str) -> None:
@@ -122,7 +159,9 @@ class NixlAgent:
         if peer is None:
             return
         try:
-            self._agent.release_dlist_handle(peer.dlist)
+            for dl in (peer.dlist, peer.local):
+                if dl is not None:
+                    self._agent.release_dlist_handle(dl)
         finally:
             try:
                 self._agent.remove_remote_agent(name)
@@ -173,6 +212,10 @@ class NixlAgent:
             raise self._fail(request_id, f"the lease on peer {peer!r}'s blocks expired "
                                          f"{time.monotonic() - expires_at:.3f} s ago")
         p = self._peers[peer]
+        if p.pair is not None:
+            return self._post_pair(op, request_id, p, local_ids, remote_ids, notif)
+        if p.plan is None:
+            raise self._fail(request_id, f"peer {peer!r} was added for notifications only")
         try:
             lids = self.plan.desc_ids(local_ids)
         except BlockTableError as e:
@@ -194,17 +237,41 @@ class NixlAgent:
         table = tuple(np.array(g, dtype=np.int32) for g in local_ids)
         t = Transfer(request_id, op, peer, table, int(lids.size),
                      self.plan.table_bytes([len(g) for g in table]), posted_at=time.monotonic())
+        return self._start(t, self._local, lids, self.plan.num_descs, p.dlist, rids,
+                           p.plan.num_descs, notif)
+
+    def _post_pair(self, op, request_id, p: _Peer, local_ids, remote_ids, notif) -> Transfer:
+        """A heterogeneous-TP transfer: the pair plan pairs head slices of the local blocks
+        with the peer's (it validates both tables, group by group, before anything moves)."""
+        try:
+            lids, rids = p.pair.desc_ids(local_ids, remote_ids)
+        except BlockTableError as e:
+            raise self._fail(request_id, f"bad block ids for peer {p.name!r}: {e}",
+                             group=getattr(e, "group", None),
+                             block_index=getattr(e, "block_index", None)) from None
+        table = tuple(np.array(g, dtype=np.int32) for g in local_ids)
+        served = p.pair.groups
+        t = Transfer(request_id, op, p.name, table, int(lids.size),
+                     p.pair.local.table_bytes([len(g) if i in served else 0
+                                               for i, g in enumerate(table)]),
+                     posted_at=time.monotonic())
+        return self._start(t, p.local, lids, p.pair.local.num_descs, p.dlist, rids,
+                           p.pair.remote.num_descs, notif)
+
+    def _start(self, t: Transfer, local_dlist, lids, nl, remote_dlist, rids, nr, notif
+               ) -> Transfer:
+        """Post ``t`` (descriptor ids into the two dlists of ``nl`` / ``nr`` entries)."""
+        op, request_id, peer = t.op, t.request_id, t.peer
         if lids.size == 0:  # full local hit: nothing to move
             t.state = "DONE"
-            self._valid[request_id] = table
+            self._valid[request_id] = t.local_block_ids
             if notif is not None:
                 self.send_notif(peer, request_id, notif)
             return t
         msg = b"" if notif is None else request_id.encode() + b":" + bytes(notif)
         try:
-            t.handle = self._agent.make_prepped_xfer(op, self._local,
-                                                     _nixl_ids(lids, self.plan.num_descs), p.dlist,
-                                                     _nixl_ids(rids, p.plan.num_descs),
+            t.handle = self._agent.make_prepped_xfer(op, local_dlist, _nixl_ids(lids, nl),
+                                                     remote_dlist, _nixl_ids(rids, nr),
                                                      notif_msg=msg)
             state = self._agent.transfer(t.handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes

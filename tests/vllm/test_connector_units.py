@@ -169,10 +169,28 @@ def test_p_side_prompt_cut_for_mamba_backoff_once():
     assert r2.num_prompt_tokens == 100
 
 
-def test_worker_role_refuses_tensor_parallel():
+def test_tp_worker_needs_vllm_parallel_state():
+    """TP > 1 pull workers take their rank from vLLM's TP group: outside a vLLM worker (no
+    model-parallel groups) that is a clear error, not rank 0 by accident."""
     vc = H.vllm_config()
     vc.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
+    with pytest.raises(RuntimeError, match="tensor_parallel_size=2 but vLLM's model-parallel "
+                                           "groups are not initialized"):
+        HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
+
+
+def test_push_worker_refuses_tensor_parallel():
+    vc = H.vllm_config(extra={"transfer_mode": "push"})
+    vc.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(NotImplementedError, match=r"\(transfer_mode='push'\) worker: "
+                                                  "tensor_parallel_size=2"):
+        HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
+
+
+def test_pull_worker_refuses_pipeline_parallel():
+    vc = H.vllm_config()
+    vc.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2; only PP = 1"):
         HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
 
 

@@ -163,3 +163,32 @@ def truncate_prompt(request: Any, n: int) -> bool:
     request.num_prompt_tokens -= n
     request.max_tokens = 1
     return True
+
+
+def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
+    """This worker's ``(tensor-parallel rank, TP size)``: vLLM's TP group when TP > 1 (its
+    parallel state must be initialized, as vLLM's workers do before building the connector)."""
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if size == 1:
+        return 0, 1
+    from vllm.distributed import parallel_state as ps
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError(f"tensor_parallel_size={size} but vLLM's model-parallel groups are "
+                           "not initialized in this process: the worker connector must be built "
+                           "inside a vLLM worker (or after initialize_model_parallel)")
+    rank, world = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    if world != size:
+        raise RuntimeError(f"vLLM's TP group has {world} ranks, parallel_config says {size}")
+    return int(rank), int(size)
+
+
+def total_kv_heads(vllm_config: Any) -> int | None:
+    """Total KV heads of the model (None without a model config)."""
+    mc = getattr(vllm_config, "model_config", None)
+    return None if mc is None else int(mc.get_total_num_kv_heads())
+
+
+def kv_cache_layout_name(vllm_config: Any) -> str | None:
+    """The KV cache page layout the engine resolved (e.g. ``"LBHNC"`` on CPU), or None."""
+    name = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    return None if name is None else str(getattr(name, "name", name))

@@ -9,14 +9,16 @@ from ...tables import RequestState, TrackerSet
 from . import _compat as C
 
 
-def require_single_worker(vllm_config: Any, connector: str) -> None:
-    """Worker sides serve one worker per engine so far: TP = PP = 1, else a clear error."""
+def require_single_worker(vllm_config: Any, connector: str, *, allow_tp: bool = False) -> None:
+    """Refuse worker layouts a connector does not serve: PP > 1 always, TP > 1 unless
+    ``allow_tp`` (one worker per TP rank), with a clear error."""
     pc = vllm_config.parallel_config
     tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
-    if tp != 1 or pp != 1:
+    if pp != 1 or (tp != 1 and not allow_tp):
+        need = "PP = 1" if allow_tp else "TP = PP = 1"
         raise NotImplementedError(
             f"{connector} worker: tensor_parallel_size={tp}, pipeline_parallel_size={pp}; only "
-            "one worker per engine (TP = PP = 1) is supported so far")
+            f"{need} is supported so far")
 
 
 class RoleDispatch:

@@ -5,8 +5,8 @@ Load it with ``KVTransferConfig(kv_connector="HmaNixlConnector",
 kv_connector_module_path="hmacore.integrations.vllm", kv_role=...)``; HMA stays on.
 
 Scheduler role: :class:`~.nixl_scheduler.HmaNixlScheduler` (proven inside vLLM's Scheduler).
-Worker role: :class:`~.nixl_worker.HmaNixlWorker` (pull over NIXL/UCX; one worker per engine,
-TP = PP = 1; tested with two in-process engines on DRAM). Each instance serves one role;
+Worker role: :class:`~.nixl_worker.HmaNixlWorker` (pull over NIXL/UCX; one worker per TP
+rank, PP = 1; prefill and decode engines may have different TP sizes: see docs/vllm.md). Each instance serves one role;
 calling the other role's methods raises.
 
 ``kv_connector_extra_config.transfer_mode``: ``"pull"`` (default: D READs P's finished blocks)
@@ -20,6 +20,7 @@ from typing import Any
 
 from . import _compat as C
 from ._roles import RoleDispatch, require_single_worker
+from ._tp import worker_tp
 from .metadata import HmaNixlConnectorMetadata
 from .nixl_scheduler import HmaNixlScheduler
 from .push_scheduler import HmaPushScheduler, transfer_mode
@@ -49,17 +50,21 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         if role == C.KVConnectorRole.SCHEDULER:
             self.scheduler = sched
         else:
-            require_single_worker(vllm_config, type(self).__name__)
+            # pull: one worker per TP rank; push: TP = 1 so far
+            require_single_worker(vllm_config, type(self).__name__
+                                  + (" (transfer_mode='push')" if push else ""),
+                                  allow_tp=not push)
+            tp = worker_tp(vllm_config, kv_cache_config, sched.layout)
             if push:
                 from .push_worker import HmaPushWorker
                 self.worker = HmaPushWorker(sched.layout, int(kv_cache_config.num_blocks),
                                             sched.engine_id, sched.host, sched.port,
                                             recv_timeout=sched.recv_timeout,
-                                            lease_s=sched.lease_s)
+                                            lease_s=sched.lease_s, tp=tp)
             else:
                 from .nixl_worker import HmaNixlWorker  # imports the NIXL driver lazily
                 self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
-                                            sched.engine_id, sched.host, sched.port)
+                                            sched.engine_id, sched.host, sched.port, tp=tp)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:

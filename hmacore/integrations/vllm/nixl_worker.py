@@ -1,96 +1,183 @@
 """Worker side of :class:`~hmacore.integrations.vllm.nixl_connector.HmaNixlConnector`.
 
-Pull mode over :class:`hmacore.transport.nixl.NixlAgent`:
+Pull mode over :class:`hmacore.transport.nixl.NixlAgent`, one worker per TP rank:
 
-* ``register_kv_caches``: one :class:`~hmacore.plan.TransferPlan` from the layer tensors (the
-  layout comes from the KVCacheConfig), one NIXL agent named after the engine id, and a
-  :class:`~hmacore.transport.handshake.HandshakeServer` on ``side_channel_host:port`` (the
-  address the scheduler side advertises in ``kv_transfer_params``); every client that
-  handshakes is added as a NIXL peer.
-* D side, each step (``start_load_kv``): for every ``RecvRequest`` handshake with P once per
-  address, pair local and remote ids with :func:`hmacore.windows.trim_remote_to_local` and
-  post one READ whose completion notifies P (``b"<P request id>:done"``). An all-empty local
+* ``register_kv_caches``: one :class:`~hmacore.plan.TransferPlan` from this rank's layer
+  tensors (the layout comes from the KVCacheConfig), one NIXL agent per rank
+  (:meth:`~._tp.WorkerTp.agent_name`) and a TP-aware
+  :class:`~hmacore.transport.handshake.HandshakeServer` on ``side_channel_host:port + rank``
+  (the scheduler side advertises ``port`` and its TP size in ``kv_transfer_params``).
+* D side, each step (``start_load_kv``): for every ``RecvRequest`` connect once per remote
+  engine (address, TP size): handshake with every rank of P. Same TP size and block sizes:
+  this rank reads whole pages from the same rank of P. Other TP size: the pair plans of
+  :func:`hmacore.transport.tp_peer.tp_pair_plans` say which P ranks hold this rank's heads
+  (MLA: one rank) and which byte ranges of each block; one READ per source rank, ids paired
+  with :func:`hmacore.windows.trim_remote_to_local`. Each READ's completion notifies its P
+  rank (``b"<P request id>:done@<rank>/<tp>"``); P ranks this rank does not read from get
+  the same message at once, so every P rank hears from every D rank. An all-empty local
   table (full local hit, abort before scheduling) only notifies. Sync loads are waited for
-  before the forward pass. Heartbeats (``b"...:HB"``) go to P for every awaited request.
-* P side: requests under lease are reported ``finished_sending`` once D's ``done`` arrives;
-  ``HB`` messages become lease renewals (:class:`HmaNixlWorkerMeta`); expired and aborted
-  requests are forgotten (their blocks were freed by the scheduler side).
+  before the forward pass. Heartbeats (``b"...:HB"``) go to every P rank of the engine.
+* P side: a request under lease is reported ``finished_sending`` by this rank once every
+  rank of the reading D engine said done (vLLM's KVOutputAggregator then waits for every P
+  rank); ``HB`` messages become lease renewals (:class:`HmaNixlWorkerMeta`); expired and
+  aborted requests are forgotten (their blocks were freed by the scheduler side).
 * Failures are per request: a READ that cannot be posted or fails is reported in both
-  ``finished_recving`` and ``failed_recving`` (vLLM then applies its load-failure policy).
+  ``finished_recving`` and ``failed_recving`` once none of the request's READs is still in
+  flight (vLLM then applies its load-failure policy).
 
-Units: block ids per group (blocks of that group); times in seconds.
-Single worker (TP = PP = 1) only: the rank is not part of the agent name yet.
+Units: block ids per group (blocks of that group); times in seconds. PP > 1 is refused by
+the connector; Mamba groups pair only between engines of equal TP size.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
 
 from ...errors import HandshakeError, HmacoreError, TransferError
 from ...plan import TransferPlan
+from ...spec import GroupKind
 from ...transport import configure_ucx_env
-from ...transport.handshake import HandshakeServer, exchange_handshake
+from ...transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
 from ...transport.nixl import NixlAgent, Transfer
+from ...transport.tp_peer import tp_pair_plans
 from ...windows import trim_remote_to_local
+from ._tp import WorkerTp
 from .metadata import HmaNixlConnectorMetadata, HmaNixlWorkerMeta, RemotePeer
 from .push_metadata import PUSH_AGENT_SUFFIX
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HmaNixlWorker"]
+__all__ = ["HmaNixlWorker", "done_message", "parse_done"]
+
+
+def done_message(rank: int, tp_size: int) -> bytes:
+    """What decode rank ``rank`` of a TP-``tp_size`` engine tells each prefill rank."""
+    return b"done@%d/%d" % (rank, tp_size)
+
+
+def parse_done(msg: bytes) -> tuple[int, int] | None:
+    """``(rank, tp_size)`` of a done message (plain ``b"done"``: rank 0 of 1), else None."""
+    if msg == b"done":
+        return 0, 1
+    if not msg.startswith(b"done@"):
+        return None
+    try:
+        r, _, n = msg[5:].partition(b"/")
+        rank, size = int(r), int(n)
+    except ValueError:
+        return None
+    return (rank, size) if 0 <= rank < size else None
+
+
+@dataclasses.dataclass
+class _Source:
+    """A connected remote (P) engine: the ranks this rank reads from, and every rank's peer."""
+
+    readers: tuple[str, ...]
+    peers: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class _Load:
+    """A D-side load in flight: one READ per source rank."""
+
+    transfers: list[Transfer]
+    failed: bool = False
 
 
 class HmaNixlWorker:
-    """Per-worker NIXL state of one engine. Created by the connector in the WORKER role.
+    """Per-rank NIXL state of one engine. Created by the connector in the WORKER role.
 
     Args:
         layout: the engine's KVLayout (translated from its KVCacheConfig).
         num_blocks: blocks per layer of the shared pool.
-        engine_id: this engine's id (also the NIXL agent name).
-        host, port: where the handshake server listens (P side; D uses it only to answer).
+        engine_id: this engine's id (the NIXL agent name at TP = 1).
+        host, port: where the handshake server of rank 0 listens (rank r: ``port + r``).
+        tp: this worker's TP description (None: a TP = 1 worker speaking the same-TP
+            handshake, which pairs only with such workers).
         sync_timeout: seconds a sync load may take before it is reported failed.
     """
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
-                 sync_timeout: float = 30.0) -> None:
+                 tp: WorkerTp | None = None, sync_timeout: float = 30.0) -> None:
         configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
         self.layout = layout
         self.num_blocks = int(num_blocks)
         self.engine_id = engine_id
-        self.host, self.port = host, port
+        self.tp = tp
+        self.rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        self.name = tp.agent_name(engine_id) if tp is not None else engine_id
+        self.host, self.port = host, (tp.port(port) if tp is not None else port)
         self.sync_timeout = sync_timeout
         self.agent: NixlAgent | None = None
         self.server: HandshakeServer | None = None
-        self._peer_by_addr: dict[tuple[str, int], str] = {}
-        self._recving: dict[str, tuple[Transfer, str]] = {}   # local rid -> (transfer, P rid)
+        self._done_msg = done_message(self.rank, self.tp_size)
+        self._sources: dict[tuple[str, int, int], _Source] = {}
+        self._engine_peers: dict[str, tuple[str, ...]] = {}   # remote engine -> its ranks
+        self._recving: dict[str, _Load] = {}                  # local rid -> READs in flight
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._sending: dict[str, float] = {}                  # P rid -> local deadline
+        self._done_from: dict[str, tuple[int, set[int]]] = {}  # P rid -> (D tp, D ranks done)
         self._renewed: set[str] = set()
 
     # -- registration -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> TransferPlan:
         plan = TransferPlan.from_kv_caches(self.layout, kv_caches, num_blocks=self.num_blocks)
-        self.agent = NixlAgent(self.engine_id, plan)
+        self.agent = NixlAgent(self.name, plan,
+                               tp=self.tp.handshake_args() if self.tp is not None else None)
+        # a reader only needs to notify us: its pages may be shaped for another TP size
         self.server = HandshakeServer(self.agent.handshake_payload(), host=self.host,
-                                      port=self.port, on_peer=self.agent.add_peer)
+                                      port=self.port, on_peer=self.agent.add_notify_peer)
         return plan
 
-    def _peer(self, remote: RemotePeer) -> str:
-        key = (remote.host, int(remote.port))
-        name = self._peer_by_addr.get(key)
-        if name is None:
-            payload = exchange_handshake(remote.host, int(remote.port),
-                                         self.agent.handshake_payload())
-            if payload.agent_name.endswith(PUSH_AGENT_SUFFIX):
+    def _source(self, remote: RemotePeer) -> _Source:
+        key = (remote.host, int(remote.port), int(remote.tp_size or 1))
+        src = self._sources.get(key)
+        if src is None:
+            src = self._connect(*key)
+            self._sources[key] = src
+            self._engine_peers[remote.engine_id] = src.peers
+        return src
+
+    def _connect(self, host: str, port: int, remote_tp: int) -> _Source:
+        """Handshake with every rank of a remote engine (rank r at ``port + r``); add the
+        ranks this rank reads from as transfer peers, the others as notify-only peers."""
+        me = self.agent.handshake_payload()
+        got: list[HandshakePayload] = []
+        for r in range(remote_tp):
+            p = exchange_handshake(host, port + r, me)
+            if p.agent_name.endswith(PUSH_AGENT_SUFFIX):
                 raise HandshakeError(
-                    f"transfer_mode mismatch: peer {payload.agent_name!r} at {remote.host}:"
-                    f"{remote.port} runs push mode, this engine kv_connector_extra_config."
-                    "transfer_mode='pull' (set the same transfer_mode on both engines)")
-            name = self.agent.add_peer(payload)
-            self._peer_by_addr[key] = name
-        return name
+                    f"transfer_mode mismatch: peer {p.agent_name!r} at {host}:{port + r} runs "
+                    "push mode, this engine kv_connector_extra_config.transfer_mode='pull' (set "
+                    "the same transfer_mode on both engines)")
+            said = (p.tp.tp_rank, p.tp.tp_size) if p.tp is not None else (0, 1)
+            if said != (r, remote_tp):
+                raise HandshakeError(f"peer {p.agent_name!r} at {host}:{port + r} is rank "
+                                     f"{said[0]} of TP {said[1]}; kv_transfer_params said TP "
+                                     f"{remote_tp}, so port {port + r} must be rank {r}")
+            if tuple(p.block_sizes) != tuple(self.layout.block_sizes):
+                raise HandshakeError(f"peer {p.agent_name!r} has block sizes "
+                                     f"{list(p.block_sizes)}, this engine "
+                                     f"{list(self.layout.block_sizes)}: the vLLM connector "
+                                     "pairs engines with equal block sizes only")
+            got.append(p)
+        if remote_tp == self.tp_size:
+            readers = {self.rank: self.agent.add_peer(got[self.rank])}
+        else:
+            mamba = [g for g, s in enumerate(self.layout.groups) if s.kind == GroupKind.MAMBA]
+            if mamba:
+                raise HandshakeError(f"groups {mamba} are Mamba state; their pages pair only "
+                                     f"between equal TP sizes (this rank: TP {self.tp_size}, "
+                                     f"peer at {host}:{port}: TP {remote_tp})")
+            _, pairs, _ = tp_pair_plans(me, self.agent.plan, got)
+            readers = {r: self.agent.add_peer(got[r], pair=pair) for r, pair in pairs.items()}
+        peers = tuple(readers[r] if r in readers else self.agent.add_notify_peer(got[r])
+                      for r in range(remote_tp))
+        return _Source(tuple(readers[r] for r in sorted(readers)), peers)
 
     # -- per step ---------------------------------------------------------------------------
     def start_load_kv(self, meta: HmaNixlConnectorMetadata) -> None:
@@ -101,75 +188,115 @@ class HmaNixlWorker:
             self._sending[rid] = now + (deadline - meta.scheduler_clock)
         for rid in meta.expired | meta.reqs_not_processed:
             self._sending.pop(rid, None)
+            self._done_from.pop(rid, None)
         for rid, rr in meta.reqs_to_recv.items():            # D: post reads
             self._start_read(rid, rr)
         for rid, rr in meta.reqs_to_recv.items():
             if not rr.awaiting and rid in self._recving:     # sync load: finish it now
-                t, _ = self._recving.pop(rid)
-                try:
-                    self.agent.wait(t, timeout=self.sync_timeout)
-                except TransferError as e:
-                    raise RuntimeError(f"sync KV load of {rid!r} failed: {e}") from e
+                self._finish_sync(rid, self._recving.pop(rid))
         for engine, remote_rids in meta.heartbeats.items():
             for peer_rid in remote_rids:
-                peer = self._peer_name_for(engine)
-                if peer is not None:
+                for peer in self._engine_peers.get(engine, ()):
                     try:
                         self.agent.send_notif(peer, peer_rid, b"HB")
                     except HmacoreError as e:
                         logger.warning("heartbeat for %s not sent: %s", peer_rid, e)
 
-    def _peer_name_for(self, engine: str) -> str | None:
-        return engine if engine in self.agent.peers else None
+    def _finish_sync(self, rid: str, load: _Load) -> None:
+        err = None
+        for t in load.transfers:        # every READ leaves flight before anything is raised
+            try:
+                self.agent.wait(t, timeout=self.sync_timeout)
+            except TransferError as e:
+                err = err or e
+        if err is not None or load.failed:
+            raise RuntimeError(f"sync KV load of {rid!r} failed: {err or 'a READ failed'}")
 
     def _start_read(self, rid: str, rr) -> None:
         remote = rr.remote
         if remote is None:
             return
+        posted: list[Transfer] = []
         try:
-            peer = self._peer(remote)
+            src = self._source(remote)
             if not any(len(g) for g in rr.local_block_ids):
-                self.agent.send_notif(peer, remote.request_id, b"done")   # nothing to read
+                for peer in src.peers:                       # nothing to read
+                    self.agent.send_notif(peer, remote.request_id, self._done_msg)
                 if rr.awaiting:
                     self._done_recving.add(rid)
                 return
             local, rem = trim_remote_to_local(rr.local_block_ids, remote.block_ids, self.layout)
-            t = self.agent.read(remote.request_id, peer, local, rem, notif=b"done")
-            self._recving[rid] = (t, remote.request_id)
+            for peer in src.readers:
+                posted.append(self.agent.read(remote.request_id, peer, local, rem,
+                                              notif=self._done_msg))
+            for peer in src.peers:
+                if peer not in src.readers:
+                    self.agent.send_notif(peer, remote.request_id, self._done_msg)
+            self._recving[rid] = _Load(posted)
         except HmacoreError as e:
             logger.warning("KV load of %s failed to start: %s", rid, e)
-            if rr.awaiting:
+            if posted:       # READs already in flight write into our blocks: let them end
+                self._recving[rid] = _Load(posted, failed=True)
+                if not rr.awaiting:
+                    self._finish_sync(rid, self._recving.pop(rid))
+            elif rr.awaiting:
                 self._done_recving.add(rid)
                 self._failed_recving.add(rid)
             else:
                 raise RuntimeError(f"sync KV load of {rid!r} failed: {e}") from e
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
+        """``(finished_sending, finished_recving, failed_recving)`` of this rank since the
+        last call."""
         recving, failed = self._done_recving, self._failed_recving
         self._done_recving, self._failed_recving = set(), set()
-        for rid, (t, _) in list(self._recving.items()):
-            try:
-                state = self.agent.poll(t)
-            except TransferError as e:
-                logger.warning("KV load of %s failed: %s", rid, e)
-                state = "FAILED"
-                failed.add(rid)
-            if state != "PROC":
+        for rid, load in list(self._recving.items()):
+            busy = False
+            for t in load.transfers:
+                try:
+                    busy |= self.agent.poll(t) == "PROC"
+                except TransferError as e:
+                    if not load.failed:
+                        logger.warning("KV load of %s failed: %s", rid, e)
+                    load.failed = True
+            if not busy:
                 del self._recving[rid]
                 recving.add(rid)
+                if load.failed:
+                    failed.add(rid)
         sending = set()
         now = time.perf_counter()
         for rid, deadline in list(self._sending.items()):
-            msgs = self.agent.notifications(rid)
-            if b"HB" in msgs:
-                self._renewed.add(rid)
-            if b"done" in msgs:
+            if self._heard_from_all(rid):
                 sending.add(rid)
                 del self._sending[rid]
             elif deadline < now - 1.0:    # the scheduler side frees it; stop watching
                 del self._sending[rid]
+                self._done_from.pop(rid, None)
         return sending, recving, failed
+
+    def _heard_from_all(self, rid: str) -> bool:
+        """Fold this request's new notifications in; True once every D rank said done."""
+        for m in self.agent.notifications(rid):
+            if m == b"HB":
+                self._renewed.add(rid)
+                continue
+            who = parse_done(m)
+            if who is None:
+                logger.warning("unknown notification %r for %s ignored", m, rid)
+                continue
+            rank, size = who
+            tp, ranks = self._done_from.setdefault(rid, (size, set()))
+            if size != tp:
+                logger.warning("request %s: done from a TP-%d rank after TP-%d ones; ignored",
+                               rid, size, tp)
+                continue
+            ranks.add(rank)
+        tp_ranks = self._done_from.get(rid)
+        if tp_ranks is None or len(tp_ranks[1]) < tp_ranks[0]:
+            return False
+        del self._done_from[rid]
+        return True
 
     def build_worker_meta(self) -> HmaNixlWorkerMeta | None:
         if not self._renewed:

@@ -83,11 +83,12 @@ class HmaPushWorker:
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  recv_timeout: float = 60.0, lease_s: float = 30.0,
-                 gate_timeout: float = 5.0) -> None:
+                 gate_timeout: float = 5.0, tp: Any = None) -> None:
         configure_ucx_env()
         self.layout = layout
         self.num_blocks = int(num_blocks)
         self.name = f"{engine_id}{PUSH_AGENT_SUFFIX}"
+        self.tp = tp   # WorkerTp (TP = 1): the TP-aware handshake pull workers speak
         self.host, self.port = host, port
         self.recv_timeout, self.lease_s, self.gate_timeout = recv_timeout, lease_s, gate_timeout
         self.agent = None
@@ -130,6 +131,9 @@ class HmaPushWorker:
         return plan
 
     def _payload(self) -> HandshakePayload:
+        if self.tp is not None:
+            return HandshakePayload.for_tp_plan(self.plan, self.name, self.agent.metadata(),
+                                                **self.tp.handshake_args())
         return HandshakePayload.for_plan(self.plan, self.name, self.agent.metadata())
 
     def _error(self, msg: str) -> None:

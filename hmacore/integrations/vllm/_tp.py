@@ -1,0 +1,88 @@
+"""A worker's tensor-parallel self-description, read from vLLM, for the TP-aware handshake.
+
+Every hmacore NIXL worker speaks the TP-aware handshake (``HandshakePayload.for_tp_plan``),
+whatever its TP size, so that engines of different TP sizes can pair: the payload says the
+rank, the TP size and how each group's pages are split across ranks.
+
+Per group (``hmacore.tp.GroupSharding``): MLA groups are replicated (one latent per token on
+every rank); attention groups are head-sharded over the model's total KV heads with the rule
+of :func:`hmacore.tp.kv_heads_of_rank`, in 1 head-major chunk per block for vLLM's CPU
+``LBHNC`` pages (``[heads, block_size, 2*head_size]``) and 2 (K then V) for ``HND``; Mamba
+groups are declared as whole pages (equal TP sizes only: their state sharding is
+model-specific, so a decode engine of another TP size refuses them at the handshake).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ...errors import LayoutError
+from ...spec import GroupKind, KVLayout
+from ...tp import GroupSharding, kv_heads_of_rank
+from . import _compat as C
+
+__all__ = ["WorkerTp", "worker_tp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerTp:
+    """This worker's rank and TP size, shardings (one per group), KV dtype name, head size
+    (elements) and page layout (one of hmacore.tp.PAGE_LAYOUTS)."""
+
+    rank: int
+    size: int
+    shardings: tuple[GroupSharding, ...]
+    kv_dtype: str
+    head_dim: int
+    page_layout: str
+
+    def handshake_args(self) -> dict[str, Any]:
+        """Keyword arguments of ``HandshakePayload.for_tp_plan`` / ``NixlAgent(tp=...)``."""
+        return dict(tp_size=self.size, tp_rank=self.rank, shardings=self.shardings,
+                    kv_dtype=self.kv_dtype, head_dim=self.head_dim, page_layout=self.page_layout)
+
+    def agent_name(self, engine_id: str) -> str:
+        """NIXL agent name of this rank: the engine id at TP = 1, ``<engine>#tp<rank>`` else."""
+        return engine_id if self.size == 1 else f"{engine_id}#tp{self.rank}"
+
+    def port(self, base_port: int) -> int:
+        """Handshake port of this rank: ``base_port + rank`` (vLLM's NIXL connector rule)."""
+        return int(base_port) + self.rank
+
+
+def _spec(group: Any) -> Any:
+    spec = group.kv_cache_spec
+    if isinstance(spec, C.UniformTypeKVCacheSpecs):
+        spec = next(iter(spec.kv_cache_specs.values()))
+    return spec
+
+
+def worker_tp(vllm_config: Any, kv_cache_config: Any, layout: KVLayout) -> WorkerTp:
+    """The TP description of this worker (rank from vLLM's TP group when TP > 1).
+
+    Raises LayoutError naming the group when a group's per-rank KV heads do not follow vLLM's
+    sharding of the model's total KV heads; RuntimeError when TP > 1 outside a vLLM worker.
+    """
+    rank, size = C.tp_rank_and_size(vllm_config)
+    page_layout = C.kv_cache_layout_name(vllm_config) or "NHD"  # unknown: no head slicing
+    chunks = 1 if page_layout in ("LBHNC", "LBNHC") else 2
+    total = C.total_kv_heads(vllm_config)
+    shardings = []
+    kv_dtype, head_dim = "none", 1
+    for g, (grp, gs) in enumerate(zip(kv_cache_config.kv_cache_groups, layout.groups)):
+        spec = _spec(grp)
+        if gs.kind == GroupKind.MAMBA or gs.mla:
+            shardings.append(GroupSharding(1, 1, True))
+            if gs.mla and kv_dtype == "none":
+                kv_dtype, head_dim = str(spec.dtype), int(spec.head_size)
+            continue
+        per_rank = int(spec.num_kv_heads)
+        h = total if total is not None else per_rank * size
+        lo, hi = kv_heads_of_rank(h, size, rank)
+        if hi - lo != per_rank:
+            raise LayoutError(f"group {g}: {per_rank} KV heads per rank, but the model's {h} "
+                              f"KV heads over TP {size} give rank {rank} {hi - lo} (vLLM's rule)")
+        shardings.append(GroupSharding(h, chunks, False))
+        if kv_dtype == "none":
+            kv_dtype, head_dim = str(spec.dtype), int(spec.head_size)
+    return WorkerTp(rank, size, tuple(shardings), kv_dtype, head_dim, page_layout)
