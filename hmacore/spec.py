@@ -342,6 +342,14 @@ class KVLayout:
                "pmu": self.prefix_match_unit}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
+    def pairing_fingerprint(self) -> str:
+        """Like :meth:`fingerprint` without page bytes: what two engines must agree on to
+        exchange blocks whatever their TP sizes (a rank's page bytes scale with the KV heads
+        it holds; the NIXL handshake checks bytes per head)."""
+        groups = [{k: v for k, v in s.to_dict().items() if k != "page_bytes"} for s in self.groups]
+        doc = {"groups": groups, "cp": self.context_parallel, "pmu": self.prefix_match_unit}
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+
     def to_dict(self) -> dict[str, Any]:
         return {"groups": [s.to_dict() for s in self.groups], "num_blocks": self.num_blocks,
                 "context_parallel": self.context_parallel,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                         SchedulerConfig, VllmConfig)
+                         ParallelConfig, SchedulerConfig, VllmConfig)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -42,7 +42,8 @@ def model_config() -> ModelConfig:
 def vllm_config(*, kv_role: str = "kv_both", block_size: int = 16, extra: dict | None = None,
                 load_failure_policy: str = "fail", mamba_cache_mode: str | None = None,
                 max_num_batched_tokens: int = 256, connector: bool = True,
-                kv_connector: str = "HmaNixlConnector") -> VllmConfig:
+                kv_connector: str = "HmaNixlConnector", tp: int = 1,
+                engine_id: str | None = None, kv_cache_layout: str = "LBNHC") -> VllmConfig:
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     if mamba_cache_mode is not None:
         cache.mamba_cache_mode = mamba_cache_mode
@@ -52,13 +53,16 @@ def vllm_config(*, kv_role: str = "kv_both", block_size: int = 16, extra: dict |
                                kv_connector_module_path="hmacore.integrations.vllm",
                                kv_role=kv_role, kv_connector_extra_config=dict(extra or {}),
                                kv_load_failure_policy=load_failure_policy)
+        if engine_id is not None:   # rank processes must share the scheduler's engine id
+            ktc.engine_id = engine_id
     vc = VllmConfig(model_config=model_config(),
                     scheduler_config=SchedulerConfig(max_num_seqs=16,
                                                      max_num_batched_tokens=max_num_batched_tokens,
                                                      max_model_len=MAX_LEN,
                                                      is_encoder_decoder=False),
-                    cache_config=cache, kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
-    vc.cache_config.kv_cache_layout = "LBNHC"
+                    cache_config=cache, kv_transfer_config=ktc, device_config=DeviceConfig("cpu"),
+                    parallel_config=ParallelConfig(tensor_parallel_size=tp))
+    vc.cache_config.kv_cache_layout = kv_cache_layout
     return vc
 
 
@@ -81,11 +85,12 @@ def group(names, spec) -> KVCacheGroupSpec:
     return KVCacheGroupSpec(list(names), spec)
 
 
-def gemma_like(num_blocks: int = 400, bs: int = 16, window: int = 64) -> KVCacheConfig:
-    """Full + sliding window (gemma-2-like), hand-made."""
+def gemma_like(num_blocks: int = 400, bs: int = 16, window: int = 64, heads: int = 2,
+               head: int = 16) -> KVCacheConfig:
+    """Full + sliding window (gemma-2-like), hand-made; ``heads`` KV heads per TP rank."""
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        group(["model.layers.1.attn", "model.layers.3.attn"], attn(bs)),
-        group(["model.layers.0.attn", "model.layers.2.attn"], swa(bs, window)),
+        group(["model.layers.1.attn", "model.layers.3.attn"], attn(bs, heads, head)),
+        group(["model.layers.0.attn", "model.layers.2.attn"], swa(bs, window, heads, head)),
     ])
 
 

@@ -108,10 +108,10 @@ class HmaNixlScheduler(TableFollower):
             logger.warning("kv_transfer_params lack %s; no remote load", _REMOTE_KEYS)
             return None
         fp = params.get("hma_layout_fingerprint")
-        if fp is not None and fp != self.layout.fingerprint():
+        if fp is not None and fp != self.layout.pairing_fingerprint():
             logger.warning("P's KV layout fingerprint %s differs from ours %s (groups, block "
                            "sizes or windows disagree); no remote load", fp,
-                           self.layout.fingerprint())
+                           self.layout.pairing_fingerprint())
             return None
         try:
             table = from_wire(params.get("remote_block_ids") or [], self.layout.num_groups)
@@ -318,7 +318,7 @@ class HmaNixlScheduler(TableFollower):
             remote_host=self.host, remote_port=self.port, tp_size=self.tp_size,
             remote_num_tokens=int(request.num_computed_tokens),
             remote_blocks_expiry_time=expiry,
-            hma_layout_fingerprint=self.layout.fingerprint())
+            hma_layout_fingerprint=self.layout.pairing_fingerprint())
 
     # -- queries ---------------------------------------------------------------------------
     def has_pending_block_frees(self) -> bool:

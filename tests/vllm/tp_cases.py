@@ -1,0 +1,121 @@
+"""Mixed-TP test engines: configs, per-rank KV caches shaped like vLLM's CPU pages, and the
+byte pattern written by P and checked by D. Shared by tp_rank.py (rank processes) and
+tp_harness.py (the scheduler process)."""
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+import harness as H
+from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+
+MLA = (MLAAttentionSpec, SlidingWindowMLASpec)
+
+TOTAL_HEADS = 2  # the gemma2_tiny fixture's num_key_value_heads (vLLM shards these)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    make: Callable[[int], Any]        # TP size -> the worker's KVCacheConfig (per-rank heads)
+    vkw: dict
+    prompt_tokens: int
+
+    def kcc(self, tp: int):
+        return self.make(tp)
+
+
+CASES = {
+    "gemma": Case("gemma", lambda tp: H.gemma_like(num_blocks=64,
+                                                   heads=max(1, TOTAL_HEADS // tp)), {}, 150),
+    "dsv4": Case("dsv4", lambda tp: H.dsv4_like(num_blocks=600),
+                 dict(max_num_batched_tokens=1024), 600),
+}
+
+
+def engine_config(case: Case, *, tp: int, port: int, engine_id: str):
+    return H.vllm_config(extra={"side_channel_port": port, "kv_lease_duration": 30}, tp=tp,
+                         engine_id=engine_id, kv_cache_layout="LBHNC", **case.vkw)
+
+
+def _specs(kcc):
+    for grp in kcc.kv_cache_groups:
+        for name in grp.layer_names:
+            yield grp.kv_cache_spec, name
+
+
+def allocate(case: Case, kcc, tp: int) -> dict[str, torch.Tensor]:
+    """Zeroed per-layer caches of this rank, blocks on dim 0."""
+    out = {}
+    for spec, name in _specs(kcc):
+        nb, bs = kcc.num_blocks, spec.block_size
+        if isinstance(spec, MLA):
+            out[name] = torch.zeros(nb, bs, spec.head_size, dtype=spec.dtype)
+        else:
+            out[name] = torch.zeros(nb, spec.num_kv_heads, bs, 2 * spec.head_size, dtype=spec.dtype)
+        assert out[name][0].numel() * out[name].element_size() == spec.page_size_bytes
+    return out
+
+
+def _heads(spec, tp: int, rank: int) -> list[int] | None:
+    """Global KV heads this rank holds (vLLM's rule), None for MLA (one latent)."""
+    if isinstance(spec, MLA):
+        return None
+    if tp <= TOTAL_HEADS:
+        n = TOTAL_HEADS // tp
+        return list(range(rank * n, rank * n + n))
+    return [rank * TOTAL_HEADS // tp]
+
+
+def block_pattern(layer: int, position: int, spec, heads) -> torch.Tensor:
+    """The bytes of table position ``position`` of ``layer``: token t of the block, global
+    head h and element e hold ``(7 layer + 3 token + 11 h + e) % 251 + 1`` (exact in fp16)."""
+    bs = spec.block_size
+    tok = torch.arange(position * bs, position * bs + bs).view(-1, 1)
+    if heads is None:
+        e = torch.arange(spec.head_size).view(1, -1)
+        v = (7 * layer + 3 * tok + e) % 251 + 1
+    else:
+        e = torch.arange(2 * spec.head_size).view(1, 1, -1)
+        h = torch.tensor(heads).view(-1, 1, 1)
+        v = (7 * layer + 3 * tok.view(1, -1, 1) + 11 * h + e) % 251 + 1
+    return v.to(spec.dtype)
+
+
+def _layers(kcc) -> dict[str, int]:
+    return {n: i for i, n in enumerate(sorted(n for _, n in _specs(kcc)))}
+
+
+def fill(case: Case, kcc, caches, table, tp: int, rank: int) -> None:
+    """P: write every block of ``table`` (per group, position order; 0 = null) with the
+    pattern of its positions and this rank's heads."""
+    idx = _layers(kcc)
+    for g, grp in enumerate(kcc.kv_cache_groups):
+        spec = grp.kv_cache_spec
+        for j, b in enumerate(table[g]):
+            if b:
+                for name in grp.layer_names:
+                    caches[name][b] = block_pattern(idx[name], j, spec, _heads(spec, tp, rank))
+
+
+def check(case: Case, kcc, caches, table, loaded, tp: int, rank: int) -> dict:
+    """D: every block in ``loaded[g]`` equals the pattern of its position in ``table[g]`` for
+    this rank's heads; every other block of every layer is still zero."""
+    idx = _layers(kcc)
+    bad = checked = stray = 0
+    touched: set[int] = set()
+    for g, grp in enumerate(kcc.kv_cache_groups):
+        spec = grp.kv_cache_spec
+        want = set(loaded[g])
+        touched |= want
+        for j, b in enumerate(table[g]):
+            if b in want:
+                for name in grp.layer_names:
+                    got = caches[name][b]
+                    bad += int((got != block_pattern(idx[name], j, spec,
+                                                     _heads(spec, tp, rank))).sum())
+                    checked += got.numel() * got.element_size()
+    others = torch.tensor(sorted(set(range(kcc.num_blocks)) - touched), dtype=torch.long)
+    for name, t in caches.items():
+        stray += int((t[others] != 0).sum())
+    return {"bad": bad, "checked": checked, "stray": stray}

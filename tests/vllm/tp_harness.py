@@ -1,0 +1,156 @@
+"""A test engine with TP ranks: the real vLLM Scheduler here (SCHEDULER-role connector), one
+process per TP rank (tp_rank.py: vLLM's TP group initialized, WORKER-role connector, CPU KV
+tensors), and vLLM's own KVOutputAggregator folding the ranks' connector outputs into the
+one the scheduler sees, as vLLM's multiproc executor does. Every rank process is bounded
+(each reply within ``timeout`` s) and killed by PID on close."""
+import base64
+import json
+import os
+import pickle
+import selectors
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+
+import harness as H
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+import tp_cases
+
+RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_rank.py")
+
+
+def free_ports(n: int) -> int:
+    """A base port with ``n`` consecutive free loopback ports (handshake port + rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+class RankProc:
+    """One tp_rank.py process; :meth:`call` sends a command and reads one JSON reply."""
+
+    def __init__(self, args: dict, timeout: float = 120.0):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"tp-rank{args['rank']}-",
+                                               suffix=".log", delete=False)
+        env = dict(os.environ, NIXL_LOG_LEVEL="WARN", UCX_NET_DEVICES="lo",
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(RANK)] + sys.path))
+        self.proc = subprocess.Popen([sys.executable, RANK, json.dumps(args)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, env=env, text=True)
+        self.timeout = timeout
+
+    def read(self, timeout: float | None = None) -> dict:
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout=timeout or self.timeout):
+            self.kill()
+            raise RuntimeError(f"rank sent nothing within {timeout or self.timeout} s; "
+                               f"log: {self.tail()}")
+        while True:
+            text = self.proc.stdout.readline()
+            if not text:
+                self.kill()
+                raise RuntimeError(f"rank exited early ({self.proc.wait(5)}); log: {self.tail()}")
+            if text.startswith("{"):
+                return json.loads(text)
+
+    def call(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        out = self.read()
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        return out
+
+    def tail(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-3000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+class TpEngine:
+    """Scheduler + TP rank processes of one engine (``tp`` ranks) for a tp_cases case."""
+
+    def __init__(self, case: str, tp: int, name: str, *, load_failure_policy: str = "fail"):
+        self.case = tp_cases.CASES[case]
+        self.tp = tp
+        self.port = free_ports(tp)
+        self.engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.vc = tp_cases.engine_config(self.case, tp=tp, port=self.port,
+                                         engine_id=self.engine_id)
+        self.vc.kv_transfer_config.kv_load_failure_policy = load_failure_policy
+        self.kcc = self.case.kcc(tp)
+        self.s = H.make_scheduler(self.vc, self.kcc)
+        self.agg = KVOutputAggregator(expected_finished_count=tp)
+        dist_port = free_ports(1)
+        self.ranks = [RankProc(dict(case=case, tp=tp, rank=r, port=self.port, dist_port=dist_port,
+                                    engine_id=self.engine_id)) for r in range(tp)]
+        try:
+            self.names = [r.read(timeout=180)["ready"] for r in self.ranks]
+        except Exception:
+            self.close()
+            raise
+        self.metas: list = []
+        self.outputs: list = []
+
+    @property
+    def layout(self):
+        return self.s.connector.scheduler.layout
+
+    def step(self):
+        """schedule -> every rank's worker step -> vLLM's aggregation -> update_from_output."""
+        so = self.s.schedule()
+        meta = so.kv_connector_metadata
+        self.metas.append(meta)
+        blob = base64.b64encode(pickle.dumps(meta)).decode()
+        results = [pickle.loads(base64.b64decode(r.call("step", meta=blob,
+                                                         finished=sorted(so.finished_req_ids))
+                                                  ["result"]))
+                   for r in self.ranks]
+        outs = [H.runner_output(so, self.s, **res) for res in results]
+        self.outputs.append(self.s.update_from_output(so, self.agg.aggregate(outs, 0)))
+        return so
+
+    def finished_params(self) -> dict:
+        res = {}
+        for out in self.outputs:
+            for eco in out.values():
+                for o in eco.outputs:
+                    if o.finish_reason is not None:
+                        res[o.request_id] = o.kv_transfer_params
+        return res
+
+    def close(self) -> None:
+        for r in self.ranks:
+            try:
+                if r.proc.poll() is None:
+                    r.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                    r.proc.stdin.flush()
+                    r.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            r.kill()

@@ -1,0 +1,89 @@
+"""One TP rank of a test engine, in its own process: vLLM's TP group initialized for real
+(gloo over loopback), a WORKER-role HmaNixlConnector built from the engine's config, and this
+rank's KV caches as real CPU tensors shaped like vLLM's CPU pages (``LBHNC``: blocks x this
+rank's KV heads x block_size x 2*head_size; MLA: blocks x block_size x head_size).
+
+Driven by tests/vllm/tp_harness.py over stdin/stdout, one JSON line per command:
+``fill`` (P: write the pattern of each block's token positions), ``step`` (one model-runner
+step of the connector's worker side; metadata pickled), ``check`` (D: compare loaded blocks
+with the pattern of this rank's heads; count non-zero bytes elsewhere), ``quit``.
+Usage: python tp_rank.py '<json args>' (spawned by the harness; bounded by it).
+"""
+import base64
+import json
+import os
+import pickle
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+import torch  # noqa: E402
+
+import tp_cases  # noqa: E402
+
+
+def _b64(obj) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def _unb64(text: str):
+    return pickle.loads(base64.b64decode(text))
+
+
+def init_tp(tp: int, rank: int, dist_port: int, vc) -> None:
+    """vLLM's own parallel state for this rank (what a vLLM worker sets up before it builds
+    the KV connector)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    with set_current_vllm_config(vc):
+        ps.init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
+                                        distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
+                                        backend="gloo")
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
+    case = tp_cases.CASES[args["case"]]
+    tp, rank = args["tp"], args["rank"]
+    vc = tp_cases.engine_config(case, tp=tp, port=args["port"], engine_id=args["engine_id"])
+    init_tp(tp, rank, args["dist_port"], vc)
+    kcc = case.kcc(tp)
+    conn = HmaNixlConnector(vc, KVConnectorRole.WORKER, kcc)
+    caches = tp_cases.allocate(case, kcc, tp)
+    conn.register_kv_caches(caches)
+    print(json.dumps({"ready": conn.worker.name, "port": conn.worker.port}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "quit":
+            break
+        if op == "fill":
+            tp_cases.fill(case, kcc, caches, cmd["table"], tp, rank)
+            out = {"ok": True}
+        elif op == "check":
+            out = tp_cases.check(case, kcc, caches, cmd["table"], cmd["loaded"], tp, rank)
+        elif op == "step":
+            conn.bind_connector_metadata(_unb64(cmd["meta"]))
+            conn.start_load_kv(None)
+            conn.wait_for_save()
+            r = conn.get_transfer_results(set(cmd["finished"]))
+            wmeta = conn.build_connector_worker_meta()
+            conn.clear_connector_metadata()
+            out = {"result": _b64(dict(finished_sending=r.finished_sending,
+                                       finished_recving=r.finished_recving,
+                                       failed_recving=r.failed_recving, worker_meta=wmeta))}
+        else:
+            out = {"error": f"unknown op {op!r}"}
+        print(json.dumps(out), flush=True)
+    conn.shutdown()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
