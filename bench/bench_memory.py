@@ -10,13 +10,13 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from hmacore.grain import cdiv
 from hmacore.hits import ExistenceSet, HitFinder
 from hmacore.plan import TransferPlan
 from hmacore.presets import get_preset
-from hmacore.spec import GroupKind
 from hmacore.tables import TrackerSet
 from hmacore.windows import clip_tracked_spans, clip_windows
+
+from _tables_fixtures import window_tables
 
 NUM_REQS = 256
 DSV4 = get_preset("deepseek-v4", num_blocks=2**31 - 1)
@@ -48,19 +48,6 @@ def objects(fn, reps=20):
     return (after - before) / reps, peak
 
 
-def _tables(tokens):
-    out, nid = [], 1
-    for _ in range(NUM_REQS):
-        t = []
-        for spec in DSV4.groups:
-            n = cdiv(tokens, spec.block_size)
-            keep = min(n, spec.window_blocks()) if spec.kind == GroupKind.SLIDING_WINDOW else n
-            t.append([0] * (n - keep) + list(range(nid, nid + keep)))
-            nid += keep
-        out.append(t)
-    return out
-
-
 def _record(benchmark, name, fn, blocks):
     per_call, peak = objects(fn)
     benchmark.group = f"mem-{name}"
@@ -74,7 +61,7 @@ def _record(benchmark, name, fn, blocks):
 def test_mem_step(benchmark, tokens):
     """apply_step_flat + clip_tracked_spans, 256 requests x 5 groups, one block per group."""
     ts = TrackerSet(DSV4)
-    for r, t in enumerate(_tables(tokens)):
+    for r, t in enumerate(window_tables(DSV4, tokens, NUM_REQS)):
         ts.add(r, t)
     reqs = list(range(NUM_REQS))
     G = DSV4.num_groups
@@ -89,7 +76,7 @@ def test_mem_step(benchmark, tokens):
 
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_mem_clip(benchmark, tokens):
-    t = [np.array(g, dtype=np.int32) for g in _tables(tokens)[0]]
+    t = [np.array(g, dtype=np.int32) for g in window_tables(DSV4, tokens, NUM_REQS)[0]]
     t = tuple(t)
     _record(benchmark, f"clip-5groups-{tokens // 1024}k", lambda: clip_windows(t, DSV4),
             sum(x.size for x in t))

@@ -12,28 +12,15 @@ import pytest
 
 from hmacore.grain import cdiv
 from hmacore.presets import get_preset
-from hmacore.spec import GroupKind
 from hmacore.windows import (clip_to_window, clip_windows, expand_layout_to_kernel,
                              trim_remote_to_local)
+from _tables_fixtures import window_tables
 from tests import oracle_core as oracle
 
 NUM_REQS = 256
 LAYOUTS = {"2groups": get_preset("gpt-oss-120b", num_blocks=2**31 - 1),
            "5groups": get_preset("deepseek-v4", num_blocks=2**31 - 1)}
 TOKENS = [4096, 32768, 131072]
-
-
-def tables(layout, tokens, offset=1):
-    out, nid = [], offset
-    for _ in range(NUM_REQS):
-        t = []
-        for spec in layout.groups:
-            n = cdiv(tokens, spec.block_size)
-            keep = min(n, spec.window_blocks()) if spec.kind == GroupKind.SLIDING_WINDOW else n
-            t.append([0] * (n - keep) + list(range(nid, nid + keep)))
-            nid += keep
-        out.append(t)
-    return out
 
 
 def as_lists(result):
@@ -52,7 +39,7 @@ def clip_case(request):
     measures the price of the extra validation, not the same work."""
     name, tokens, form = request.param
     layout = LAYOUTS[name]
-    ts = tables(layout, tokens)
+    ts = window_tables(layout, tokens, NUM_REQS)
     inp = [tuple(t) for t in ts] if form == "lists" else \
         [tuple(np.array(g, dtype=np.int32) for g in t) for t in ts]
     groups = oracle.layout_to_dicts(layout)
@@ -98,7 +85,7 @@ def trim_case(request):
     name, tokens = request.param
     layout = LAYOUTS[name]
     groups = oracle.layout_to_dicts(layout)
-    remote = [oracle.clip(t, groups) for t in tables(layout, tokens)]
+    remote = [oracle.clip(t, groups) for t in window_tables(layout, tokens, NUM_REQS)]
     local = []
     for r in remote:
         real = [[b for b in g if b] for g in r]

@@ -20,6 +20,9 @@ from .errors import HashInputError
 
 __all__ = ["RankNamespace", "KeyBuilder"]
 
+# The largest group id: ExistenceSet stores a key's group as an int32 tag (hits.py, _hits.pyx).
+MAX_GROUP_ID = 2**31 - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class RankNamespace:
@@ -79,8 +82,10 @@ class KeyBuilder:
 
     @staticmethod
     def _group(group) -> int:
-        if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
-            raise HashInputError(f"group must be an int group id >= 0, got {group!r}")
+        if isinstance(group, bool) or not isinstance(group, (int, np.integer)) \
+                or not 0 <= group <= MAX_GROUP_ID:
+            raise HashInputError(f"group must be an int group id in [0, 2**31-1] (the ids "
+                                 f"ExistenceSet accepts), got {group!r}")
         return int(group)
 
     def prefix(self, group: int, rank: RankNamespace | None = None) -> str:

@@ -64,6 +64,30 @@ def test_bad_inputs_are_rejected(call):
         call(KeyBuilder("m"))
 
 
+@pytest.mark.parametrize("group", [2**31, np.int64(2**31), 2**63, -1])
+def test_group_ids_outside_existence_set_range_are_rejected(group):
+    """KeyBuilder takes exactly the group ids ExistenceSet takes: [0, 2**31-1]."""
+    from hmacore.hits import ExistenceSet
+    kb, d = KeyBuilder("m"), np.zeros((1, 16), dtype=np.uint8)
+    for call in (lambda: kb.keys(group, d), lambda: kb.lookup_keys(group, d),
+                 lambda: kb.prefix(group), lambda: kb.namespaces(group),
+                 lambda: KeyBuilder("m", lookup_namespaces={group: [RankNamespace()]})):
+        with pytest.raises(HashInputError, match=r"group must be an int group id in \[0, 2\*\*31-1\]"):
+            call()
+    with pytest.raises(HashInputError, match="group"):
+        ExistenceSet(16).add(group, b"\0" * 16)
+
+
+def test_largest_group_id_is_accepted_by_both():
+    from hmacore.hits import ExistenceSet
+    g = 2**31 - 1
+    assert KeyBuilder("m").keys(g, np.zeros((1, 16), dtype=np.uint8))[0].startswith(
+        f"m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:{g}@")
+    es = ExistenceSet(16)
+    es.add(g, b"\0" * 16)
+    assert es.contains(g, b"\0" * 16)
+
+
 def test_bad_builders_are_rejected():
     with pytest.raises(HashInputError, match="model"):
         KeyBuilder("a@b")

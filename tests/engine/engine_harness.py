@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import socket
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 from hmacore.integrations.vllm.engine_driver import EngineProcess, make_prompts
@@ -42,3 +43,52 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_pd_round(pd: dict, name: str, prompts: list[list[int]], *, decoder: str,
+                 fault_on: str, fault: dict | None, p_params: list | None = None,
+                 d_params: list | None = None, timeout: float = 180.0,
+                 drain_timeout: float = 120.0, drained_timeout: float = 150.0,
+                 extra: Callable[[], dict] | None = None) -> dict:
+    """One P/D round between ``pd["engines"]["p"]`` and ``pd["engines"][decoder]``, memoised
+    in ``pd["results"][name]``.
+
+    ``fault`` is set on engine ``fault_on`` for the round. P prefills ``prompts`` (1 token,
+    KV kept for D, ``p_params`` merged into each request's ``kv_transfer_params``), then keeps
+    stepping (``drain``) while D decodes ``MAX_TOKENS``. D's ``kv_transfer_params``: ``d_params``,
+    in which case D's request is sent first (push: D registers with P and waits); None: the
+    ones P returned (pull: D reads from P after P's prefill). ``extra()`` adds fields read
+    after the round. Timeouts in seconds: ``timeout`` for each generate, ``drain_timeout``
+    P's drain, ``drained_timeout`` waiting for its answer.
+    """
+    if name in pd["results"]:
+        return pd["results"][name]
+    eng = pd["engines"]
+    d = eng[decoder]
+    eng[fault_on].call({"cmd": "fault", "spec": fault})
+
+    def decode(params: list) -> None:
+        d.send({"cmd": "generate", "prompts": prompts, "max_tokens": MAX_TOKENS,
+                "kv_transfer_params": params, "remote_decode": False})
+
+    d_first = d_params is not None
+    if d_first:
+        decode(d_params)
+    pre = eng["p"].generate(prompts, 1, kv_transfer_params=p_params, remote_decode=True,
+                            timeout=timeout)
+    params = pre["kv_transfer_params"]
+    if not d_first:
+        assert all(p and p["do_remote_prefill"] for p in params), params
+    eng["p"].send({"cmd": "drain", "timeout": drain_timeout})   # P serves D meanwhile
+    if not d_first:
+        decode(params)
+    out = d.result(timeout)
+    drained = eng["p"].result(drained_timeout)
+    eng[fault_on].call({"cmd": "fault", "spec": None})
+    res = {"tokens": out["tokens"], "external": out["external_tokens"],
+           "params": params, "p_tokens": pre["tokens"],
+           "p_drained": drained, "ref": pd["refs"][name]}
+    if extra is not None:
+        res.update(extra())
+    pd["results"][name] = res
+    return res

@@ -22,10 +22,12 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))   # repo root
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "mooncake"))
 
 import engine_harness as E  # noqa: E402
 from hmacore.integrations.vllm.engine_driver import store_config  # noqa: E402
 from hmacore.transport.mooncake import wait_for_port  # noqa: E402
+from netns import start_master  # noqa: E402 - tests/mooncake/netns.py
 
 
 def main(port: int, logdir: str) -> int:
@@ -33,11 +35,8 @@ def main(port: int, logdir: str) -> int:
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     root = Path(logdir)
-    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
     log = open(root / "mooncake_master.log", "w")
-    master = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                               "--metrics_host=127.0.0.1", f"--metrics_port={port + 1}",
-                               "--rpc_thread_num=2", "--logtostderr"], stdout=log, stderr=log)
+    master = start_master(port, log)
     engines = []
     try:
         if not wait_for_port("127.0.0.1", port, 20):

@@ -59,22 +59,8 @@ def pd(request, tmp_path_factory):
 
 def run_round(pd, name: str) -> dict:
     """Prefill on P (1 token, KV kept for D), then decode on one D engine pulling over NIXL."""
-    if name in pd["results"]:
-        return pd["results"][name]
-    eng, prompts = pd["engines"], pd["prompts"][name]
-    d = eng[DECODER[name]]
-    d.call({"cmd": "fault", "spec": FAULTS.get(name)})
-    pre = eng["p"].generate(prompts, 1, remote_decode=True, timeout=180)
-    params = pre["kv_transfer_params"]
-    assert all(p and p["do_remote_prefill"] for p in params), params
-    eng["p"].send({"cmd": "drain", "timeout": 120})      # P serves notifications meanwhile
-    out = d.generate(prompts, E.MAX_TOKENS, kv_transfer_params=params, timeout=180)
-    drained = eng["p"].result(150)
-    d.call({"cmd": "fault", "spec": None})
-    res = {"tokens": out["tokens"], "external": out["external_tokens"], "params": params,
-           "p_drained": drained, "ref": pd["refs"][name]}
-    pd["results"][name] = res
-    return res
+    return E.run_pd_round(pd, name, pd["prompts"][name], decoder=DECODER[name],
+                          fault_on=DECODER[name], fault=FAULTS.get(name))
 
 
 @pytest.mark.parametrize("name", ["async", "sync"])

@@ -54,28 +54,19 @@ def pd(request, tmp_path_factory):
 
 def run_round(pd, name: str) -> dict:
     """D first (registers, waits), then P (pushes layer by layer); both run concurrently."""
-    if name in pd["results"]:
-        return pd["results"][name]
-    eng, prompts = pd["engines"], pd["prompts"][f"push-{name}"]
+    prompts = pd["prompts"][f"push-{name}"]
     ids = [f"{pd['family']}-{name}-{i}" for i in range(len(prompts))]
-    eng["p"].call({"cmd": "fault", "spec": FAULTS.get(name)})
     d_params = [{"do_remote_prefill": True, "transfer_mode": "push", "push_id": pid,
                  "remote_host": "127.0.0.1", "remote_port": pd["p_port"]} for pid in ids]
     p_params = [{"transfer_mode": "push", "push_id": pid} for pid in ids]
-    eng["d"].send({"cmd": "generate", "prompts": prompts, "max_tokens": E.MAX_TOKENS,
-                   "kv_transfer_params": d_params})
-    pre = eng["p"].generate(prompts, 1, kv_transfer_params=p_params, remote_decode=True,
-                            timeout=300)
-    eng["p"].send({"cmd": "drain", "timeout": 240})      # P keeps stepping: WRITEs finish
-    out = eng["d"].result(300)
-    drained = eng["p"].result(260)
-    eng["p"].call({"cmd": "fault", "spec": None})
-    stats = [s for s in eng["p"].call({"cmd": "connector_stats"})["stats"]
-             if s["push_id"] in ids]
-    res = {"tokens": out["tokens"], "external": out["external_tokens"], "p_tokens": pre["tokens"],
-           "p_drained": drained, "ref": pd["refs"][name], "stats": stats}
-    pd["results"][name] = res
-    return res
+
+    def stats() -> dict:
+        return {"stats": [s for s in pd["engines"]["p"].call({"cmd": "connector_stats"})["stats"]
+                          if s["push_id"] in ids]}
+
+    return E.run_pd_round(pd, name, prompts, decoder="d", fault_on="p", fault=FAULTS.get(name),
+                          p_params=p_params, d_params=d_params, timeout=300,
+                          drain_timeout=240, drained_timeout=260, extra=stats)
 
 
 def test_push_decode_equals_single_engine(pd):

@@ -35,6 +35,7 @@ from hmacore.keys import KeyBuilder  # noqa: E402
 from hmacore.presets import get_preset  # noqa: E402
 from hmacore.transport.mooncake import MooncakeStore, wait_for_port  # noqa: E402
 from hmacore.transport.store import GroupSegments, load_blocks, lookup_hit, save_blocks  # noqa: E402
+from netns import master_log, start_master  # noqa: E402
 
 NUM_BLOCKS = 512
 LAYERS = 2
@@ -147,12 +148,8 @@ def kill(proc, grace=5.0):
 
 def netns_main(mode, port):
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    log = open(os.path.join(os.environ.get("HMACORE_MC_LOGDIR", "/tmp"), f"mc_master_{os.getpid()}.log"), "w")
-    master = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                               "--metrics_host=127.0.0.1", f"--metrics_port={port + 1}",
-                               "--rpc_thread_num=2", "--eviction_high_watermark_ratio=0.95",
-                               "--logtostderr"], stdout=log, stderr=log)
+    log = master_log("mc_master")
+    master = start_master(port, log, "--eviction_high_watermark_ratio=0.95")
     saver = None
     try:
         if not wait_for_port("127.0.0.1", port, 20):

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import numpy as np  # noqa: E402
 import scenario as sc  # noqa: E402 - tests/mooncake/scenario.py helpers
+from netns import master_log, start_master  # noqa: E402 - tests/mooncake/netns.py
 from hmacore.errors import StoreError  # noqa: E402
 from hmacore.hits import HitFinder  # noqa: E402
 from hmacore.keys import KeyBuilder  # noqa: E402
@@ -35,13 +36,6 @@ REQUESTS = 12
 BYTES_PER_TOKEN = 512
 LAYERS = 2
 SEGMENT = 16 << 20          # Mooncake 0.3.13 refuses smaller segments
-
-
-def start_master(port, log):
-    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    return subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                             "--metrics_host=127.0.0.1", f"--metrics_port={port + 1}",
-                             "--rpc_thread_num=2", "--logtostderr"], stdout=log, stderr=log)
 
 
 def memory(layout, tokens, seed):
@@ -97,8 +91,7 @@ def load_and_compare(finder, keys, st, hashes, hit, src, src_t, dst, dsegs, dst_
 
 def main(port):
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    log = open(os.path.join(os.environ.get("HMACORE_MC_LOGDIR", "/tmp"),
-                            f"mc_full_{os.getpid()}.log"), "w")
+    log = master_log("mc_full")
     master = start_master(port, log)
     st = None
     out = {"requests": []}

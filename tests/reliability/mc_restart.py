@@ -23,16 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import numpy as np  # noqa: E402
 import scenario as sc  # noqa: E402 - tests/mooncake/scenario.py helpers (request, memory...)
+from netns import master_log, start_master  # noqa: E402 - tests/mooncake/netns.py
 from hmacore.keys import KeyBuilder  # noqa: E402
 from hmacore.transport.mooncake import wait_for_port  # noqa: E402
 from hmacore.transport.store import load_blocks, lookup_hit, save_blocks  # noqa: E402
-
-
-def start_master(port, log):
-    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    return subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                             "--metrics_host=127.0.0.1", f"--metrics_port={port + 1}",
-                             "--rpc_thread_num=2", "--logtostderr"], stdout=log, stderr=log)
 
 
 def timed(fn, *a):
@@ -57,8 +51,7 @@ CYCLES = 2
 
 def main(port):
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    log = open(os.path.join(os.environ.get("HMACORE_MC_LOGDIR", "/tmp"),
-                            f"mc_restart_{os.getpid()}.log"), "w")
+    log = master_log("mc_restart")
     master = start_master(port, log)
     out = {"cycles": []}
     st = None

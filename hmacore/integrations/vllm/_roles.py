@@ -21,6 +21,17 @@ def require_single_worker(vllm_config: Any, connector: str, *, allow_tp: bool = 
             f"{need} is supported so far")
 
 
+def close_transport(worker: Any) -> None:
+    """A NIXL worker side's shutdown: close ``worker.server`` (handshake server), then
+    ``worker.agent``; each is set to None, so a second call does nothing."""
+    if worker.server is not None:
+        worker.server.close()
+        worker.server = None
+    if worker.agent is not None:
+        worker.agent.close()
+        worker.agent = None
+
+
 class RoleDispatch:
     """Mixin for a ``KVConnectorBase_V1`` subclass with ``self.scheduler`` / ``self.worker``
     (exactly one of them set) and ``self._layout``. Calling the other role's method raises."""
@@ -110,6 +121,18 @@ class TableFollower:
             self.trackers.replace(rid, table)
         else:
             self.trackers.update_after_alloc(rid, table)
+
+    def _track_alloc(self, request: Any, blocks: Any):
+        """The shared start of ``update_state_after_alloc``: None for a request without
+        ``kv_transfer_params``; else track its full table and return ``(params, rid, table,
+        hashed)`` (per-group ids and hash flags, as :func:`_compat.table_and_hashed`)."""
+        params = request.kv_transfer_params
+        if not params:
+            return None
+        rid = request.request_id
+        table, hashed = C.table_and_hashed(blocks)
+        self._track_full(rid, table, request.num_prompt_tokens)
+        return params, rid, table, hashed
 
     def _follow_step(self, scheduler_output: Any):
         """Apply one step's preemptions and allocations; yield the tracked scheduled ids."""

@@ -187,12 +187,10 @@ class HmaNixlScheduler(TableFollower):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Track the full table; schedule the D-side load on the first call with params."""
-        params = request.kv_transfer_params
-        if not params:
+        tracked = self._track_alloc(request, blocks)
+        if tracked is None:
             return
-        rid = request.request_id
-        table, hashed = C.table_and_hashed(blocks)
-        self._track_full(rid, table, request.num_prompt_tokens)
+        params, rid, table, hashed = tracked
         if params.get("do_remote_decode"):
             self._producers.add(rid)
             return

@@ -305,9 +305,5 @@ class HmaNixlWorker:
         return meta
 
     def shutdown(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-        if self.agent is not None:
-            self.agent.close()
-            self.agent = None
+        from ._roles import close_transport
+        close_transport(self)

@@ -37,6 +37,7 @@ from ...layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushStat
 from ...plan import TransferPlan
 from ...transport import configure_ucx_env
 from ...transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
+from ._roles import close_transport
 from .push_metadata import PUSH_AGENT_SUFFIX, HmaPushConnectorMetadata, HmaPushWorkerMeta, \
     PushSave
 
@@ -435,9 +436,4 @@ class HmaPushWorker:
         return list(self._stats)
 
     def shutdown(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-        if self.agent is not None:
-            self.agent.close()
-            self.agent = None
+        close_transport(self)
