@@ -53,38 +53,63 @@ def _run_out(E, timeout=60):
         E.step()
 
 
-@pytest.mark.parametrize("case", ["gemma", "dsv4"])
-@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2), (2, 2)])
-def test_mixed_tp_pull_every_byte(case, tp_p, tp_d):
-    P = TpEngine(case, tp_p, "P")
-    try:
-        D = TpEngine(case, tp_d, "D")
-    except Exception:
-        P.close()
-        raise
-    try:
-        n = P.case.prompt_tokens
-        prompt = [1 + i % 900 for i in range(n)]
-        params = _prefill(P, prompt)
-        assert params["tp_size"] == tp_p and params["remote_port"] == P.port
-        req, rr = _decode_until_loaded(D, prompt, params)
-        assert req.status != H.RequestStatus.FINISHED_ERROR
-        assert req.num_computed_tokens >= n - 1, "D recomputed instead of loading"
-        local, _ = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids, D.layout)
-        loaded = [[int(b) for b in g] for g in local]
-        assert sum(map(len, loaded)) > 0
-        table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids("d-req")]
-        specs = [g.kv_cache_spec for g in D.kcc.kv_cache_groups]
-        want = sum(len(loaded[g]) * s.page_size_bytes * len(D.kcc.kv_cache_groups[g].layer_names)
-                   for g, s in enumerate(specs))
-        for r, rank in enumerate(D.ranks):
-            got = rank.call("check", table=table, loaded=loaded)
-            assert got == {"bad": 0, "checked": want, "stray": 0}, (case, tp_p, tp_d, r, got)
-        _run_out(D)
-        H.assert_no_leak(D.s)
-        _run_out(P)            # P frees once every D rank's done reached every P rank
-        H.assert_no_leak(P.s)
-        assert P.s.connector.scheduler.leases() == {}
-    finally:
-        D.close()
-        P.close()
+@pytest.fixture(scope="module")
+def engines():
+    """Per case, three engines (TP 1, TP 2, a second TP 2), started together and reused by
+    that case's tests; a case's engines are closed when the next case starts."""
+    live: dict[str, dict[str, TpEngine]] = {}
+
+    def get(case: str) -> dict[str, TpEngine]:
+        if case not in live:
+            for old in live.pop(next(iter(live), None), {}).values() if live else ():
+                old.close()
+            started = {}
+            try:
+                for key, tp in (("tp1", 1), ("tp2", 2), ("tp2b", 2)):
+                    started[key] = TpEngine(case, tp, f"{case}-{key}")
+                live[case] = {k: e.wait_ready() for k, e in started.items()}
+            except Exception:
+                for e in started.values():
+                    e.close()
+                raise
+        return live[case]
+    yield get
+    for group in live.values():
+        for e in group.values():
+            e.close()
+
+
+PAIRS = {(2, 1): ("tp2", "tp1"), (1, 2): ("tp1", "tp2"), (2, 2): ("tp2", "tp2b")}
+
+
+@pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in ("gemma", "dsv4")
+                                            for p, d in PAIRS])
+def test_mixed_tp_pull_every_byte(engines, case, tp_p, tp_d):
+    e = engines(case)
+    P, D = (e[k] for k in PAIRS[(tp_p, tp_d)])
+    for eng in (P, D):
+        eng.call_all("zero")
+    rid = f"{tp_p}{tp_d}"
+    n = P.case.prompt_tokens
+    prompt = [1 + (i * 7 + tp_p * 13 + tp_d) % 900 for i in range(n)]
+    params = _prefill(P, prompt, rid=f"p-{rid}")
+    assert params["tp_size"] == tp_p and params["remote_port"] == P.port
+    req, rr = _decode_until_loaded(D, prompt, params, rid=f"d-{rid}")
+    assert req.status != H.RequestStatus.FINISHED_ERROR
+    assert req.num_computed_tokens >= n - 1, "D recomputed instead of loading"
+    local, _ = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids, D.layout)
+    loaded = [[int(b) for b in g] for g in local]
+    assert sum(map(len, loaded)) > 0
+    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(f"d-{rid}")]
+    groups = D.kcc.kv_cache_groups
+    want = sum(len(loaded[g]) * grp.kv_cache_spec.page_size_bytes * len(grp.layer_names)
+               for g, grp in enumerate(groups))
+    for r, got in enumerate(D.call_all("check", table=table, loaded=loaded)):
+        assert got == {"bad": 0, "checked": want, "stray": 0}, (case, tp_p, tp_d, r, got)
+    if case == "gemma" and tp_d == 2:   # control: rank 0 holds other heads than rank 1
+        assert D.ranks[0].call("check", table=table, loaded=loaded, as_rank=1)["bad"] > 0
+    _run_out(D)
+    H.assert_no_leak(D.s)
+    _run_out(P)            # P frees once every D rank's done reached every P rank
+    H.assert_no_leak(P.s)
+    assert P.s.connector.scheduler.leases() == {}

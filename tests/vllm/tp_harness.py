@@ -109,13 +109,22 @@ class TpEngine:
         dist_port = free_ports(1)
         self.ranks = [RankProc(dict(case=case, tp=tp, rank=r, port=self.port, dist_port=dist_port,
                                     engine_id=self.engine_id)) for r in range(tp)]
+        self.names: list[str] = []
+        self.metas: list = []
+        self.outputs: list = []
+
+    def wait_ready(self) -> "TpEngine":
+        """Wait for every rank's connector to be registered (start several engines first,
+        then wait: the ranks import vLLM concurrently)."""
         try:
-            self.names = [r.read(timeout=180)["ready"] for r in self.ranks]
+            self.names = [r.read(timeout=240)["ready"] for r in self.ranks]
         except Exception:
             self.close()
             raise
-        self.metas: list = []
-        self.outputs: list = []
+        return self
+
+    def call_all(self, op: str, **kw) -> list[dict]:
+        return [r.call(op, **kw) for r in self.ranks]
 
     @property
     def layout(self):

@@ -6,7 +6,7 @@ rank's KV heads x block_size x 2*head_size; MLA: blocks x block_size x head_size
 Driven by tests/vllm/tp_harness.py over stdin/stdout, one JSON line per command:
 ``fill`` (P: write the pattern of each block's token positions), ``step`` (one model-runner
 step of the connector's worker side; metadata pickled), ``check`` (D: compare loaded blocks
-with the pattern of this rank's heads; count non-zero bytes elsewhere), ``quit``.
+with the pattern of this rank's heads; count non-zero bytes elsewhere), ``zero``, ``quit``.
 Usage: python tp_rank.py '<json args>' (spawned by the harness; bounded by it).
 """
 import base64
@@ -63,11 +63,16 @@ def main() -> None:
         op = cmd["op"]
         if op == "quit":
             break
-        if op == "fill":
+        if op == "zero":
+            for t in caches.values():
+                t.zero_()
+            out = {"ok": True}
+        elif op == "fill":
             tp_cases.fill(case, kcc, caches, cmd["table"], tp, rank)
             out = {"ok": True}
         elif op == "check":
-            out = tp_cases.check(case, kcc, caches, cmd["table"], cmd["loaded"], tp, rank)
+            out = tp_cases.check(case, kcc, caches, cmd["table"], cmd["loaded"], tp,
+                                 cmd.get("as_rank", rank))
         elif op == "step":
             conn.bind_connector_metadata(_unb64(cmd["meta"]))
             conn.start_load_kv(None)
@@ -82,7 +87,8 @@ def main() -> None:
             out = {"error": f"unknown op {op!r}"}
         print(json.dumps(out), flush=True)
     conn.shutdown()
-    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)   # no gloo teardown handshake with ranks that may already be gone
 
 
 if __name__ == "__main__":

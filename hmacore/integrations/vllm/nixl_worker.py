@@ -145,6 +145,11 @@ class HmaNixlWorker:
     def _connect(self, host: str, port: int, remote_tp: int) -> _Source:
         """Handshake with every rank of a remote engine (rank r at ``port + r``); add the
         ranks this rank reads from as transfer peers, the others as notify-only peers."""
+        mamba = [g for g, s in enumerate(self.layout.groups) if s.kind == GroupKind.MAMBA]
+        if mamba and remote_tp != self.tp_size:
+            raise HandshakeError(f"groups {mamba} are Mamba state; their pages pair only between "
+                                 f"equal TP sizes (this rank: TP {self.tp_size}, engine at "
+                                 f"{host}:{port}: TP {remote_tp})")
         me = self.agent.handshake_payload()
         got: list[HandshakePayload] = []
         for r in range(remote_tp):
@@ -168,11 +173,6 @@ class HmaNixlWorker:
         if remote_tp == self.tp_size:
             readers = {self.rank: self.agent.add_peer(got[self.rank])}
         else:
-            mamba = [g for g, s in enumerate(self.layout.groups) if s.kind == GroupKind.MAMBA]
-            if mamba:
-                raise HandshakeError(f"groups {mamba} are Mamba state; their pages pair only "
-                                     f"between equal TP sizes (this rank: TP {self.tp_size}, "
-                                     f"peer at {host}:{port}: TP {remote_tp})")
             _, pairs, _ = tp_pair_plans(me, self.agent.plan, got)
             readers = {r: self.agent.add_peer(got[r], pair=pair) for r, pair in pairs.items()}
         peers = tuple(readers[r] if r in readers else self.agent.add_notify_peer(got[r])
