@@ -167,3 +167,59 @@ def test_peer_block_size_ratio_matches_oracle(data, pg, r):
     want = oracle_desc_ids([(x.logical_blocks, x.ratio * (1 if x.state else r), x.group, x.state)
                             for x in plan.regions], gstate, table, group_major=plan.group_major)
     assert split.desc_ids(table).tolist() == want
+
+
+@given(data=st.data(), pg=plans())
+def test_pair_ids32_matches_desc_ids_or_declines(data, pg):
+    """NixlAgent's fast path: int32 desc ids of both sides, a private copy of the local ids and
+    the bytes moved -- exactly what desc_ids / table_bytes give -- or None (checked path)."""
+    plan, gstate = pg
+    logical = plan.regions[0].logical_blocks
+    G = plan.layout.num_groups
+    local, remote = [], []
+    for g in range(G):
+        n = data.draw(st.integers(0, 8)) if _served(plan, gstate, g) else 0
+        local.append(data.draw(st.lists(st.integers(1, logical - 1), min_size=n, max_size=n)))
+        remote.append(data.draw(st.lists(st.integers(1, logical - 1), min_size=n, max_size=n)))
+    # sometimes break the fast form: a list group, an int64 group, a bad id, unequal lengths
+    spoil = data.draw(st.sampled_from([None, "list", "int64", "bad", "len"]))
+    la = [np.asarray(x, np.int32) for x in local]
+    ra = [np.asarray(x, np.int32) for x in remote]
+    g = data.draw(st.integers(0, G - 1))
+    if spoil == "list":
+        la[g] = local[g]
+    elif spoil == "int64":
+        ra[g] = ra[g].astype(np.int64)
+    elif spoil == "bad" and _served(plan, gstate, g):
+        ra[g] = np.append(ra[g], np.int32(data.draw(st.sampled_from([0, logical])))).astype(np.int32)
+        la[g] = np.append(la[g], np.int32(1)).astype(np.int32)
+    elif spoil == "len" and _served(plan, gstate, g):
+        la[g] = np.append(la[g], np.int32(1)).astype(np.int32)
+    else:
+        spoil = None
+    gb = plan._group_block_bytes
+    got = plan._desc.pair_ids32(plan._desc, tuple(la), ra, gb)
+    if spoil is not None:
+        assert got is None
+        return
+    lids, rids, copy, nbytes = got
+    assert lids.dtype == rids.dtype == np.int32
+    assert lids.tolist() == plan.desc_ids(local).tolist()
+    assert rids.tolist() == plan.desc_ids(remote).tolist()
+    assert nbytes == plan.table_bytes([len(x) for x in local])
+    assert [c.tolist() for c in copy] == local
+    assert all(c.dtype == np.int32 and c.flags.c_contiguous and c.base is None for c in copy)
+    assert not any(np.shares_memory(c, x) for c, x in zip(copy, la))
+
+
+def test_pair_ids32_declines_mismatched_plans():
+    plan = TransferPlan(KVLayout(groups=(_spec(GroupKind.FULL, 16, ("a",)),)),
+                        [Region(0, 64, 64, 8, 1, -1, False, ("r0",))])
+    other = TransferPlan(KVLayout(groups=(_spec(GroupKind.FULL, 16, ("a",)),
+                                          _spec(GroupKind.FULL, 16, ("b",)))),
+                         [Region(0, 64, 64, 8, 1, -1, False, ("r0",))])
+    ids = (np.array([1, 2], np.int32),)
+    assert plan._desc.pair_ids32(other._desc, ids, ids + ids, (64, 64)) is None
+    assert plan._desc.pair_ids32(plan._desc, ids, ids, (64, 64)) is None   # group_bytes length
+    lids, rids, copy, nbytes = plan._desc.pair_ids32(plan._desc, ids, list(ids), (64,))
+    assert lids.tolist() == rids.tolist() == [1, 2] and nbytes == 128

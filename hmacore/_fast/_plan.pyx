@@ -8,6 +8,7 @@ unchecked memory access (the build turns boundscheck/wraparound off).
 import numpy as np
 cimport numpy as cnp
 from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
 from hmacore.errors import BlockTableError
@@ -15,6 +16,11 @@ from hmacore.errors import BlockTableError
 from ._types cimport block_id_t, desc_id_t
 
 cnp.import_array()
+
+# descriptor ids are int64 in general; NIXL's fast path takes int32 (every dlist under 2**31)
+ctypedef fused out_id_t:
+    int32_t
+    int64_t
 
 
 cdef inline bint _serves(int r, int g, const int32_t* rgroup, const uint8_t* rstate,
@@ -177,17 +183,17 @@ def flatten_desc_ids(tuple block_ids, cnp.ndarray region_offset, cnp.ndarray reg
 
 
 cdef Py_ssize_t _emit_run(const block_id_t* ids, Py_ssize_t m, int64_t base, int64_t ratio,
-                          desc_id_t* dst) noexcept nogil:
+                          out_id_t* dst) noexcept nogil:
     cdef Py_ssize_t i, k = 0
     cdef int64_t j, b
     if ratio == 1:
         for i in range(m):
-            dst[i] = base + ids[i]
+            dst[i] = <out_id_t>(base + ids[i])
         return m
     for i in range(m):
         b = base + <int64_t>ids[i] * ratio
         for j in range(ratio):
-            dst[k] = b + j
+            dst[k] = <out_id_t>(b + j)
             k += 1
     return k
 
@@ -195,7 +201,7 @@ cdef Py_ssize_t _emit_run(const block_id_t* ids, Py_ssize_t m, int64_t base, int
 cdef void _emit(const block_id_t** ptrs, const Py_ssize_t* lens, Py_ssize_t G, Py_ssize_t R,
                 const int64_t* off, const int32_t* ratio, const int32_t* rgroup,
                 const uint8_t* rstate, const uint8_t* gstate, bint group_major,
-                bint kernel_ids, desc_id_t* dst) noexcept nogil:
+                bint kernel_ids, out_id_t* dst) noexcept nogil:
     cdef Py_ssize_t g, r, pos = 0
     cdef int64_t rr
     if group_major:
@@ -362,6 +368,89 @@ cdef class DescPlan:
             _emit(ptrs, lens, G, self.R, self.off, self.ratio, self.rgroup, self.rstate,
                   self.gstate, self.group_major, kernel_ids, dst)
         return result
+
+    cdef Py_ssize_t _logical_fast(self, block_ids, const block_id_t** ptrs, Py_ssize_t* lens):
+        """Descriptor count of ``block_ids`` (logical ids, no null ids) when it is a tuple/list
+        of G exact C-contiguous 1-D int32 arrays inside every serving region's bounds; fills
+        ``ptrs``/``lens`` (room for 64 groups). -1 when anything is off that fast form."""
+        cdef Py_ssize_t G = self.G, g, i, m, n = 0
+        cdef int32_t mn, mx
+        cdef const int32_t* src
+        cdef const int64_t[:, ::1] p = self._per_group
+        if not (type(block_ids) is tuple or type(block_ids) is list) or len(block_ids) != G \
+                or G > 64:
+            return -1
+        for g in range(G):
+            a = block_ids[g]
+            if not (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == cnp.NPY_INT32
+                    and cnp.PyArray_NDIM(<cnp.ndarray>a) == 1
+                    and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a)):
+                return -1
+            m = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
+            src = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>a)
+            ptrs[g] = src
+            lens[g] = m
+            if m == 0:
+                continue
+            if not p[g, 0]:
+                return -1
+            mn = src[0]
+            mx = src[0]
+            with nogil:
+                for i in range(1, m):
+                    mn = src[i] if src[i] < mn else mn
+                    mx = src[i] if src[i] > mx else mx
+            if mn < 1 or mx >= p[g, 3]:
+                return -1
+            n += m * p[g, 1]
+        return n
+
+    def pair_ids32(self, DescPlan remote, local_ids, remote_ids, group_bytes):
+        """Fast path of a positional block pairing between this plan and ``remote`` (a NIXL
+        READ/WRITE): ``(local desc ids, remote desc ids, local copy, bytes)`` -- both id arrays
+        int32, ``local copy`` a tuple of private int32 copies of the local groups, ``bytes``
+        the sum of ``len(local_ids[g]) * group_bytes[g]``. Returns None whenever either side is
+        off the fast form of :meth:`run` (G exact C-contiguous 1-D int32 arrays, logical ids in
+        bounds, no null ids) or the per-group lengths differ: the caller then takes the checked
+        path, which raises the precise error. The caller guarantees both dlists hold at most
+        2**31 descriptors (so every id fits int32)."""
+        cdef const block_id_t* lp[64]
+        cdef const block_id_t* rp[64]
+        cdef Py_ssize_t ll[64]
+        cdef Py_ssize_t rl[64]
+        cdef Py_ssize_t G = self.G, g, nl, nr
+        cdef int64_t nbytes = 0
+        cdef cnp.npy_intp dim
+        if remote.G != G or len(group_bytes) != G:
+            return None
+        nl = self._logical_fast(local_ids, lp, ll)
+        if nl < 0:
+            return None
+        nr = remote._logical_fast(remote_ids, rp, rl)
+        if nr != nl:
+            return None
+        for g in range(G):
+            if ll[g] != rl[g]:
+                return None
+        dim = nl
+        lids = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+        rids = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+        table = []
+        for g in range(G):
+            dim = ll[g]
+            c = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+            if dim:
+                memcpy(cnp.PyArray_DATA(<cnp.ndarray>c), lp[g], dim * sizeof(int32_t))
+            table.append(c)
+            nbytes += <int64_t>ll[g] * <int64_t>group_bytes[g]
+        if nl:
+            with nogil:
+                _emit(lp, ll, G, self.R, self.off, self.ratio, self.rgroup, self.rstate,
+                      self.gstate, self.group_major, False, <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>lids))
+                _emit(rp, rl, G, remote.R, remote.off, remote.ratio, remote.rgroup, remote.rstate,
+                      remote.gstate, remote.group_major, False,
+                      <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>rids))
+        return lids, rids, tuple(table), nbytes
 
     cdef object _slow(self, block_ids, bint kernel_ids, bint allow_null, out):
         a = self._arrays

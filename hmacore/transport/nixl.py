@@ -12,6 +12,7 @@ known) is raised and remembered (:meth:`NixlAgent.failure`), and the agent stays
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,23 @@ def _nixl_ids(ids: np.ndarray, num_descs: int) -> np.ndarray:
     return ids
 
 
+def _is_arrays(block_ids) -> bool:
+    """True when ``block_ids`` is a tuple/list whose first group is an ndarray (the tracker /
+    clip form): its ids go to the Cython fast path as they are. Anything else (lists of lists,
+    mixed forms) is converted once by the plan, which validates it."""
+    return (type(block_ids) is tuple or type(block_ids) is list) and len(block_ids) > 0 \
+        and type(block_ids[0]) is np.ndarray
+
+
+_I32 = np.dtype(np.int32)
+
+
+def _int32_copy(block_ids) -> tuple[np.ndarray, ...]:
+    """A private int32 copy of validated per-group ids (``desc_ids`` accepted them)."""
+    return tuple([g.copy() if type(g) is np.ndarray and g.dtype == _I32 and g.ndim == 1
+                  else np.array(g, dtype=np.int32) for g in block_ids])
+
+
 @dataclasses.dataclass
 class Transfer:
     """One posted READ/WRITE of one request. ``descriptors``/``bytes``: what it moves."""
@@ -66,8 +84,10 @@ class _Peer:
     payload: HandshakePayload
     plan: TransferPlan | None
     dlist: Any
+    desc: Any = None     # plan._desc: its compiled desc-id plan (hmacore._fast._plan.DescPlan)
+    ids32: bool = False  # both dlists (ours, its) under 2**31 descriptors: int32 ids fast path
     pair: Any = None
-    local: Any = None       # local dlist of a pair (None: the agent's plan dlist)
+    local: Any = None    # local dlist of a pair (None: the agent's plan dlist)
 
 
 class NixlAgent:
@@ -98,6 +118,9 @@ class NixlAgent:
         ranges, mem = registration_args(plan)
         self._reg = self._agent.register_memory(ranges, mem)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", plan.descriptors(), mem)
+        self._ids32 = plan.num_descs <= _INT32_MAX + 1
+        self._group_bytes = plan._group_block_bytes   # bytes one block of group g moves
+        self._pair_ids32 = plan._desc.pair_ids32
         self._peers: dict[str, _Peer] = {}
         self._valid: dict[str, tuple[np.ndarray, ...]] = {}
         self._failed: dict[str, TransferError] = {}
@@ -127,13 +150,14 @@ class NixlAgent:
         if pair is None:
             plan = payload.remote_plan(self.plan.layout)
             dlist = self._agent.prep_xfer_dlist(name, plan.descriptors(), plan.mem_type)
-            self._peers[name] = _Peer(name, payload, plan, dlist)
+            self._peers[name] = _Peer(name, payload, plan, dlist, plan._desc,
+                                      self._ids32 and plan.num_descs <= _INT32_MAX + 1)
         else:
             local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", pair.local.descriptors(),
                                                 pair.local.mem_type)
             dlist = self._agent.prep_xfer_dlist(name, pair.remote.descriptors(),
                                                 pair.remote.mem_type)
-            self._peers[name] = _Peer(name, payload, None, dlist, pair, local)
+            self._peers[name] = _Peer(name, payload, None, dlist, pair=pair, local=local)
         return name
 
     def add_notify_peer(self, payload: HandshakePayload) -> str:
@@ -203,21 +227,82 @@ class NixlAgent:
         return err
 
     def _post(self, op, request_id, peer, local_ids, remote_ids, notif, expires_at) -> Transfer:
-        self._check_open()
+        # The common path is kept lean (it runs once per request, next to a NIXL post that
+        # takes a few hundred us): no per-block Python objects, no extra NIXL calls, and a
+        # transfer NIXL completes inside the post is finished here; errors take _checked_ids.
+        if self._closed:
+            raise TransferError("the agent is closed")
         self._failed.pop(request_id, None)
         self._valid.pop(request_id, None)
-        if peer not in self._peers:
+        p = self._peers.get(peer)
+        if p is None:
             raise self._fail(request_id, f"unknown peer {peer!r} (handshake first)")
-        if expires_at is not None and time.monotonic() >= expires_at:
-            raise self._fail(request_id, f"the lease on peer {peer!r}'s blocks expired "
-                                         f"{time.monotonic() - expires_at:.3f} s ago")
-        p = self._peers[peer]
+        if expires_at is not None:
+            now = time.monotonic()
+            if now >= expires_at:
+                raise self._fail(request_id, f"the lease on peer {peer!r}'s blocks expired "
+                                             f"{now - expires_at:.3f} s ago")
         if p.pair is not None:
             return self._post_pair(op, request_id, p, local_ids, remote_ids, notif)
         if p.plan is None:
             raise self._fail(request_id, f"peer {peer!r} was added for notifications only")
+        # int32-array tables (the tracker / clip form): one Cython call computes both sides'
+        # int32 desc ids, the private local copy and the byte count; anything else (lists,
+        # other dtypes, bad ids, unequal groups) returns None and takes the checked path
+        fast = self._pair_ids32(p.desc, local_ids, remote_ids, self._group_bytes) \
+            if p.ids32 else None
+        if fast is None:
+            lids, rids, table, nbytes = self._checked_ids(request_id, p, local_ids, remote_ids)
+        else:
+            lids, rids, table, nbytes = fast
+        t = Transfer(request_id, op, peer, table, lids.size, nbytes, posted_at=time.monotonic())
+        return self._submit(t, self._local, lids, p.dlist, rids, notif)
+
+    def _submit(self, t: Transfer, local_dlist, lids, remote_dlist, rids, notif) -> Transfer:
+        """Post ``t``: NIXL desc ids (int32 / int64 arrays) into the two prepared dlists."""
+        request_id, op, peer = t.request_id, t.op, t.peer
+        if not lids.size:  # full local hit: nothing to move
+            t.state = "DONE"
+            self._valid[request_id] = t.local_block_ids
+            if notif is not None:
+                self.send_notif(peer, request_id, notif)
+            return t
+        agent = self._agent
         try:
-            lids = self.plan.desc_ids(local_ids)
+            t.handle = h = agent.make_prepped_xfer(
+                op, local_dlist, lids, remote_dlist, rids,
+                notif_msg=b"" if notif is None else request_id.encode() + b":" + bytes(notif))
+            state = agent.transfer(h)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
+            raise self._fail(request_id, f"{op} to {peer!r} could not be posted: {e}",
+                             transfer=t) from None
+        if state == "DONE":   # NIXL finished it inside the post (typical for DRAM)
+            t.state = "DONE"
+            self._valid[request_id] = t.local_block_ids
+            t.handle = None
+            try:
+                agent.release_xfer_handle(h)
+            except Exception:  # noqa: BLE001 - as in _release
+                pass
+        elif state == "ERR":
+            raise self._fail(request_id, f"{op} to {peer!r} failed when posted", transfer=t)
+        return t
+
+    def _checked_ids(self, request_id, p, local_ids, remote_ids):
+        """The general path of :meth:`_post`: validate and convert any accepted block-id form;
+        raises (and records) TransferError with group/block_index where known. Returns NIXL
+        desc ids for both sides, the private int32 local copy and the bytes moved."""
+        plan = self.plan
+        try:
+            if _is_arrays(local_ids):
+                lids = plan.desc_ids(local_ids)
+                table = _int32_copy(local_ids)          # the caller may reuse its arrays
+            else:                                       # lists: convert once, use for both
+                conv = plan._as_tuple(local_ids)
+                lids = plan.desc_ids(conv)
+                # conversions are fresh arrays; an int32 group comes back as the caller's own
+                table = tuple([c if c.base is None and c is not x else c.copy()
+                               for c, x in zip(conv, local_ids)])
         except BlockTableError as e:
             raise self._fail(request_id, f"bad local block ids: {e}", group=getattr(e, "group", None),
                              block_index=getattr(e, "block_index", None)) from None
@@ -227,18 +312,16 @@ class NixlAgent:
             raise self._fail(request_id, f"bad remote block ids: {e}", group=getattr(e, "group", None),
                              block_index=getattr(e, "block_index", None)) from None
         # pairing is positional per group: equal totals with unequal groups would mispair blocks
-        g = next((g for g in range(len(local_ids)) if len(local_ids[g]) != len(remote_ids[g])), None)
-        if g is not None or lids.size != rids.size:
-            raise self._fail(request_id, f"group {g}: {len(local_ids[g]) if g is not None else '?'} "
-                                         f"local vs {len(remote_ids[g]) if g is not None else '?'} "
+        lens = [len(g) for g in table]
+        rlens = [len(g) for g in remote_ids]
+        if lens != rlens or lids.size != rids.size:
+            g = next((g for g in range(len(lens)) if lens[g] != rlens[g]), None)
+            raise self._fail(request_id, f"group {g}: {lens[g] if g is not None else '?'} "
+                                         f"local vs {rlens[g] if g is not None else '?'} "
                                          f"remote blocks ({lids.size} vs {rids.size} descriptors); "
                                          "per-group block counts must match", group=g)
-        # int32 copies (no Python object per block); recorded as valid only once DONE
-        table = tuple(np.array(g, dtype=np.int32) for g in local_ids)
-        t = Transfer(request_id, op, peer, table, int(lids.size),
-                     self.plan.table_bytes([len(g) for g in table]), posted_at=time.monotonic())
-        return self._start(t, self._local, lids, self.plan.num_descs, p.dlist, rids,
-                           p.plan.num_descs, notif)
+        return (_nixl_ids(lids, plan.num_descs), _nixl_ids(rids, p.plan.num_descs), table,
+                sum(map(operator.mul, lens, self._group_bytes)))
 
     def _post_pair(self, op, request_id, p: _Peer, local_ids, remote_ids, notif) -> Transfer:
         """A heterogeneous-TP transfer: the pair plan pairs head slices of the local blocks
@@ -249,39 +332,14 @@ class NixlAgent:
             raise self._fail(request_id, f"bad block ids for peer {p.name!r}: {e}",
                              group=getattr(e, "group", None),
                              block_index=getattr(e, "block_index", None)) from None
-        table = tuple(np.array(g, dtype=np.int32) for g in local_ids)
+        table = _int32_copy(local_ids)
         served = p.pair.groups
         t = Transfer(request_id, op, p.name, table, int(lids.size),
                      p.pair.local.table_bytes([len(g) if i in served else 0
                                                for i, g in enumerate(table)]),
                      posted_at=time.monotonic())
-        return self._start(t, p.local, lids, p.pair.local.num_descs, p.dlist, rids,
-                           p.pair.remote.num_descs, notif)
-
-    def _start(self, t: Transfer, local_dlist, lids, nl, remote_dlist, rids, nr, notif
-               ) -> Transfer:
-        """Post ``t`` (descriptor ids into the two dlists of ``nl`` / ``nr`` entries)."""
-        op, request_id, peer = t.op, t.request_id, t.peer
-        if lids.size == 0:  # full local hit: nothing to move
-            t.state = "DONE"
-            self._valid[request_id] = t.local_block_ids
-            if notif is not None:
-                self.send_notif(peer, request_id, notif)
-            return t
-        msg = b"" if notif is None else request_id.encode() + b":" + bytes(notif)
-        try:
-            t.handle = self._agent.make_prepped_xfer(op, local_dlist, _nixl_ids(lids, nl),
-                                                     remote_dlist, _nixl_ids(rids, nr),
-                                                     notif_msg=msg)
-            state = self._agent.transfer(t.handle)
-        except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
-            raise self._fail(request_id, f"{op} to {peer!r} could not be posted: {e}",
-                             transfer=t) from None
-        if state == "ERR":
-            raise self._fail(request_id, f"{op} to {peer!r} failed when posted", transfer=t)
-        if state == "DONE":
-            self._done(t)
-        return t
+        return self._submit(t, p.local, _nixl_ids(lids, p.pair.local.num_descs), p.dlist,
+                            _nixl_ids(rids, p.pair.remote.num_descs), notif)
 
     def poll(self, transfer: Transfer) -> str:
         """Non-blocking state: ``"PROC"`` or ``"DONE"``; raises TransferError on failure."""
@@ -307,6 +365,8 @@ class NixlAgent:
 
         Spins for the first 2 ms (small transfers finish within that), then sleeps with a
         backoff capped at 1 ms between polls."""
+        if transfer.state == "DONE":   # finished inside the post: nothing to poll
+            return transfer
         start = time.monotonic()
         deadline = start + timeout
         nap = 0.0

@@ -97,3 +97,70 @@ def test_closed_agent_refuses():
     agent.close()  # idempotent
     with pytest.raises(TransferError, match="closed"):
         agent.read("x", "y", [[1], [2]], [[1], [2]])
+
+
+@pytest.mark.parametrize("form", ["int32", "lists", "int64", "mixed", "2d"])
+def test_every_id_form_moves_the_same_and_keeps_a_private_copy(pair, form):
+    """int32 arrays take the one-call fast path, other forms the checked path: same blocks
+    moved, same figures, and valid_blocks is a private int32 copy (the caller may reuse its
+    arrays as soon as read() returns)."""
+    a, b, pa, pb = pair
+    src, dst = [[1, 2], [3, 4]], [[6, 7], [8, 9]]
+    fill_pattern(pb, src)
+    for s in pa.storages:
+        s[:] = 0
+    if form == "int32":
+        local = tuple(np.array(x, np.int32) for x in dst)
+    elif form == "lists":
+        local = [list(x) for x in dst]
+    elif form == "int64":
+        local = [np.array(x, np.int64) for x in dst]
+    elif form == "mixed":
+        local = [list(dst[0]), np.array(dst[1], np.int32)]
+    else:
+        local = np.array(dst, np.int32)       # a 2-D array: one row per group
+    t = a.wait(a.read(f"form-{form}", "agent-b", local, [np.array(x, np.int32) for x in src]))
+    assert t.state == "DONE" and a.poll(t) == "DONE" and t.handle is None
+    assert verify_pattern(pa, dst) == []
+    assert t.descriptors == 4 * 18 and t.bytes == 4 * 18 * 64   # gpt-oss: 18 descs per block
+    got = a.valid_blocks(f"form-{form}")
+    assert [g.tolist() for g in got] == dst and all(g.dtype == np.int32 for g in got)
+    # mutate the caller's ids: the recorded valid blocks must not change
+    if form in ("int32", "int64", "2d"):
+        for g in local:
+            g[:] = 15
+    elif form == "mixed":
+        local[0][0] = 15
+        local[1][:] = 15
+    else:
+        local[0][0] = 15
+    assert [g.tolist() for g in a.valid_blocks(f"form-{form}")] == dst
+
+
+def test_int32_fast_path_errors_match_checked_path(pair):
+    """Bad int32 tables fall back to the checked path: same group/block_index as lists."""
+    a, _, _, _ = pair
+    i32 = lambda t: tuple(np.array(x, np.int32) for x in t)  # noqa: E731
+    for rid, local, remote, where, msg in [
+            ("f1", [[1], [0]], [[1], [2]], (1, 0), "bad local"),      # null id
+            ("f2", [[1], [2]], [[1], [99]], (1, 0), "bad remote"),    # past the pool
+            ("f3", [[1, 2], [3]], [[1], [2, 3]], (0, None), "per-group block counts")]:
+        for form in (lambda t: t, i32):
+            with pytest.raises(TransferError, match=msg) as ei:
+                a.read(rid, "agent-b", form(local), form(remote))
+            assert (ei.value.group, ei.value.block_index) == where
+            assert a.valid_blocks(rid) is None and a.failure(rid) is ei.value
+
+
+def test_wide_dlists_take_the_checked_path(pair):
+    """A peer whose dlist could pass 2**31 descriptors never gets int32 ids from the fast path."""
+    a, _, _, _ = pair
+    p = a._peers["agent-b"]
+    assert p.ids32
+    p.ids32 = False
+    try:
+        t = a.wait(a.read("wide", "agent-b", ((np.array([6], np.int32),) * 2),
+                          [[1], [2]]))
+        assert t.state == "DONE" and t.descriptors == 2 * 18
+    finally:
+        p.ids32 = True
