@@ -415,10 +415,16 @@ class NixlAgent:
                 rid, sep, body = bytes(m).partition(b":")
                 self._notifs.setdefault(rid.decode(errors="replace"), []).append(body if sep else b"")
 
-    def notifications(self, request_id: str) -> list[bytes]:
-        """Messages received so far for a request (consumed)."""
-        self._drain_notifs()
+    def notifications(self, request_id: str, *, fetch: bool = True) -> list[bytes]:
+        """Messages received so far for a request (consumed). ``fetch=False`` skips asking
+        NIXL for new ones (call :meth:`fetch_notifs` once, then this for many requests)."""
+        if fetch:
+            self._drain_notifs()
         return self._notifs.pop(request_id, [])
+
+    def fetch_notifs(self) -> None:
+        """Move NIXL's new notifications into the per-request queues."""
+        self._drain_notifs()
 
     def wait_notif(self, request_id: str, timeout: float = 10.0) -> bytes:
         """First message for ``request_id`` (request ids must not contain ``:``), waiting at most

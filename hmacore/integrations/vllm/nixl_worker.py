@@ -266,6 +266,8 @@ class HmaNixlWorker:
                     failed.add(rid)
         sending = set()
         now = time.perf_counter()
+        if self._sending:
+            self.agent.fetch_notifs()     # once per step, not once per request
         for rid, deadline in list(self._sending.items()):
             if self._heard_from_all(rid):
                 sending.add(rid)
@@ -277,7 +279,7 @@ class HmaNixlWorker:
 
     def _heard_from_all(self, rid: str) -> bool:
         """Fold this request's new notifications in; True once every D rank said done."""
-        for m in self.agent.notifications(rid):
+        for m in self.agent.notifications(rid, fetch=False):
             if m == b"HB":
                 self._renewed.add(rid)
                 continue
