@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ...spec import GroupKind
 from ...tables import RequestState
 from . import _compat as C
 from ._clip import clip_table
@@ -68,7 +67,8 @@ class HmaPushScheduler(HmaNixlScheduler):
     Extra ``kv_connector_extra_config`` keys: ``push_register_timeout`` (P: seconds a push
     request waits for D's registration, default 30), ``push_recv_timeout`` (D: seconds from
     registration until every layer must have arrived, default 60; read by the worker).
-    Refused (ValueError): ``sync_load`` true, Mamba groups (not supported in push mode yet).
+    Refused (ValueError): ``sync_load`` true. Mamba groups register one state slot (the block
+    holding the state after the loaded tokens; P computes the prompt less the backoff token).
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *,
@@ -78,9 +78,6 @@ class HmaPushScheduler(HmaNixlScheduler):
         if self.sync_load:
             raise ValueError("kv_connector_extra_config.sync_load must be false with "
                              "transfer_mode='push' (pushed KV arrives asynchronously)")
-        if any(s.kind == GroupKind.MAMBA for s in self.layout.groups):
-            raise ValueError("transfer_mode='push' does not support Mamba KV cache groups yet; "
-                             "use transfer_mode='pull'")
         self.register_timeout = _positive(ktc, "push_register_timeout", 30.0)
         self.recv_timeout = _positive(ktc, "push_recv_timeout", 60.0)
         # D side
