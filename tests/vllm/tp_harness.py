@@ -62,14 +62,15 @@ class RankProc:
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
         if not sel.select(timeout=timeout or self.timeout):
+            log = self.tail()
             self.kill()
-            raise RuntimeError(f"rank sent nothing within {timeout or self.timeout} s; "
-                               f"log: {self.tail()}")
+            raise RuntimeError(f"rank sent nothing within {timeout or self.timeout} s; log: {log}")
         while True:
             text = self.proc.stdout.readline()
             if not text:
+                code, log = self.proc.wait(5), self.tail()
                 self.kill()
-                raise RuntimeError(f"rank exited early ({self.proc.wait(5)}); log: {self.tail()}")
+                raise RuntimeError(f"rank exited early ({code}); log: {log}")
             if text.startswith("{"):
                 return json.loads(text)
 
@@ -82,14 +83,19 @@ class RankProc:
         return out
 
     def tail(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-3000:]
+        try:
+            with open(self.log.name) as f:
+                return f.read()[-3000:]
+        except OSError:
+            return "(log gone)"
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
+        self.log.close()
+        if os.path.exists(self.log.name):
+            os.unlink(self.log.name)
 
 
 class TpEngine:
