@@ -6,7 +6,10 @@ the Python layer turns the IdStatus codes returned here into BlockTableError mes
 """
 from cpython.bool cimport PyBool_Check
 from cpython.long cimport PyLong_Check
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.list cimport PyList_GET_ITEM
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.object cimport PyObject
+from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.string cimport memcpy
 
 import numpy as np
@@ -513,3 +516,446 @@ def flatten_step(object new_block_ids, int num_groups):
     if k != total:
         return None, None, "new_block_ids changed while being read"
     return ids, offsets, None
+
+
+# ---------------------------------------------------------------------------------------
+# Slot-indexed storage of every tracked request (what TrackerSet keeps)
+# ---------------------------------------------------------------------------------------
+cdef extern from "Python.h":
+    PyObject* PyDict_GetItemWithError(object, object) except? NULL
+    Py_ssize_t PyLong_AsSsize_t "PyLong_AsSsize_t" (PyObject*) except? -1
+
+cdef int FREE_SLOT = -1
+cdef enum:
+    _NUM_MARKS = 4                  # scheduled, saved, loaded, num_prompt (tokens)
+NUM_MARKS = _NUM_MARKS
+
+# step_flat / clip_spans result codes (hmacore.tables picks the exception class).
+STEP_UNKNOWN = 1                    # detail: index into req_ids of an untracked request
+STEP_TABLE = 2                      # detail: message (bad new_ids / offsets)
+STEP_STATE = 3                      # detail: message (request in the wrong state)
+
+_EMPTY_RO = np.empty(0, dtype=np.int32)
+_EMPTY_RO.flags.writeable = False
+
+
+cdef class TableStore:
+    """The block tables, states and watermarks of every tracked request, by slot.
+
+    ``index`` maps a request id to its slot (an int, reused after :meth:`pop`). Per (slot,
+    group) the table lives in its own growable int32 buffer (positions stable, blocks of the
+    group, id 0 = null); the per-request metadata (data pointer, length, capacity per group;
+    state; watermarks in tokens) sits in slot-indexed C arrays, so a batch touches one
+    contiguous record per request instead of a Python object and three heap blocks.
+
+    Callers validate ids; the single-slot methods only move memory (slot and group indices
+    are checked). ``step_flat`` / ``clip_spans`` validate a whole batch before writing.
+    """
+
+    def __cinit__(self, int num_groups):
+        if num_groups <= 0:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.num_groups = num_groups
+        self.index = {}
+        self._bufs = []
+        self._nslots = 0
+        self._nfree = 0
+        self._scratch_cap = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self._gb)
+        PyMem_Free(self._state)
+        PyMem_Free(self._marks)
+        PyMem_Free(self._free)
+        PyMem_Free(self._scratch)
+
+    cdef void _grow_slots(self) except *:
+        # Doubling; only metadata moves (the buffers stay where they are).
+        cdef Py_ssize_t old = self._nslots, n = old * 2 if old else 16, s, G = self.num_groups
+        cdef GroupBuf* gb = <GroupBuf*>PyMem_Realloc(self._gb, n * G * sizeof(GroupBuf))
+        if gb == NULL:
+            raise MemoryError()
+        self._gb = gb
+        cdef int* st = <int*>PyMem_Realloc(self._state, n * sizeof(int))
+        if st == NULL:
+            raise MemoryError()
+        self._state = st
+        cdef token_t* mk = <token_t*>PyMem_Realloc(self._marks, n * _NUM_MARKS * sizeof(token_t))
+        if mk == NULL:
+            raise MemoryError()
+        self._marks = mk
+        cdef Py_ssize_t* fr = <Py_ssize_t*>PyMem_Realloc(self._free, n * sizeof(Py_ssize_t))
+        if fr == NULL:
+            raise MemoryError()
+        self._free = fr
+        for s in range(old * G, n * G):
+            self._bufs.append(None)
+            self._set_buffer(s, _EMPTY_RO)
+        for s in range(n - 1, old - 1, -1):     # lowest slot on top: dense from 0
+            self._state[s] = FREE_SLOT
+            self._free[self._nfree] = s
+            self._nfree += 1
+        self._nslots = n
+
+    cdef void _set_buffer(self, Py_ssize_t k, object arr) except *:
+        # NumPy sees the buffer read-only (every slice handed out is a read-only view); this
+        # class writes through the raw pointer.
+        arr.flags.writeable = False
+        self._bufs[k] = arr
+        self._gb[k].data = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
+        self._gb[k].cap = cnp.PyArray_DIM(<cnp.ndarray>arr, 0)
+        self._gb[k].len = 0 if self._gb[k].cap == 0 else self._gb[k].len
+
+    cdef void _reserve(self, Py_ssize_t k, Py_ssize_t need) except *:
+        # Same growth policy as RequestTables: headroom first, then doubling.
+        cdef GroupBuf* b = &self._gb[k]
+        if need <= b.cap:
+            return
+        cdef Py_ssize_t new_cap = need + (need >> 3) + 16, n = b.len
+        if b.cap * 2 > new_cap:
+            new_cap = b.cap * 2
+        new = np.empty(new_cap, dtype=np.int32)
+        if n:
+            memcpy(cnp.PyArray_DATA(<cnp.ndarray>new), b.data, n * sizeof(block_id_t))
+        self._set_buffer(k, new)
+        self._gb[k].len = n
+
+    cdef inline Py_ssize_t _k(self, Py_ssize_t s, int g) except -1:
+        if s < 0 or s >= self._nslots or self._state[s] == FREE_SLOT:
+            raise IndexError(f"slot {s} is not in use")
+        if g < 0 or g >= self.num_groups:
+            raise IndexError(f"group {g} out of range for {self.num_groups} groups")
+        return s * self.num_groups + g
+
+    # -- membership -------------------------------------------------------------------
+    def add(self, object req_id, int state):
+        """A fresh slot for ``req_id`` (empty tables, watermarks 0); returns the slot."""
+        if req_id in self.index:
+            raise ValueError(f"req_id {req_id!r} already has a slot")
+        if self._nfree == 0:
+            self._grow_slots()
+        cdef Py_ssize_t s = self._free[self._nfree - 1], k
+        cdef int g
+        self.index[req_id] = s               # may raise (unhashable): nothing taken yet
+        self._nfree -= 1
+        for g in range(self.num_groups):
+            self._gb[s * self.num_groups + g].len = 0
+        for k in range(_NUM_MARKS):
+            self._marks[s * _NUM_MARKS + k] = 0
+        self._state[s] = state
+        return s
+
+    def pop(self, object req_id):
+        """Remove ``req_id``; return its per-group tables as arrays the caller owns (no copy)."""
+        cdef Py_ssize_t s = self.index[req_id]
+        out = tuple([self.take_group(s, g) for g in range(self.num_groups)])
+        del self.index[req_id]
+        self._state[s] = FREE_SLOT
+        self._free[self._nfree] = s
+        self._nfree += 1
+        return out
+
+    def __len__(self):
+        return len(self.index)
+
+    # -- one slot ---------------------------------------------------------------------
+    def get_state(self, Py_ssize_t s):
+        self._k(s, 0)
+        return self._state[s]
+
+    def set_state(self, Py_ssize_t s, int state):
+        self._k(s, 0)
+        self._state[s] = state
+
+    def mark(self, Py_ssize_t s, int m):
+        """Watermark m of slot s (0 scheduled, 1 saved, 2 loaded, 3 num_prompt; tokens)."""
+        self._k(s, 0)
+        if m < 0 or m >= _NUM_MARKS:
+            raise IndexError(f"mark {m} out of range")
+        return self._marks[s * _NUM_MARKS + m]
+
+    def set_mark(self, Py_ssize_t s, int m, token_t v):
+        self._k(s, 0)
+        if m < 0 or m >= _NUM_MARKS:
+            raise IndexError(f"mark {m} out of range")
+        self._marks[s * _NUM_MARKS + m] = v
+
+    def length(self, Py_ssize_t s, int g):
+        """Tracked blocks of group g of slot s."""
+        return self._gb[self._k(s, g)].len
+
+    def lengths(self, Py_ssize_t s):
+        """Tracked blocks per group of slot s (blocks of each group)."""
+        cdef Py_ssize_t k = self._k(s, 0)
+        return tuple([self._gb[k + g].len for g in range(self.num_groups)])
+
+    def append(self, Py_ssize_t s, int g, const block_id_t[::1] ids):
+        """Append ``ids`` to group g of slot s; return the new length."""
+        cdef Py_ssize_t k = self._k(s, g), n = ids.shape[0], base = self._gb[k].len
+        if n:
+            self._reserve(k, base + n)
+            memcpy(self._gb[k].data + base, &ids[0], n * sizeof(block_id_t))
+            self._gb[k].len = base + n
+        return base + n
+
+    def extend_groups(self, Py_ssize_t s, object groups):
+        """Append a table accepted by :func:`check_int_table` (lists of Python ints, ``None``
+        = nothing for that group) to slot s; all-or-nothing."""
+        cdef Py_ssize_t k0 = self._k(s, 0), i, n, base, bad = -1
+        cdef int g
+        cdef block_id_t* dst
+        if len(groups) != self.num_groups:
+            raise ValueError(f"groups has {len(groups)} entries, expected {self.num_groups}")
+        for g in range(self.num_groups):
+            seq = groups[g]
+            if seq is not None and _check_int_seq(seq, 0, &bad) != ID_OK:
+                raise ValueError(f"groups[{g}] must be a list/tuple of ints in [0, 2**31)")
+        for g in range(self.num_groups):
+            seq = groups[g]
+            if seq is None or len(seq) == 0:
+                continue
+            n = len(seq)
+            base = self._gb[k0 + g].len
+            self._reserve(k0 + g, base + n)
+            dst = self._gb[k0 + g].data + base
+            for i in range(n):
+                dst[i] = <block_id_t>(<long long>seq[i])
+            self._gb[k0 + g].len = base + n
+
+    def assign(self, Py_ssize_t s, int g, const block_id_t[::1] ids):
+        """Replace group g's table of slot s with ``ids``; return the new length."""
+        self._gb[self._k(s, g)].len = 0
+        return self.append(s, g, ids)
+
+    def clear(self, Py_ssize_t s):
+        """Empty every group of slot s (buffers kept for reuse)."""
+        cdef Py_ssize_t k = self._k(s, 0)
+        cdef int g
+        for g in range(self.num_groups):
+            self._gb[k + g].len = 0
+
+    def first_illegal_change(self, Py_ssize_t s, int g, const block_id_t[::1] full):
+        """-1 when ``full`` is a legal full table of group g (see
+        :meth:`RequestTables.first_illegal_change`), else the first offending position."""
+        cdef Py_ssize_t k = self._k(s, g), i, n = self._gb[k].len
+        cdef const block_id_t* cur = self._gb[k].data
+        if full.shape[0] < n:
+            return full.shape[0]
+        for i in range(n):
+            if full[i] != cur[i] and full[i] != 0:
+                return i
+        return -1
+
+    def merge_full(self, Py_ssize_t s, int g, const block_id_t[::1] full):
+        """Apply a legal full table: null freed positions in place, append the suffix past the
+        tracked length. Returns the number of appended blocks."""
+        cdef Py_ssize_t k = self._k(s, g), i, n = self._gb[k].len, m = full.shape[0]
+        cdef block_id_t* cur = self._gb[k].data
+        if m < n:
+            raise ValueError(f"full has {m} entries, fewer than the {n} tracked")
+        for i in range(n):
+            if full[i] == 0:
+                cur[i] = 0
+        if m > n:
+            self.append(s, g, full[n:])
+        return m - n
+
+    def view_group(self, Py_ssize_t s, int g):
+        """A read-only view of group g's live table (no copy)."""
+        cdef Py_ssize_t k = self._k(s, g)
+        return self._bufs[k][:self._gb[k].len]
+
+    def copy_group(self, Py_ssize_t s, int g):
+        """A fresh int32 array holding group g's table."""
+        cdef Py_ssize_t k = self._k(s, g)
+        return self._bufs[k][:self._gb[k].len].copy()
+
+    def take_group(self, Py_ssize_t s, int g):
+        """Group g's table as an array the caller owns (no copy); the group is emptied."""
+        cdef Py_ssize_t k = self._k(s, g), n = self._gb[k].len
+        buf = self._bufs[k]
+        if self._gb[k].cap == 0:
+            out = np.empty(0, dtype=np.int32)
+        else:
+            buf.flags.writeable = True   # the caller owns it now
+            out = buf[:n]
+        self._set_buffer(k, _EMPTY_RO)
+        return out
+
+    def clip_views(self, Py_ssize_t s, const long long[::1] keep):
+        """Read-only views of slot s's clipped table (``keep`` as in
+        :meth:`RequestTables.clip_views`)."""
+        cdef Py_ssize_t k0 = self._k(s, 0), a, b
+        cdef int g
+        if keep.shape[0] != self.num_groups:
+            raise ValueError(f"keep has {keep.shape[0]} entries, expected {self.num_groups}")
+        out = []
+        for g in range(self.num_groups):
+            _clip_span(self._gb[k0 + g].len, keep[g], &a, &b)
+            out.append(self._bufs[k0 + g][a:b])
+        return tuple(out)
+
+    # -- batches ----------------------------------------------------------------------
+    cdef Py_ssize_t _resolve(self, object req_ids) except -2:
+        # Slots of req_ids (a list or tuple) into _scratch; -1, or the index of the first
+        # untracked id. An unhashable id raises TypeError. Borrowed lookups: no refcount
+        # traffic on the keys' values.
+        cdef Py_ssize_t R = len(req_ids), r
+        cdef PyObject* v
+        cdef Py_ssize_t* p
+        if R > self._scratch_cap:
+            p = <Py_ssize_t*>PyMem_Realloc(self._scratch, R * sizeof(Py_ssize_t))
+            if p == NULL:
+                raise MemoryError()
+            self._scratch = p
+            self._scratch_cap = R
+        if type(req_ids) is list:
+            for r in range(R):
+                v = PyDict_GetItemWithError(self.index, <object>PyList_GET_ITEM(req_ids, r))
+                if v == NULL:
+                    return r
+                self._scratch[r] = PyLong_AsSsize_t(v)
+        else:
+            for r in range(R):
+                v = PyDict_GetItemWithError(self.index, <object>PyTuple_GET_ITEM(req_ids, r))
+                if v == NULL:
+                    return r
+                self._scratch[r] = PyLong_AsSsize_t(v)
+        return -1
+
+    def step_flat(self, object req_ids, object new_ids, object offsets, long long num_blocks,
+                  int preempted_state, int new_state, int running_state):
+        """Append one step's new ids of many requests, all-or-nothing.
+
+        ``req_ids``: list/tuple of R tracked ids. ``new_ids``: C-contiguous 1-D int32 array.
+        ``offsets``: C-contiguous 1-D int64 array, R*G + 1 entries, 0 first, non-decreasing,
+        ``len(new_ids)`` last; request ``req_ids[r]`` gets ``new_ids[offsets[r*G+g]:
+        offsets[r*G+g+1]]`` appended to group g (blocks of group g). ``new_state`` requests
+        become ``running_state``. Returns None, or ``(code, detail)`` with nothing changed:
+        STEP_UNKNOWN (detail = index of the untracked id), STEP_TABLE or STEP_STATE (detail =
+        message naming the argument and the rule). An unhashable id raises TypeError.
+        """
+        # Raw NumPy C API instead of typed memoryviews: acquiring a memoryview runs a lot of
+        # (cold, once per step) code; these checks are a few loads.
+        if not _is_c1d(new_ids, 4):
+            return STEP_TABLE, "new_ids must be a C-contiguous 1-D int32 array"
+        if not _is_c1d(offsets, 8):
+            return STEP_TABLE, "offsets must be a C-contiguous 1-D int64 array"
+        cdef const block_id_t* ids = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>new_ids)
+        cdef const long long* off = <const long long*>cnp.PyArray_DATA(<cnp.ndarray>offsets)
+        cdef Py_ssize_t n = cnp.PyArray_DIM(<cnp.ndarray>new_ids, 0)
+        cdef Py_ssize_t noff = cnp.PyArray_DIM(<cnp.ndarray>offsets, 0)
+        cdef Py_ssize_t R = len(req_ids), G = self.num_groups
+        cdef Py_ssize_t r, k, s, lo, m, i
+        cdef GroupBuf* b
+        cdef block_id_t* dst
+        cdef Py_ssize_t bad = self._resolve(req_ids)
+        if bad >= 0:
+            return STEP_UNKNOWN, bad
+        if noff != R * G + 1:
+            return STEP_TABLE, (f"offsets must have len(req_ids) * num_groups + 1 = "
+                                f"{R * G + 1} entries, got {noff}")
+        if off[0] != 0 or off[R * G] != n:
+            return STEP_TABLE, f"offsets must start at 0 and end at len(new_ids) = {n}"
+        for k in range(R * G):
+            if off[k + 1] < off[k]:
+                return STEP_TABLE, (f"offsets must be non-decreasing (offsets[{k + 1}] < "
+                                    f"offsets[{k}])")
+        i = _first_bad(ids, n, num_blocks)
+        if i >= 0:
+            if ids[i] < 0:
+                return STEP_TABLE, f"new_ids[{i}]: block id {ids[i]} is negative"
+            return STEP_TABLE, f"new_ids[{i}]: block id {ids[i]} is >= num_blocks ({num_blocks})"
+        for r in range(R):
+            if self._state[self._scratch[r]] == preempted_state:
+                return STEP_STATE, (f"req_ids[{r}] is PREEMPTED: a resumed request brings its "
+                                    "full table (replace), not appended ids")
+        # Valid: write. Only a buffer growth (rare) leaves C.
+        for r in range(R):
+            s = self._scratch[r]
+            b = &self._gb[s * G]
+            for k in range(G):
+                lo = off[r * G + k]
+                m = off[r * G + k + 1] - lo
+                if m == 0:
+                    continue
+                if b[k].len + m > b[k].cap:
+                    self._reserve(s * G + k, b[k].len + m)
+                dst = b[k].data + b[k].len
+                for i in range(m):
+                    dst[i] = ids[lo + i]
+                b[k].len += m
+            if self._state[s] == new_state:
+                self._state[s] = running_state
+        return None
+
+    def clip_spans(self, object req_ids, object keep):
+        """``(spans, -1)``: an int64 array ``(R, G, 2)`` whose ``[r, g]`` row is the ``[start,
+        end)`` range (blocks of group g) that :meth:`clip_views` would return for
+        ``req_ids[r]``; or ``(None, index of the first untracked id)``. ``keep``: the
+        C-contiguous int64 window plan (G entries)."""
+        cdef Py_ssize_t R = len(req_ids), r, k0, a, b
+        cdef int g, G = self.num_groups
+        if not _is_c1d(keep, 8) or cnp.PyArray_DIM(<cnp.ndarray>keep, 0) != G:
+            raise ValueError(f"keep must be a C-contiguous 1-D int64 array of {G} entries")
+        cdef const long long* kp = <const long long*>cnp.PyArray_DATA(<cnp.ndarray>keep)
+        cdef Py_ssize_t bad = self._resolve(req_ids)
+        if bad >= 0:
+            return None, bad
+        cdef cnp.npy_intp dims[3]
+        dims[0] = R
+        dims[1] = G
+        dims[2] = 2
+        out = cnp.PyArray_EMPTY(3, dims, cnp.NPY_INT64, 0)
+        cdef long long* o = <long long*>cnp.PyArray_DATA(<cnp.ndarray>out)
+        for r in range(R):
+            k0 = self._scratch[r] * G
+            for g in range(G):
+                _clip_span(self._gb[k0 + g].len, kp[g], &a, &b)
+                o[0] = a
+                o[1] = b
+                o += 2
+        return out, -1
+
+
+cdef inline bint _is_c1d(object a, int itemsize):
+    # A 1-D C-contiguous native-endian signed-integer array of that item size.
+    if not cnp.PyArray_Check(a):
+        return False
+    cdef cnp.ndarray arr = <cnp.ndarray>a
+    return (cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(arr)
+            and cnp.PyArray_ISSIGNED(arr) and cnp.PyArray_ITEMSIZE(arr) == itemsize
+            and cnp.PyArray_ISNOTSWAPPED(arr))
+
+
+cdef Py_ssize_t _first_bad(const block_id_t* ids, Py_ssize_t n, long long num_blocks) noexcept nogil:
+    # first_bad_id on a raw pointer.
+    cdef Py_ssize_t i
+    cdef block_id_t mn = 2147483647, mx = -2147483648, v
+    for i in range(n):
+        v = ids[i]
+        mn = v if v < mn else mn
+        mx = v if v > mx else mx
+    if n == 0 or (mn >= 0 and (num_blocks <= 0 or mx < num_blocks)):
+        return -1
+    for i in range(n):
+        if ids[i] < 0 or (num_blocks > 0 and ids[i] >= num_blocks):
+            return i
+    return -1
+
+
+cdef inline void _clip_span(Py_ssize_t n, long long keep, Py_ssize_t* a, Py_ssize_t* b) noexcept nogil:
+    # keep > 0: the last keep entries; 0: everything; -1 - s: the running state slot of a
+    # Mamba group with s speculative scratch slots (see RequestTables.clip_views).
+    cdef Py_ssize_t k, end
+    if keep > 0:
+        a[0] = n - keep if n > keep else 0
+        b[0] = n
+    elif keep == 0 or n == 0:
+        a[0] = 0
+        b[0] = n
+    else:
+        k = -1 - keep
+        end = n - (k if k < n - 1 else n - 1)
+        a[0] = end - 1
+        b[0] = end
