@@ -588,6 +588,14 @@ cdef class TableStore:
         if fr == NULL:
             raise MemoryError()
         self._free = fr
+        # A batch's slot scratch grows with the slots, not in the step: a step allocates
+        # nothing (a malloc right after many frees can cost a heap consolidation).
+        if self._scratch_cap < n:
+            fr = <Py_ssize_t*>PyMem_Realloc(self._scratch, n * sizeof(Py_ssize_t))
+            if fr == NULL:
+                raise MemoryError()
+            self._scratch = fr
+            self._scratch_cap = n
         for s in range(old * G, n * G):
             self._bufs.append(None)
             self._set_buffer(s, _EMPTY_RO)
@@ -902,11 +910,7 @@ cdef class TableStore:
         cdef Py_ssize_t bad = self._resolve(req_ids)
         if bad >= 0:
             return None, bad
-        cdef cnp.npy_intp dims[3]
-        dims[0] = R
-        dims[1] = G
-        dims[2] = 2
-        out = cnp.PyArray_EMPTY(3, dims, cnp.NPY_INT64, 0)
+        out = _spans_array(R, G)
         cdef long long* o = <long long*>cnp.PyArray_DATA(<cnp.ndarray>out)
         for r in range(R):
             k0 = self._scratch[r] * G
@@ -916,6 +920,30 @@ cdef class TableStore:
                 o[1] = b
                 o += 2
         return out, -1
+
+
+cdef object _spans_buf = None      # int64 storage behind the last clip_spans result
+
+
+cdef object _spans_array(Py_ssize_t R, int G):
+    # An (R, G, 2) int64 array for clip_spans. It is a view of _spans_buf, reused when no
+    # earlier result (or a view of one) is alive any more: the buffer's only reference is
+    # then this module's, so the reuse is unobservable. A step then needs no malloc (a
+    # fresh one right after many frees can cost a heap consolidation, ~100 us).
+    global _spans_buf
+    cdef cnp.npy_intp n = R * G * 2
+    cdef cnp.npy_intp dims[3]
+    if _spans_buf is None or (<PyObject*>_spans_buf).ob_refcnt != 1 \
+            or cnp.PyArray_DIM(<cnp.ndarray>_spans_buf, 0) < n:
+        dims[0] = n + (n >> 2) + 64
+        _spans_buf = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
+    dims[0] = R
+    dims[1] = G
+    dims[2] = 2
+    out = cnp.PyArray_SimpleNewFromData(3, dims, cnp.NPY_INT64,
+                                        cnp.PyArray_DATA(<cnp.ndarray>_spans_buf))
+    cnp.set_array_base(<cnp.ndarray>out, _spans_buf)
+    return out
 
 
 cdef inline bint _is_c1d(object a, int itemsize):
