@@ -1,5 +1,6 @@
-"""Typed kernels for hmacore.tables: id conversion/validation, unhashed-block selection, and
-the per-request growable int32 block tables that back TrackerSet.
+"""Typed kernels for hmacore.tables: id conversion/validation, unhashed-block selection, the
+growable int32 block tables of one request (RequestTables) and of every tracked request by
+slot (TableStore, what TrackerSet keeps).
 
 Every function here trusts the shapes/dtypes the Python layer (hmacore/tables.py) checked;
 the Python layer turns the IdStatus codes returned here into BlockTableError messages.
@@ -274,24 +275,13 @@ cdef class RequestTables:
         entries; ``keep[g] == 0`` keeps everything; ``keep[g] = -1 - s`` keeps the running
         state slot of a Mamba group with s speculative scratch slots."""
         cdef int g
-        cdef Py_ssize_t n, k, end
+        cdef Py_ssize_t a, b
         if keep.shape[0] != self.num_groups:
             raise ValueError(f"keep has {keep.shape[0]} entries, expected {self.num_groups}")
         out = []
         for g in range(self.num_groups):
-            n = self._lens[g]
-            k = keep[g]
-            if k > 0:
-                v = self._bufs[g][(n - k if n > k else 0):n]
-            elif k == 0:
-                v = self._bufs[g][:n]
-            elif n == 0:
-                v = self._bufs[g][:0]
-            else:
-                k = -1 - k
-                end = n - (k if k < n - 1 else n - 1)
-                v = self._bufs[g][end - 1:end]
-            out.append(v)
+            _clip_span(self._lens[g], keep[g], &a, &b)
+            out.append(self._bufs[g][a:b])
         return tuple(out)
 
     cpdef Py_ssize_t assign(self, int g, const block_id_t[::1] ids) except -1:
@@ -373,97 +363,8 @@ STATUS_PAST_POOL = ID_PAST_POOL
 
 
 # ---------------------------------------------------------------------------------------
-# Batched step: every request's appended ids in one flat int32 array
+# Batched step input: every request's appended ids in one flat int32 array
 # ---------------------------------------------------------------------------------------
-def check_flat_step(list rts, const block_id_t[::1] ids, const long long[::1] offsets,
-                    int num_groups, long long num_blocks, int preempted_state):
-    """Validate a flat step without changing anything; return None when it is valid, else an
-    error message naming the argument and the rule.
-
-    ``rts``: list of R RequestTables (the requests in ``offsets`` order). ``offsets``: int64,
-    R*num_groups + 1 entries, ``offsets[0] == 0``, non-decreasing, ``offsets[-1] ==
-    len(ids)``; request r's new ids of group g are ``ids[offsets[r*G+g]:offsets[r*G+g+1]]``.
-    """
-    cdef Py_ssize_t R = len(rts), k, n = ids.shape[0]
-    cdef Py_ssize_t i
-    cdef RequestTables rt
-    if offsets.shape[0] != R * num_groups + 1:
-        return (f"offsets must have len(req_ids) * num_groups + 1 = {R * num_groups + 1} "
-                f"entries, got {offsets.shape[0]}")
-    if offsets[0] != 0 or offsets[offsets.shape[0] - 1] != n:
-        return f"offsets must start at 0 and end at len(new_ids) = {n}"
-    for k in range(R * num_groups):
-        if offsets[k + 1] < offsets[k]:
-            return f"offsets must be non-decreasing (offsets[{k + 1}] < offsets[{k}])"
-    with nogil:
-        i = first_bad_id(ids, num_blocks)
-    if i >= 0:
-        if ids[i] < 0:
-            return f"new_ids[{i}]: block id {ids[i]} is negative"
-        return f"new_ids[{i}]: block id {ids[i]} is >= num_blocks ({num_blocks})"
-    for k in range(R):
-        rt = <RequestTables?>rts[k]
-        if rt.num_groups != num_groups:
-            return f"request {k} has {rt.num_groups} groups, expected {num_groups}"
-        if rt.state == preempted_state:
-            return (f"req_ids[{k}] is PREEMPTED: a resumed request brings its full table "
-                    "(replace), not appended ids")
-    return None
-
-
-def apply_flat_step(list rts, const block_id_t[::1] ids, const long long[::1] offsets,
-                    int new_state, int running_state):
-    """Append a flat step that :func:`check_flat_step` accepted (no checks here); requests in
-    state ``new_state`` become ``running_state``."""
-    cdef Py_ssize_t R = len(rts), r, base, m, lo
-    cdef int g, G
-    cdef RequestTables rt
-    for r in range(R):
-        rt = <RequestTables>rts[r]
-        G = rt.num_groups
-        for g in range(G):
-            lo = offsets[r * G + g]
-            m = offsets[r * G + g + 1] - lo
-            if m == 0:
-                continue
-            base = rt._lens[g]
-            rt._reserve(g, base + m)
-            memcpy(rt._data[g] + base, &ids[lo], m * sizeof(block_id_t))
-            rt._lens[g] = base + m
-        if rt.state == new_state:
-            rt.state = running_state
-
-
-def clip_spans(list rts, const long long[::1] keep, long long[:, :, ::1] out):
-    """Write, per request r and group g, the ``[start, end)`` positions (blocks of group g)
-    that ``clip_views`` would return, into ``out[r, g, :]``; nothing is copied."""
-    cdef Py_ssize_t R = len(rts), r, n, k, end
-    cdef int g, G = keep.shape[0]
-    cdef RequestTables rt
-    if out.shape[0] != R or out.shape[1] != G or out.shape[2] != 2:
-        raise ValueError(f"out must have shape ({R}, {G}, 2)")
-    for r in range(R):
-        rt = <RequestTables?>rts[r]
-        if rt.num_groups != G:
-            raise ValueError(f"request {r} has {rt.num_groups} groups, the plan {G}")
-    for r in range(R):
-        rt = <RequestTables>rts[r]
-        for g in range(G):
-            n = rt._lens[g]
-            k = keep[g]
-            if k > 0:
-                out[r, g, 0] = n - k if n > k else 0
-                out[r, g, 1] = n
-            elif k == 0 or n == 0:
-                out[r, g, 0] = 0
-                out[r, g, 1] = n
-            else:
-                k = -1 - k
-                end = n - (k if k < n - 1 else n - 1)
-                out[r, g, 0] = end - 1
-                out[r, g, 1] = end
-
-
 def flatten_step(object new_block_ids, int num_groups):
     """vLLM's ``CachedRequestData.new_block_ids`` (a list, per request None or G lists of
     ints) -> ``(ids int32, offsets int64, None)`` for ``apply_step_flat``, or ``(None, None,
