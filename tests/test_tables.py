@@ -270,6 +270,17 @@ def test_table_store_guards():
     with pytest.raises(ValueError, match="keep must be a C-contiguous 1-D int64 array of 2"):
         st.clip_spans(["x"], np.zeros(3, dtype=np.int64))
     assert st.clip_spans(["x", "y"], np.zeros(2, dtype=np.int64)) == (None, 1)
+    with pytest.raises(TypeError, match="req_ids must be a list or tuple, got dict_keys"):
+        st.clip_spans(st.index.keys(), np.zeros(2, dtype=np.int64))
+    with pytest.raises(TypeError, match="req_ids must be a list or tuple, got str"):
+        st.step_flat("x", np.zeros(0, np.int32), np.zeros(2, np.int64), 0, 3, 0, 2)
+
+    class Ids(list):
+        pass
+    spans, bad = st.clip_spans(Ids(["x"]), np.zeros(2, dtype=np.int64))
+    assert bad == -1 and spans.tolist() == [[[0, 0], [0, 0]]]
+    assert st.step_flat(Ids(["x"]), np.array([4], np.int32), np.array([0, 1, 1], np.int64),
+                        0, 3, 0, 2) is None and st.lengths(s) == (1, 0)
     assert st.step_flat(["y"], np.zeros(0, np.int32), np.zeros(3, np.int64), 0, 3, 0, 2) == \
         (STEP_UNKNOWN, 0)
     st.pop("x")

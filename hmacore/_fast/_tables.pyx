@@ -7,10 +7,11 @@ the Python layer turns the IdStatus codes returned here into BlockTableError mes
 """
 from cpython.bool cimport PyBool_Check
 from cpython.long cimport PyLong_Check
-from cpython.list cimport PyList_GET_ITEM
+from cpython.list cimport PyList_Check
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
-from cpython.tuple cimport PyTuple_GET_ITEM
+from cpython.sequence cimport PySequence_Fast_GET_ITEM
+from cpython.tuple cimport PyTuple_Check
 from libc.string cimport memcpy
 
 import numpy as np
@@ -709,6 +710,7 @@ cdef class TableStore:
         # Slots of req_ids (a list or tuple) into _scratch; -1, or the index of the first
         # untracked id. An unhashable id raises TypeError. Borrowed lookups: no refcount
         # traffic on the keys' values.
+        _check_seq(req_ids)
         cdef Py_ssize_t R = len(req_ids), r
         cdef PyObject* v
         cdef Py_ssize_t* p
@@ -718,18 +720,11 @@ cdef class TableStore:
                 raise MemoryError()
             self._scratch = p
             self._scratch_cap = R
-        if type(req_ids) is list:
-            for r in range(R):
-                v = PyDict_GetItemWithError(self.index, <object>PyList_GET_ITEM(req_ids, r))
-                if v == NULL:
-                    return r
-                self._scratch[r] = PyLong_AsSsize_t(v)
-        else:
-            for r in range(R):
-                v = PyDict_GetItemWithError(self.index, <object>PyTuple_GET_ITEM(req_ids, r))
-                if v == NULL:
-                    return r
-                self._scratch[r] = PyLong_AsSsize_t(v)
+        for r in range(R):
+            v = PyDict_GetItemWithError(self.index, <object>PySequence_Fast_GET_ITEM(req_ids, r))
+            if v == NULL:
+                return r
+            self._scratch[r] = PyLong_AsSsize_t(v)
         return -1
 
     def step_flat(self, object req_ids, object new_ids, object offsets, long long num_blocks,
@@ -742,7 +737,8 @@ cdef class TableStore:
         offsets[r*G+g+1]]`` appended to group g (blocks of group g). ``new_state`` requests
         become ``running_state``. Returns None, or ``(code, detail)`` with nothing changed:
         STEP_UNKNOWN (detail = index of the untracked id), STEP_TABLE or STEP_STATE (detail =
-        message naming the argument and the rule). An unhashable id raises TypeError.
+        message naming the argument and the rule). An unhashable id raises TypeError. Like
+        every mutation of the store, not for concurrent use from several threads.
         """
         # Raw NumPy C API instead of typed memoryviews: acquiring a memoryview runs a lot of
         # (cold, once per step) code; these checks are a few loads.
@@ -803,18 +799,23 @@ cdef class TableStore:
         end)`` range (blocks of group g) that :meth:`clip_views` would return for
         ``req_ids[r]``; or ``(None, index of the first untracked id)``. ``keep``: the
         C-contiguous int64 window plan (G entries)."""
+        _check_seq(req_ids)
         cdef Py_ssize_t R = len(req_ids), r, k0, a, b
         cdef int g, G = self.num_groups
         if not _is_c1d(keep, 8) or cnp.PyArray_DIM(<cnp.ndarray>keep, 0) != G:
             raise ValueError(f"keep must be a C-contiguous 1-D int64 array of {G} entries")
         cdef const long long* kp = <const long long*>cnp.PyArray_DATA(<cnp.ndarray>keep)
-        cdef Py_ssize_t bad = self._resolve(req_ids)
-        if bad >= 0:
-            return None, bad
+        cdef PyObject* v
         out = _spans_array(R, G)
         cdef long long* o = <long long*>cnp.PyArray_DATA(<cnp.ndarray>out)
+        # One pass, no scratch and no Python call between lookup and read: safe next to a
+        # step_flat of another thread parked in a buffer growth. An untracked id returns
+        # before the (unpublished) output is handed out.
         for r in range(R):
-            k0 = self._scratch[r] * G
+            v = PyDict_GetItemWithError(self.index, <object>PySequence_Fast_GET_ITEM(req_ids, r))
+            if v == NULL:
+                return None, r
+            k0 = PyLong_AsSsize_t(v) * G
             for g in range(G):
                 _clip_span(self._gb[k0 + g].len, kp[g], &a, &b)
                 o[0] = a
@@ -845,6 +846,13 @@ cdef object _spans_array(Py_ssize_t R, int G):
                                         cnp.PyArray_DATA(<cnp.ndarray>_spans_buf))
     cnp.set_array_base(<cnp.ndarray>out, _spans_buf)
     return out
+
+
+cdef inline int _check_seq(object req_ids) except -1:
+    # The batch loops index req_ids with PySequence_Fast_GET_ITEM.
+    if not (PyList_Check(req_ids) or PyTuple_Check(req_ids)):
+        raise TypeError(f"req_ids must be a list or tuple, got {type(req_ids).__name__}")
+    return 0
 
 
 cdef inline bint _is_c1d(object a, int itemsize):
