@@ -234,6 +234,12 @@ class RequestState(enum.IntEnum):
     FINISHED = 4
 
 
+_NEW, _RUNNING, _PREEMPTED = (int(RequestState.NEW), int(RequestState.RUNNING),
+                              int(RequestState.PREEMPTED))
+_SCHEDULED, _SAVED, _LOADED, _PROMPT = range(_k.NUM_MARKS)   # TableStore watermark slots
+_MARKS = {"scheduled_tokens": _SCHEDULED, "saved_tokens": _SAVED, "loaded_tokens": _LOADED}
+
+
 class _FastTable:
     """A table of Python-int lists that already passed ``check_int_table``."""
 
@@ -246,9 +252,11 @@ class _FastTable:
 class TrackerSet:
     """Per-request, per-group block tables mirroring vLLM's scheduler contract.
 
-    Tables live in growable contiguous int32 buffers (:class:`~hmacore._fast._tables.
-    RequestTables`, one per request, no object per block). Every mutating method validates
-    all of its input before changing anything: on any exception the set is unchanged.
+    Tables live in growable contiguous int32 buffers, one per request and group, with the
+    per-request metadata in slot-indexed C arrays (:class:`~hmacore._fast._tables.TableStore`:
+    one slot per tracked request, no object per request or block). Every mutating method
+    validates all of its input before changing anything: on any exception the set is
+    unchanged.
 
     Units: tables in blocks of each group; watermarks in tokens.
     """
@@ -259,14 +267,17 @@ class TrackerSet:
         self.layout = layout
         self.num_groups = layout.num_groups
         self._num_blocks = layout.num_blocks
-        self._reqs: dict[Hashable, _k.RequestTables] = {}
+        self._nb = self._num_blocks or 0   # kernels: 0 = pool size unknown
+        self._store = _k.TableStore(self.num_groups)
+        self._reqs: dict[Hashable, int] = self._store.index   # req_id -> slot (read-only here)
 
     # -- helpers ----------------------------------------------------------------------
     def _table(self, block_ids: Any, name: str) -> tuple[np.ndarray, ...]:
         return as_block_table(block_ids, self.num_groups, num_blocks=self._num_blocks,
                               name=name)
 
-    def _get(self, req_id: Hashable) -> _k.RequestTables:
+    def _get(self, req_id: Hashable) -> int:
+        """The request's slot in the store."""
         try:
             return self._reqs[req_id]
         except KeyError:
@@ -284,17 +295,17 @@ class TrackerSet:
             new_block_ids = [_EMPTY if x is None else x for x in new_block_ids]
         return self._table(new_block_ids, "new_block_ids")
 
-    def _check_full(self, rt: _k.RequestTables, full: tuple[np.ndarray, ...],
-                    req_id: Hashable) -> None:
+    def _check_full(self, s: int, full: tuple[np.ndarray, ...], req_id: Hashable) -> None:
+        st = self._store
         for g, ids in enumerate(full):
-            i = rt.first_illegal_change(g, ids)
+            i = st.first_illegal_change(s, g, ids)
             if i < 0:
                 continue
-            if i == ids.shape[0] and i < rt.length(g):
+            if i == ids.shape[0] and i < st.length(s, g):
                 raise BlockTableError(
                     f"full_table: group {g} of {req_id!r} has {ids.shape[0]} blocks but "
-                    f"{rt.length(g)} are tracked; tables never shrink (positions are stable)")
-            old = int(rt.copy_group(g)[i])
+                    f"{st.length(s, g)} are tracked; tables never shrink (positions are stable)")
+            old = int(st.view_group(s, g)[i])
             raise BlockTableError(
                 f"full_table: group {g}, index {i} of {req_id!r}: tracked block {old} changed "
                 f"to {int(ids[i])}; a tracked position may only become the null block 0")
@@ -316,29 +327,30 @@ class TrackerSet:
 
     def _fast_or_table(self, block_ids: Any, name: str, *, allow_none: bool) -> Any:
         """Lists of Python ints that pass the C pre-check are kept as they are (consumed by
-        ``RequestTables.extend_groups``); anything else becomes int32 arrays (or raises)."""
+        ``TableStore.extend_groups``); anything else becomes int32 arrays (or raises)."""
         if _k.check_int_table(block_ids, self.num_groups, self._num_blocks or 0, allow_none):
             return _FastTable(block_ids)
         if allow_none:
             return self._new_ids(block_ids)
         return self._table(block_ids, name)
 
-    @staticmethod
-    def _extend(rt: _k.RequestTables, table: Any) -> None:
+    def _extend(self, s: int, table: Any) -> None:
         if table is None:
             return
         if isinstance(table, _FastTable):
-            rt.extend_groups(table.groups)
+            self._store.extend_groups(s, table.groups)
             return
         for g, ids in enumerate(table):
-            rt.append(g, ids)
+            self._store.append(s, g, ids)
 
     def _insert(self, req_id: Hashable, table: Any, prompt: int) -> None:
-        rt = _k.RequestTables(self.num_groups)
-        self._extend(rt, table)
-        rt.num_prompt_tokens = prompt
-        rt.state = RequestState.NEW
-        self._reqs[req_id] = rt
+        s = self._store.add(req_id, int(RequestState.NEW))
+        try:
+            self._extend(s, table)
+        except BaseException:        # validated input: only MemoryError gets here
+            self._store.pop(req_id)
+            raise
+        self._store.set_mark(s, _PROMPT, prompt)
 
     def append(self, req_id: Hashable, new_block_ids: BlockTableLike | None) -> tuple[int, ...]:
         """Append newly allocated blocks of a running request (None / empty groups: no-op).
@@ -346,13 +358,14 @@ class TrackerSet:
         Returns the new per-group lengths. A PREEMPTED request must come back via
         :meth:`replace` first.
         """
-        rt = self._get(req_id)
+        s = self._get(req_id)
         table = self._fast_or_table(new_block_ids, "new_block_ids", allow_none=True)
-        self._check_appendable(req_id, rt.state)
-        self._extend(rt, table)
-        if rt.state == RequestState.NEW:
-            rt.state = RequestState.RUNNING
-        return self.num_blocks(req_id)
+        st = self._store
+        self._check_appendable(req_id, st.get_state(s))
+        self._extend(s, table)
+        if st.get_state(s) == RequestState.NEW:
+            st.set_state(s, int(RequestState.RUNNING))
+        return st.lengths(s)
 
     @staticmethod
     def _check_appendable(req_id: Hashable, state: int) -> None:
@@ -368,31 +381,32 @@ class TrackerSet:
         of a tracked position, or a shorter table, raises BlockTableError and changes nothing.
         Returns how many blocks were appended per group.
         """
-        rt = self._get(req_id)
+        s = self._get(req_id)
         full = self._table(full_table, "full_table")
-        self._check_full(rt, full, req_id)
-        return tuple(rt.merge_full(g, ids) for g, ids in enumerate(full))
+        self._check_full(s, full, req_id)
+        return tuple(self._store.merge_full(s, g, ids) for g, ids in enumerate(full))
 
     def replace(self, req_id: Hashable, full_table: BlockTableLike) -> None:
         """Replace the table of a resumed request; state becomes RUNNING."""
-        rt = self._get(req_id)
+        s = self._get(req_id)
         full = self._table(full_table, "full_table")
         for g, ids in enumerate(full):
-            rt.assign(g, ids)
-        rt.state = RequestState.RUNNING
+            self._store.assign(s, g, ids)
+        self._store.set_state(s, int(RequestState.RUNNING))
 
     def preempt(self, req_id: Hashable) -> None:
         """Empty the table, reset the watermarks to 0, state PREEMPTED."""
-        rt = self._get(req_id)
-        rt.clear()
-        rt.scheduled_tokens = rt.saved_tokens = rt.loaded_tokens = 0
-        rt.state = RequestState.PREEMPTED
+        s = self._get(req_id)
+        st = self._store
+        st.clear(s)
+        for m in (_SCHEDULED, _SAVED, _LOADED):
+            st.set_mark(s, m, 0)
+        st.set_state(s, int(RequestState.PREEMPTED))
 
     def finish(self, req_id: Hashable) -> tuple[np.ndarray, ...]:
         """Remove the request (exactly once) and hand its per-group tables to the caller."""
-        rt = self._get(req_id)
-        del self._reqs[req_id]
-        return tuple(rt.take_group(g) for g in range(self.num_groups))
+        self._get(req_id)
+        return self._store.pop(req_id)
 
     # -- queries ----------------------------------------------------------------------
     def block_ids(self, req_id: Hashable, *, copy: bool = True) -> tuple[np.ndarray, ...]:
@@ -402,52 +416,53 @@ class TrackerSet:
         clipping, but they show later in-place nulling and do not see later appends; do not
         keep them across tracker updates.
         """
-        rt = self._get(req_id)
+        s = self._get(req_id)
+        st = self._store
         if copy:
-            return tuple(rt.copy_group(g) for g in range(self.num_groups))
-        return tuple(rt.view_group(g) for g in range(self.num_groups))
+            return tuple(st.copy_group(s, g) for g in range(self.num_groups))
+        return tuple(st.view_group(s, g) for g in range(self.num_groups))
 
     def num_blocks(self, req_id: Hashable) -> tuple[int, ...]:
         """Tracked blocks per group (blocks of each group, nulls included)."""
-        rt = self._get(req_id)
-        return tuple(rt.length(g) for g in range(self.num_groups))
+        return self._store.lengths(self._get(req_id))
 
     def state(self, req_id: Hashable) -> RequestState:
-        return RequestState(self._get(req_id).state)
+        return RequestState(self._store.get_state(self._get(req_id)))
 
     def set_state(self, req_id: Hashable, state: RequestState) -> None:
         """Mark NEW / WAITING_FOR_REMOTE / RUNNING (use preempt()/finish() for the others)."""
-        rt = self._get(req_id)
+        s = self._get(req_id)
         try:
             st = RequestState(state)
         except ValueError:
             raise TrackerStateError(f"state must be a RequestState, got {state!r}") from None
         if st in (RequestState.PREEMPTED, RequestState.FINISHED):
             raise TrackerStateError(f"state {st.name} is set by preempt()/finish(), not set_state")
-        rt.state = int(st)
+        self._store.set_state(s, int(st))
 
     def num_prompt_tokens(self, req_id: Hashable) -> int:
-        return self._get(req_id).num_prompt_tokens
+        return self._store.mark(self._get(req_id), _PROMPT)
 
     def scheduled_tokens(self, req_id: Hashable) -> int:
         """Tokens scheduled so far (tokens)."""
-        return self._get(req_id).scheduled_tokens
+        return self._store.mark(self._get(req_id), _SCHEDULED)
 
     def saved_tokens(self, req_id: Hashable) -> int:
         """Tokens whose KV was saved/stored (tokens)."""
-        return self._get(req_id).saved_tokens
+        return self._store.mark(self._get(req_id), _SAVED)
 
     def loaded_tokens(self, req_id: Hashable) -> int:
         """Tokens whose KV was loaded (tokens)."""
-        return self._get(req_id).loaded_tokens
+        return self._store.mark(self._get(req_id), _LOADED)
 
     def _set_mark(self, req_id: Hashable, field: str, n: Any) -> None:
-        rt = self._get(req_id)
+        s = self._get(req_id)
         n = self._check_tokens(field, n)
-        cur = getattr(rt, field)
+        m = _MARKS[field]
+        cur = self._store.mark(s, m)
         if n < cur:
             raise TrackerStateError(f"{field} of {req_id!r} cannot run backwards: {cur} -> {n}")
-        setattr(rt, field, n)
+        self._store.set_mark(s, m, n)
 
     def set_scheduled_tokens(self, req_id: Hashable, n: int) -> None:
         self._set_mark(req_id, "scheduled_tokens", n)
@@ -491,7 +506,8 @@ class TrackerSet:
         NEW, RUNNING, PREEMPTED = (int(RequestState.NEW), int(RequestState.RUNNING),
                                    int(RequestState.PREEMPTED))
         # Phase 1: validate against a simulated membership/state view.
-        live = {r: rt.state for r, rt in self._reqs.items()}
+        st = self._store
+        live = {r: st.get_state(s) for r, s in self._reqs.items()}
         for r in finished:
             if r not in live:
                 raise TrackerStateError(f"finished: req_id {r!r} is not tracked")
@@ -541,20 +557,20 @@ class TrackerSet:
             self._insert(r, table, 0)
         reqs = self._reqs
         for r, kind, table in cached_ops:
-            rt = reqs[r]
+            s = reqs[r]
             if kind == 1:
                 if table is not None:
-                    rt.extend_groups(table)
+                    st.extend_groups(s, table)
             elif kind == 2:
                 for g, ids in enumerate(table):
-                    rt.append(g, ids)
+                    st.append(s, g, ids)
             else:
                 for g, ids in enumerate(table):
-                    rt.assign(g, ids)
-                rt.state = RUNNING
+                    st.assign(s, g, ids)
+                st.set_state(s, RUNNING)
                 continue
-            if rt.state == NEW:
-                rt.state = RUNNING
+            if st.get_state(s) == NEW:
+                st.set_state(s, RUNNING)
         return out
 
     def apply_step_flat(self, req_ids: Sequence[Hashable], new_ids: Any, offsets: Any) -> None:
@@ -572,26 +588,18 @@ class TrackerSet:
         """
         if not isinstance(req_ids, (list, tuple)):
             req_ids = list(req_ids)
-        if not (isinstance(new_ids, np.ndarray) and new_ids.dtype == np.int32
-                and new_ids.ndim == 1 and new_ids.flags.c_contiguous):
-            raise BlockTableError("new_ids must be a C-contiguous 1-D int32 array")
-        if not (isinstance(offsets, np.ndarray) and offsets.dtype == np.int64
-                and offsets.ndim == 1 and offsets.flags.c_contiguous):
-            raise BlockTableError("offsets must be a C-contiguous 1-D int64 array")
-        reqs = self._reqs
         try:
-            rts = [reqs[r] for r in req_ids]
-        except (KeyError, TypeError):
-            for r in req_ids:
-                self._get(r)   # raises the TrackerStateError naming the request
+            err = self._store.step_flat(req_ids, new_ids, offsets, self._nb, _PREEMPTED, _NEW,
+                                        _RUNNING)
+        except TypeError:
+            self._slots_of(req_ids)   # raises the TrackerStateError naming the request
             raise
-        err = _k.check_flat_step(rts, new_ids, offsets, self.num_groups, self._num_blocks or 0,
-                                 int(RequestState.PREEMPTED))
         if err is not None:
-            cls = TrackerStateError if "PREEMPTED" in err else BlockTableError
-            raise cls(f"apply_step_flat: {err}")
-        _k.apply_flat_step(rts, new_ids, offsets, int(RequestState.NEW),
-                           int(RequestState.RUNNING))
+            code, detail = err
+            if code == _k.STEP_UNKNOWN:
+                self._get(req_ids[detail])
+            cls = TrackerStateError if code == _k.STEP_STATE else BlockTableError
+            raise cls(f"apply_step_flat: {detail}")
 
     def apply_step_lists(self, req_ids: Sequence[Hashable], new_block_ids: Sequence[Any]) -> None:
         """:meth:`apply_step_flat` straight from vLLM's ``CachedRequestData``: ``req_ids``
@@ -606,12 +614,24 @@ class TrackerSet:
                                   f"{len(new_block_ids)} new_block_ids entries")
         self.apply_step_flat(req_ids, ids, offsets)
 
-    def _tables_of(self, req_ids: Sequence[Hashable]) -> list:
-        reqs = self._reqs
+    def _slots_of(self, req_ids: Sequence[Hashable]) -> list[int]:
+        return [self._get(r) for r in req_ids]
+
+    def _clip_spans(self, req_ids: Sequence[Hashable], plan: np.ndarray) -> np.ndarray:
+        """``[start, end)`` of each request's clipped groups (see windows.clip_tracked_spans)."""
+        if not isinstance(req_ids, (list, tuple)):
+            req_ids = list(req_ids)
         try:
-            return [reqs[r] for r in req_ids]
-        except (KeyError, TypeError):
-            for r in req_ids:
-                self._get(r)
+            out, bad = self._store.clip_spans(req_ids, plan)
+        except TypeError:
+            self._slots_of(req_ids)
             raise
+        if bad >= 0:
+            self._get(req_ids[bad])
+        return out
+
+    def _clip_views(self, req_ids: Sequence[Hashable], plan: np.ndarray) -> list:
+        slots = self._slots_of(req_ids)   # all lookups first: unknown id -> no output
+        clip = self._store.clip_views
+        return [clip(s, plan) for s in slots]
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from ._fast import _tables as _tk
 from ._fast import _windows as _k
 from .errors import BlockTableError
 from .spec import GroupKind, KVLayout
@@ -228,9 +227,7 @@ def clip_tracked(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: bool = 
     """
     if not isinstance(trackers, TrackerSet):
         raise TypeError(f"trackers must be a TrackerSet, got {type(trackers).__name__}")
-    plan = _plan(trackers.layout, exact, clip_state)
-    rts = [trackers._get(r) for r in req_ids]  # all lookups first: unknown id -> no output
-    return [rt.clip_views(plan) for rt in rts]
+    return trackers._clip_views(req_ids, _plan(trackers.layout, exact, clip_state))
 
 
 def clip_tracked_spans(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: bool = False,
@@ -244,11 +241,7 @@ def clip_tracked_spans(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: b
     """
     if not isinstance(trackers, TrackerSet):
         raise TypeError(f"trackers must be a TrackerSet, got {type(trackers).__name__}")
-    plan = _plan(trackers.layout, exact, clip_state)
-    rts = trackers._tables_of(req_ids if isinstance(req_ids, (list, tuple)) else list(req_ids))
-    out = np.empty((len(rts), trackers.num_groups, 2), dtype=np.int64)
-    _tk.clip_spans(rts, plan, out)
-    return out
+    return trackers._clip_spans(req_ids, _plan(trackers.layout, exact, clip_state))
 
 
 def trim_remote_to_local(local: Any, remote: Any, layout: KVLayout, *,

@@ -243,3 +243,46 @@ def test_request_tables_guards():
     assert rt.copy_group(0).tolist() == [1, 2] + [3] * 100 and v.tolist() == [1, 2]
     taken = rt.take_group(0)
     assert taken.flags.writeable and rt.length(0) == 0
+
+
+def test_table_store_guards():
+    from hmacore._fast._tables import STEP_UNKNOWN, TableStore
+    with pytest.raises(ValueError, match="num_groups must be >= 1"):
+        TableStore(0)
+    st = TableStore(2)
+    s = st.add("x", 0)
+    with pytest.raises(ValueError, match="'x' already has a slot"):
+        st.add("x", 0)
+    with pytest.raises(TypeError):
+        st.add([], 0)
+    assert len(st) == 1                            # the failed add took no slot
+    for bad_s, bad_g, msg in [(s + 1, 0, "slot 1 is not in use"), (-1, 0, "slot -1 is not in use"),
+                              (s, 2, "group 2 out of range for 2 groups"), (s, -1, "group -1 out")]:
+        with pytest.raises(IndexError, match=msg):
+            st.append(bad_s, bad_g, np.array([1], dtype=np.int32))
+        with pytest.raises(IndexError, match=msg):
+            st.view_group(bad_s, bad_g)
+    with pytest.raises(IndexError, match="mark 4 out of range"):
+        st.mark(s, 4)
+    with pytest.raises(ValueError, match="groups\\[1\\] must be a list/tuple of ints"):
+        st.extend_groups(s, [[1, 2], [-1]])
+    assert st.lengths(s) == (0, 0)                 # all-or-nothing
+    with pytest.raises(ValueError, match="keep must be a C-contiguous 1-D int64 array of 2"):
+        st.clip_spans(["x"], np.zeros(3, dtype=np.int64))
+    assert st.clip_spans(["x", "y"], np.zeros(2, dtype=np.int64)) == (None, 1)
+    with pytest.raises(TypeError, match="req_ids must be a list or tuple, got dict_keys"):
+        st.clip_spans(st.index.keys(), np.zeros(2, dtype=np.int64))
+    with pytest.raises(TypeError, match="req_ids must be a list or tuple, got str"):
+        st.step_flat("x", np.zeros(0, np.int32), np.zeros(2, np.int64), 0, 3, 0, 2)
+
+    class Ids(list):
+        pass
+    spans, bad = st.clip_spans(Ids(["x"]), np.zeros(2, dtype=np.int64))
+    assert bad == -1 and spans.tolist() == [[[0, 0], [0, 0]]]
+    assert st.step_flat(Ids(["x"]), np.array([4], np.int32), np.array([0, 1, 1], np.int64),
+                        0, 3, 0, 2) is None and st.lengths(s) == (1, 0)
+    assert st.step_flat(["y"], np.zeros(0, np.int32), np.zeros(3, np.int64), 0, 3, 0, 2) == \
+        (STEP_UNKNOWN, 0)
+    st.pop("x")
+    with pytest.raises(IndexError, match="slot 0 is not in use"):
+        st.length(s, 0)

@@ -127,3 +127,65 @@ def test_apply_step_lists_matches_flat_and_rejects():
         with pytest.raises(BlockTableError, match=msg):
             a.apply_step_lists([0, 1, 2], bad)
         assert snapshot(a) == before
+
+
+def test_flat_step_rejects_more_forms_and_ids():
+    ts = _ts()
+    before = snapshot(ts)
+    offs = np.array([0, 1, 2], np.int64)
+    for bad in (np.array([1, 2], ">i4"), np.array([1, 2], np.uint32), np.array([[1, 2]], np.int32),
+                np.array([1, 0, 2], np.int32)[::2], [1, 2], np.array([1.0, 2.0])):
+        with pytest.raises(BlockTableError, match="new_ids must be a C-contiguous 1-D int32"):
+            ts.apply_step_flat(["a"], bad, offs)
+    for bad in (np.array([0, 1, 2], ">i8"), np.array([0, 1, 2], np.int32),
+                np.array([0, 1, 2], np.uint64), np.array([0, 0, 1, 1, 2, 2], np.int64)[::2]):
+        with pytest.raises(BlockTableError, match="offsets must be a C-contiguous 1-D int64"):
+            ts.apply_step_flat(["a"], np.array([1, 2], np.int32), bad)
+    with pytest.raises(TrackerStateError, match="req_id must be hashable"):
+        ts.apply_step_flat(["a", ["b"]], np.array([5, 6], np.int32), np.array([0, 1, 1, 2, 2], np.int64))
+    with pytest.raises(TrackerStateError, match="req_id must be hashable"):
+        clip_tracked_spans(ts, ["a", {}])
+    assert snapshot(ts) == before
+    # Read-only inputs and generic iterables of ids are fine.
+    ids, offs = np.array([5, 6], np.int32), np.array([0, 1, 1, 2, 2], np.int64)
+    ids.flags.writeable = offs.flags.writeable = False
+    ts.apply_step_flat(iter(["a", "b"]), ids, offs)
+    assert snapshot(ts) == {"a": ([[1, 5], [2]], 2), "b": ([[3, 6], [4]], 2)}
+
+
+def test_flat_step_reuses_finished_slots():
+    """A finished request's slot goes to the next add: fresh table, state and watermarks; the
+    finished request's arrays are the caller's and never change afterwards."""
+    ts = TrackerSet(LAYOUTS[1])
+    G = ts.num_groups
+    for r in range(40):
+        ts.add(r, [[r + 1]] * G)
+    ts.set_scheduled_tokens(5, 100)
+    ts.preempt(6)
+    gone = ts.finish(5)
+    ts.finish(6)
+    ts.add("new", [[] for _ in range(G)])
+    ts.add("new2", [[9]] * G)
+    assert ts.num_blocks("new") == (0,) * G and ts.state("new") == RequestState.NEW
+    assert ts.scheduled_tokens("new") == 0 and ts.block_ids("new2")[0].tolist() == [9]
+    ids, offs = flat([[[7]] * G, [[8]] * G], G)
+    ts.apply_step_flat(["new", "new2"], ids, offs)
+    assert [x.tolist() for x in gone] == [[6]] * G
+    assert ts.block_ids("new")[0].tolist() == [7] and ts.block_ids("new2")[0].tolist() == [9, 8]
+    assert len(ts) == 40 and 5 not in ts and "new" in ts
+
+
+def test_clip_spans_results_are_independent():
+    """Each result stays valid while held (the int64 storage is only reused once dropped)."""
+    ts = _ts()
+    a = clip_tracked_spans(ts, ["a", "b"])
+    ts.apply_step_flat(["a"], np.array([5, 6, 7], np.int32), np.array([0, 2, 3], np.int64))
+    b = clip_tracked_spans(ts, ["a"])
+    assert a.tolist() == [[[0, 1], [0, 1]], [[0, 1], [0, 1]]]
+    assert b.tolist() == [[[0, 3], [0, 2]]] and not np.shares_memory(a, b)
+    view = b[0]
+    del a, b
+    c = clip_tracked_spans(ts, ["b", "a"])
+    assert view.tolist() == [[0, 3], [0, 2]] and not np.shares_memory(view, c)
+    assert c.shape == (2, 2, 2) and c.dtype == np.int64 and c.flags.c_contiguous
+    assert clip_tracked_spans(ts, []).shape == (0, 2, 2)

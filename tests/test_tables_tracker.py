@@ -10,7 +10,7 @@ from hmacore.errors import BlockTableError, HmacoreError, TrackerStateError
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind, GroupSpec, KVLayout
 from hmacore.tables import RequestState, TrackerSet
-from hmacore.windows import clip_to_window, clip_tracked
+from hmacore.windows import clip_to_window, clip_tracked, clip_tracked_spans
 from tests import oracle_core as oracle
 
 NB = 64
@@ -396,6 +396,17 @@ class TrackerMachine(RuleBasedStateMachine):
         if out is not None:
             assert {r: lists(v) for r, v in out[0].items()} == out[1]
 
+    @rule(data=st.data())
+    def apply_step_flat(self, data):
+        # Requests may repeat, be untracked or PREEMPTED (then nothing changes), slots of
+        # finished requests are reused by later adds.
+        reqs = data.draw(st.lists(st.sampled_from(REQS), max_size=4))
+        step = [self._table(data) for _ in reqs]
+        ids = np.array([b for t in step for g in t for b in g], dtype=np.int32)
+        offs = np.cumsum([0] + [len(g) for t in step for g in t]).astype(np.int64)
+        self._both(lambda: self.lib.apply_step_flat(reqs, ids, offs),
+                   lambda: self.ora.apply_step([], [(r, t, False) for r, t in zip(reqs, step)], []))
+
     @rule(r=st.sampled_from(REQS), data=st.data(),
           how=st.sampled_from(["groups", "negative", "pool", "float", "int32"]))
     def bad_table(self, r, data, how):
@@ -425,6 +436,10 @@ class TrackerMachine(RuleBasedStateMachine):
         for r, views in zip(reqs, clip_tracked(self.lib, reqs)):
             assert lists(views) == lists(clip_to_window(self.lib.block_ids(r), self.layout))
             assert not any(v.flags.writeable for v in views)
+        spans = clip_tracked_spans(self.lib, reqs)
+        for r, views, sp in zip(reqs, clip_tracked(self.lib, reqs), spans):
+            full = self.lib.block_ids(r, copy=False)
+            assert [full[g][a:b].tolist() for g, (a, b) in enumerate(sp)] == lists(views)
 
 
 TestTrackerMachine = TrackerMachine.TestCase

@@ -38,3 +38,30 @@ cdef class RequestTables:
     cpdef object view_group(self, int g)
     cpdef object take_group(self, int g)
     cpdef void clear(self)
+
+
+cdef struct GroupBuf:
+    block_id_t* data                # the table of one (slot, group): blocks of that group
+    Py_ssize_t len                  # live entries
+    Py_ssize_t cap                  # capacity of the owner array
+
+
+cdef class TableStore:
+    """Every tracked request's per-group tables, slot-indexed (one slot per request)."""
+    cdef readonly int num_groups
+    cdef readonly dict index        # req_id -> slot (int)
+    cdef Py_ssize_t _nslots         # slots allocated (live + free)
+    cdef list _bufs                 # slot*G + g: owner np.ndarray[int32] (read-only for NumPy)
+    cdef GroupBuf* _gb              # slot*G + g: data/len/cap (contiguous per request)
+    cdef int* _state                # per slot; FREE_SLOT when unused
+    cdef token_t* _marks            # slot*NUM_MARKS + k: watermarks (tokens)
+    cdef Py_ssize_t* _free          # stack of free slots
+    cdef Py_ssize_t _nfree
+    cdef Py_ssize_t* _scratch       # a batch's resolved slots (reused across calls)
+    cdef Py_ssize_t _scratch_cap
+
+    cdef void _grow_slots(self) except *
+    cdef void _set_buffer(self, Py_ssize_t k, object arr) except *
+    cdef void _reserve(self, Py_ssize_t k, Py_ssize_t need) except *
+    cdef inline Py_ssize_t _k(self, Py_ssize_t s, int g) except -1
+    cdef Py_ssize_t _resolve(self, object req_ids) except -2

@@ -1,12 +1,17 @@
-"""Typed kernels for hmacore.tables: id conversion/validation, unhashed-block selection, and
-the per-request growable int32 block tables that back TrackerSet.
+"""Typed kernels for hmacore.tables: id conversion/validation, unhashed-block selection, the
+growable int32 block tables of one request (RequestTables) and of every tracked request by
+slot (TableStore, what TrackerSet keeps).
 
 Every function here trusts the shapes/dtypes the Python layer (hmacore/tables.py) checked;
 the Python layer turns the IdStatus codes returned here into BlockTableError messages.
 """
 from cpython.bool cimport PyBool_Check
 from cpython.long cimport PyLong_Check
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.list cimport PyList_Check
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.object cimport PyObject
+from cpython.sequence cimport PySequence_Fast_GET_ITEM
+from cpython.tuple cimport PyTuple_Check
 from libc.string cimport memcpy
 
 import numpy as np
@@ -271,24 +276,13 @@ cdef class RequestTables:
         entries; ``keep[g] == 0`` keeps everything; ``keep[g] = -1 - s`` keeps the running
         state slot of a Mamba group with s speculative scratch slots."""
         cdef int g
-        cdef Py_ssize_t n, k, end
+        cdef Py_ssize_t a, b
         if keep.shape[0] != self.num_groups:
             raise ValueError(f"keep has {keep.shape[0]} entries, expected {self.num_groups}")
         out = []
         for g in range(self.num_groups):
-            n = self._lens[g]
-            k = keep[g]
-            if k > 0:
-                v = self._bufs[g][(n - k if n > k else 0):n]
-            elif k == 0:
-                v = self._bufs[g][:n]
-            elif n == 0:
-                v = self._bufs[g][:0]
-            else:
-                k = -1 - k
-                end = n - (k if k < n - 1 else n - 1)
-                v = self._bufs[g][end - 1:end]
-            out.append(v)
+            _clip_span(self._lens[g], keep[g], &a, &b)
+            out.append(self._bufs[g][a:b])
         return tuple(out)
 
     cpdef Py_ssize_t assign(self, int g, const block_id_t[::1] ids) except -1:
@@ -370,97 +364,8 @@ STATUS_PAST_POOL = ID_PAST_POOL
 
 
 # ---------------------------------------------------------------------------------------
-# Batched step: every request's appended ids in one flat int32 array
+# Batched step input: every request's appended ids in one flat int32 array
 # ---------------------------------------------------------------------------------------
-def check_flat_step(list rts, const block_id_t[::1] ids, const long long[::1] offsets,
-                    int num_groups, long long num_blocks, int preempted_state):
-    """Validate a flat step without changing anything; return None when it is valid, else an
-    error message naming the argument and the rule.
-
-    ``rts``: list of R RequestTables (the requests in ``offsets`` order). ``offsets``: int64,
-    R*num_groups + 1 entries, ``offsets[0] == 0``, non-decreasing, ``offsets[-1] ==
-    len(ids)``; request r's new ids of group g are ``ids[offsets[r*G+g]:offsets[r*G+g+1]]``.
-    """
-    cdef Py_ssize_t R = len(rts), k, n = ids.shape[0]
-    cdef Py_ssize_t i
-    cdef RequestTables rt
-    if offsets.shape[0] != R * num_groups + 1:
-        return (f"offsets must have len(req_ids) * num_groups + 1 = {R * num_groups + 1} "
-                f"entries, got {offsets.shape[0]}")
-    if offsets[0] != 0 or offsets[offsets.shape[0] - 1] != n:
-        return f"offsets must start at 0 and end at len(new_ids) = {n}"
-    for k in range(R * num_groups):
-        if offsets[k + 1] < offsets[k]:
-            return f"offsets must be non-decreasing (offsets[{k + 1}] < offsets[{k}])"
-    with nogil:
-        i = first_bad_id(ids, num_blocks)
-    if i >= 0:
-        if ids[i] < 0:
-            return f"new_ids[{i}]: block id {ids[i]} is negative"
-        return f"new_ids[{i}]: block id {ids[i]} is >= num_blocks ({num_blocks})"
-    for k in range(R):
-        rt = <RequestTables?>rts[k]
-        if rt.num_groups != num_groups:
-            return f"request {k} has {rt.num_groups} groups, expected {num_groups}"
-        if rt.state == preempted_state:
-            return (f"req_ids[{k}] is PREEMPTED: a resumed request brings its full table "
-                    "(replace), not appended ids")
-    return None
-
-
-def apply_flat_step(list rts, const block_id_t[::1] ids, const long long[::1] offsets,
-                    int new_state, int running_state):
-    """Append a flat step that :func:`check_flat_step` accepted (no checks here); requests in
-    state ``new_state`` become ``running_state``."""
-    cdef Py_ssize_t R = len(rts), r, base, m, lo
-    cdef int g, G
-    cdef RequestTables rt
-    for r in range(R):
-        rt = <RequestTables>rts[r]
-        G = rt.num_groups
-        for g in range(G):
-            lo = offsets[r * G + g]
-            m = offsets[r * G + g + 1] - lo
-            if m == 0:
-                continue
-            base = rt._lens[g]
-            rt._reserve(g, base + m)
-            memcpy(rt._data[g] + base, &ids[lo], m * sizeof(block_id_t))
-            rt._lens[g] = base + m
-        if rt.state == new_state:
-            rt.state = running_state
-
-
-def clip_spans(list rts, const long long[::1] keep, long long[:, :, ::1] out):
-    """Write, per request r and group g, the ``[start, end)`` positions (blocks of group g)
-    that ``clip_views`` would return, into ``out[r, g, :]``; nothing is copied."""
-    cdef Py_ssize_t R = len(rts), r, n, k, end
-    cdef int g, G = keep.shape[0]
-    cdef RequestTables rt
-    if out.shape[0] != R or out.shape[1] != G or out.shape[2] != 2:
-        raise ValueError(f"out must have shape ({R}, {G}, 2)")
-    for r in range(R):
-        rt = <RequestTables?>rts[r]
-        if rt.num_groups != G:
-            raise ValueError(f"request {r} has {rt.num_groups} groups, the plan {G}")
-    for r in range(R):
-        rt = <RequestTables>rts[r]
-        for g in range(G):
-            n = rt._lens[g]
-            k = keep[g]
-            if k > 0:
-                out[r, g, 0] = n - k if n > k else 0
-                out[r, g, 1] = n
-            elif k == 0 or n == 0:
-                out[r, g, 0] = 0
-                out[r, g, 1] = n
-            else:
-                k = -1 - k
-                end = n - (k if k < n - 1 else n - 1)
-                out[r, g, 0] = end - 1
-                out[r, g, 1] = end
-
-
 def flatten_step(object new_block_ids, int num_groups):
     """vLLM's ``CachedRequestData.new_block_ids`` (a list, per request None or G lists of
     ints) -> ``(ids int32, offsets int64, None)`` for ``apply_step_flat``, or ``(None, None,
@@ -513,3 +418,481 @@ def flatten_step(object new_block_ids, int num_groups):
     if k != total:
         return None, None, "new_block_ids changed while being read"
     return ids, offsets, None
+
+
+# ---------------------------------------------------------------------------------------
+# Slot-indexed storage of every tracked request (what TrackerSet keeps)
+# ---------------------------------------------------------------------------------------
+cdef extern from "Python.h":
+    PyObject* PyDict_GetItemWithError(object, object) except? NULL
+    Py_ssize_t PyLong_AsSsize_t "PyLong_AsSsize_t" (PyObject*) except? -1
+
+cdef int FREE_SLOT = -1
+cdef enum:
+    _NUM_MARKS = 4                  # scheduled, saved, loaded, num_prompt (tokens)
+NUM_MARKS = _NUM_MARKS
+
+# step_flat / clip_spans result codes (hmacore.tables picks the exception class).
+STEP_UNKNOWN = 1                    # detail: index into req_ids of an untracked request
+STEP_TABLE = 2                      # detail: message (bad new_ids / offsets)
+STEP_STATE = 3                      # detail: message (request in the wrong state)
+
+_EMPTY_RO = np.empty(0, dtype=np.int32)
+_EMPTY_RO.flags.writeable = False
+
+
+cdef class TableStore:
+    """The block tables, states and watermarks of every tracked request, by slot.
+
+    ``index`` maps a request id to its slot (an int, reused after :meth:`pop`). Per (slot,
+    group) the table lives in its own growable int32 buffer (positions stable, blocks of the
+    group, id 0 = null); the per-request metadata (data pointer, length, capacity per group;
+    state; watermarks in tokens) sits in slot-indexed C arrays, so a batch touches one
+    contiguous record per request instead of a Python object and three heap blocks.
+
+    Callers validate ids; the single-slot methods only move memory (slot and group indices
+    are checked). ``step_flat`` / ``clip_spans`` validate a whole batch before writing.
+    """
+
+    def __cinit__(self, int num_groups):
+        if num_groups <= 0:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.num_groups = num_groups
+        self.index = {}
+        self._bufs = []
+        self._nslots = 0
+        self._nfree = 0
+        self._scratch_cap = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self._gb)
+        PyMem_Free(self._state)
+        PyMem_Free(self._marks)
+        PyMem_Free(self._free)
+        PyMem_Free(self._scratch)
+
+    cdef void _grow_slots(self) except *:
+        # Doubling; only metadata moves (the buffers stay where they are).
+        cdef Py_ssize_t old = self._nslots, n = old * 2 if old else 16, s, G = self.num_groups
+        cdef GroupBuf* gb = <GroupBuf*>PyMem_Realloc(self._gb, n * G * sizeof(GroupBuf))
+        if gb == NULL:
+            raise MemoryError()
+        self._gb = gb
+        cdef int* st = <int*>PyMem_Realloc(self._state, n * sizeof(int))
+        if st == NULL:
+            raise MemoryError()
+        self._state = st
+        cdef token_t* mk = <token_t*>PyMem_Realloc(self._marks, n * _NUM_MARKS * sizeof(token_t))
+        if mk == NULL:
+            raise MemoryError()
+        self._marks = mk
+        cdef Py_ssize_t* fr = <Py_ssize_t*>PyMem_Realloc(self._free, n * sizeof(Py_ssize_t))
+        if fr == NULL:
+            raise MemoryError()
+        self._free = fr
+        # A batch's slot scratch grows with the slots, not in the step: a step allocates
+        # nothing (a malloc right after many frees can cost a heap consolidation).
+        if self._scratch_cap < n:
+            fr = <Py_ssize_t*>PyMem_Realloc(self._scratch, n * sizeof(Py_ssize_t))
+            if fr == NULL:
+                raise MemoryError()
+            self._scratch = fr
+            self._scratch_cap = n
+        for s in range(old * G, n * G):
+            self._bufs.append(None)
+            self._set_buffer(s, _EMPTY_RO)
+        for s in range(n - 1, old - 1, -1):     # lowest slot on top: dense from 0
+            self._state[s] = FREE_SLOT
+            self._free[self._nfree] = s
+            self._nfree += 1
+        self._nslots = n
+
+    cdef void _set_buffer(self, Py_ssize_t k, object arr) except *:
+        # NumPy sees the buffer read-only (every slice handed out is a read-only view); this
+        # class writes through the raw pointer.
+        arr.flags.writeable = False
+        self._bufs[k] = arr
+        self._gb[k].data = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
+        self._gb[k].cap = cnp.PyArray_DIM(<cnp.ndarray>arr, 0)
+        self._gb[k].len = 0 if self._gb[k].cap == 0 else self._gb[k].len
+
+    cdef void _reserve(self, Py_ssize_t k, Py_ssize_t need) except *:
+        # Same growth policy as RequestTables: headroom first, then doubling.
+        cdef GroupBuf* b = &self._gb[k]
+        if need <= b.cap:
+            return
+        cdef Py_ssize_t new_cap = need + (need >> 3) + 16, n = b.len
+        if b.cap * 2 > new_cap:
+            new_cap = b.cap * 2
+        new = np.empty(new_cap, dtype=np.int32)
+        if n:
+            memcpy(cnp.PyArray_DATA(<cnp.ndarray>new), b.data, n * sizeof(block_id_t))
+        self._set_buffer(k, new)
+        self._gb[k].len = n
+
+    cdef inline Py_ssize_t _k(self, Py_ssize_t s, int g) except -1:
+        if s < 0 or s >= self._nslots or self._state[s] == FREE_SLOT:
+            raise IndexError(f"slot {s} is not in use")
+        if g < 0 or g >= self.num_groups:
+            raise IndexError(f"group {g} out of range for {self.num_groups} groups")
+        return s * self.num_groups + g
+
+    # -- membership -------------------------------------------------------------------
+    def add(self, object req_id, int state):
+        """A fresh slot for ``req_id`` (empty tables, watermarks 0); returns the slot."""
+        if req_id in self.index:
+            raise ValueError(f"req_id {req_id!r} already has a slot")
+        if self._nfree == 0:
+            self._grow_slots()
+        cdef Py_ssize_t s = self._free[self._nfree - 1], k
+        cdef int g
+        self.index[req_id] = s               # may raise (unhashable): nothing taken yet
+        self._nfree -= 1
+        for g in range(self.num_groups):
+            self._gb[s * self.num_groups + g].len = 0
+        for k in range(_NUM_MARKS):
+            self._marks[s * _NUM_MARKS + k] = 0
+        self._state[s] = state
+        return s
+
+    def pop(self, object req_id):
+        """Remove ``req_id``; return its per-group tables as arrays the caller owns (no copy)."""
+        cdef Py_ssize_t s = self.index[req_id]
+        out = tuple([self.take_group(s, g) for g in range(self.num_groups)])
+        del self.index[req_id]
+        self._state[s] = FREE_SLOT
+        self._free[self._nfree] = s
+        self._nfree += 1
+        return out
+
+    def __len__(self):
+        return len(self.index)
+
+    # -- one slot ---------------------------------------------------------------------
+    def get_state(self, Py_ssize_t s):
+        self._k(s, 0)
+        return self._state[s]
+
+    def set_state(self, Py_ssize_t s, int state):
+        self._k(s, 0)
+        self._state[s] = state
+
+    def mark(self, Py_ssize_t s, int m):
+        """Watermark m of slot s (0 scheduled, 1 saved, 2 loaded, 3 num_prompt; tokens)."""
+        self._k(s, 0)
+        if m < 0 or m >= _NUM_MARKS:
+            raise IndexError(f"mark {m} out of range")
+        return self._marks[s * _NUM_MARKS + m]
+
+    def set_mark(self, Py_ssize_t s, int m, token_t v):
+        self._k(s, 0)
+        if m < 0 or m >= _NUM_MARKS:
+            raise IndexError(f"mark {m} out of range")
+        self._marks[s * _NUM_MARKS + m] = v
+
+    def length(self, Py_ssize_t s, int g):
+        """Tracked blocks of group g of slot s."""
+        return self._gb[self._k(s, g)].len
+
+    def lengths(self, Py_ssize_t s):
+        """Tracked blocks per group of slot s (blocks of each group)."""
+        cdef Py_ssize_t k = self._k(s, 0)
+        return tuple([self._gb[k + g].len for g in range(self.num_groups)])
+
+    def append(self, Py_ssize_t s, int g, const block_id_t[::1] ids):
+        """Append ``ids`` to group g of slot s; return the new length."""
+        cdef Py_ssize_t k = self._k(s, g), n = ids.shape[0], base = self._gb[k].len
+        if n:
+            self._reserve(k, base + n)
+            memcpy(self._gb[k].data + base, &ids[0], n * sizeof(block_id_t))
+            self._gb[k].len = base + n
+        return base + n
+
+    def extend_groups(self, Py_ssize_t s, object groups):
+        """Append a table accepted by :func:`check_int_table` (lists of Python ints, ``None``
+        = nothing for that group) to slot s; all-or-nothing."""
+        cdef Py_ssize_t k0 = self._k(s, 0), i, n, base, bad = -1
+        cdef int g
+        cdef block_id_t* dst
+        if len(groups) != self.num_groups:
+            raise ValueError(f"groups has {len(groups)} entries, expected {self.num_groups}")
+        for g in range(self.num_groups):
+            seq = groups[g]
+            if seq is not None and _check_int_seq(seq, 0, &bad) != ID_OK:
+                raise ValueError(f"groups[{g}] must be a list/tuple of ints in [0, 2**31)")
+        for g in range(self.num_groups):
+            seq = groups[g]
+            if seq is None or len(seq) == 0:
+                continue
+            n = len(seq)
+            base = self._gb[k0 + g].len
+            self._reserve(k0 + g, base + n)
+            dst = self._gb[k0 + g].data + base
+            for i in range(n):
+                dst[i] = <block_id_t>(<long long>seq[i])
+            self._gb[k0 + g].len = base + n
+
+    def assign(self, Py_ssize_t s, int g, const block_id_t[::1] ids):
+        """Replace group g's table of slot s with ``ids``; return the new length."""
+        self._gb[self._k(s, g)].len = 0
+        return self.append(s, g, ids)
+
+    def clear(self, Py_ssize_t s):
+        """Empty every group of slot s (buffers kept for reuse)."""
+        cdef Py_ssize_t k = self._k(s, 0)
+        cdef int g
+        for g in range(self.num_groups):
+            self._gb[k + g].len = 0
+
+    def first_illegal_change(self, Py_ssize_t s, int g, const block_id_t[::1] full):
+        """-1 when ``full`` is a legal full table of group g (see
+        :meth:`RequestTables.first_illegal_change`), else the first offending position."""
+        cdef Py_ssize_t k = self._k(s, g), i, n = self._gb[k].len
+        cdef const block_id_t* cur = self._gb[k].data
+        if full.shape[0] < n:
+            return full.shape[0]
+        for i in range(n):
+            if full[i] != cur[i] and full[i] != 0:
+                return i
+        return -1
+
+    def merge_full(self, Py_ssize_t s, int g, const block_id_t[::1] full):
+        """Apply a legal full table: null freed positions in place, append the suffix past the
+        tracked length. Returns the number of appended blocks."""
+        cdef Py_ssize_t k = self._k(s, g), i, n = self._gb[k].len, m = full.shape[0]
+        cdef block_id_t* cur = self._gb[k].data
+        if m < n:
+            raise ValueError(f"full has {m} entries, fewer than the {n} tracked")
+        for i in range(n):
+            if full[i] == 0:
+                cur[i] = 0
+        if m > n:
+            self.append(s, g, full[n:])
+        return m - n
+
+    def view_group(self, Py_ssize_t s, int g):
+        """A read-only view of group g's live table (no copy)."""
+        cdef Py_ssize_t k = self._k(s, g)
+        return self._bufs[k][:self._gb[k].len]
+
+    def copy_group(self, Py_ssize_t s, int g):
+        """A fresh int32 array holding group g's table."""
+        cdef Py_ssize_t k = self._k(s, g)
+        return self._bufs[k][:self._gb[k].len].copy()
+
+    def take_group(self, Py_ssize_t s, int g):
+        """Group g's table as an array the caller owns (no copy); the group is emptied."""
+        cdef Py_ssize_t k = self._k(s, g), n = self._gb[k].len
+        buf = self._bufs[k]
+        if self._gb[k].cap == 0:
+            out = np.empty(0, dtype=np.int32)
+        else:
+            buf.flags.writeable = True   # the caller owns it now
+            out = buf[:n]
+        self._set_buffer(k, _EMPTY_RO)
+        return out
+
+    def clip_views(self, Py_ssize_t s, const long long[::1] keep):
+        """Read-only views of slot s's clipped table (``keep`` as in
+        :meth:`RequestTables.clip_views`)."""
+        cdef Py_ssize_t k0 = self._k(s, 0), a, b
+        cdef int g
+        if keep.shape[0] != self.num_groups:
+            raise ValueError(f"keep has {keep.shape[0]} entries, expected {self.num_groups}")
+        out = []
+        for g in range(self.num_groups):
+            _clip_span(self._gb[k0 + g].len, keep[g], &a, &b)
+            out.append(self._bufs[k0 + g][a:b])
+        return tuple(out)
+
+    # -- batches ----------------------------------------------------------------------
+    cdef Py_ssize_t _resolve(self, object req_ids) except -2:
+        # Slots of req_ids (a list or tuple) into _scratch; -1, or the index of the first
+        # untracked id. An unhashable id raises TypeError. Borrowed lookups: no refcount
+        # traffic on the keys' values.
+        _check_seq(req_ids)
+        cdef Py_ssize_t R = len(req_ids), r
+        cdef PyObject* v
+        cdef Py_ssize_t* p
+        if R > self._scratch_cap:
+            p = <Py_ssize_t*>PyMem_Realloc(self._scratch, R * sizeof(Py_ssize_t))
+            if p == NULL:
+                raise MemoryError()
+            self._scratch = p
+            self._scratch_cap = R
+        for r in range(R):
+            v = PyDict_GetItemWithError(self.index, <object>PySequence_Fast_GET_ITEM(req_ids, r))
+            if v == NULL:
+                return r
+            self._scratch[r] = PyLong_AsSsize_t(v)
+        return -1
+
+    def step_flat(self, object req_ids, object new_ids, object offsets, long long num_blocks,
+                  int preempted_state, int new_state, int running_state):
+        """Append one step's new ids of many requests, all-or-nothing.
+
+        ``req_ids``: list/tuple of R tracked ids. ``new_ids``: C-contiguous 1-D int32 array.
+        ``offsets``: C-contiguous 1-D int64 array, R*G + 1 entries, 0 first, non-decreasing,
+        ``len(new_ids)`` last; request ``req_ids[r]`` gets ``new_ids[offsets[r*G+g]:
+        offsets[r*G+g+1]]`` appended to group g (blocks of group g). ``new_state`` requests
+        become ``running_state``. Returns None, or ``(code, detail)`` with nothing changed:
+        STEP_UNKNOWN (detail = index of the untracked id), STEP_TABLE or STEP_STATE (detail =
+        message naming the argument and the rule). An unhashable id raises TypeError. Like
+        every mutation of the store, not for concurrent use from several threads.
+        """
+        # Raw NumPy C API instead of typed memoryviews: acquiring a memoryview runs a lot of
+        # (cold, once per step) code; these checks are a few loads.
+        if not _is_c1d(new_ids, 4):
+            return STEP_TABLE, "new_ids must be a C-contiguous 1-D int32 array"
+        if not _is_c1d(offsets, 8):
+            return STEP_TABLE, "offsets must be a C-contiguous 1-D int64 array"
+        cdef const block_id_t* ids = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>new_ids)
+        cdef const long long* off = <const long long*>cnp.PyArray_DATA(<cnp.ndarray>offsets)
+        cdef Py_ssize_t n = cnp.PyArray_DIM(<cnp.ndarray>new_ids, 0)
+        cdef Py_ssize_t noff = cnp.PyArray_DIM(<cnp.ndarray>offsets, 0)
+        cdef Py_ssize_t R = len(req_ids), G = self.num_groups
+        cdef Py_ssize_t r, k, s, lo, m, i
+        cdef GroupBuf* b
+        cdef block_id_t* dst
+        cdef Py_ssize_t bad = self._resolve(req_ids)
+        if bad >= 0:
+            return STEP_UNKNOWN, bad
+        if noff != R * G + 1:
+            return STEP_TABLE, (f"offsets must have len(req_ids) * num_groups + 1 = "
+                                f"{R * G + 1} entries, got {noff}")
+        if off[0] != 0 or off[R * G] != n:
+            return STEP_TABLE, f"offsets must start at 0 and end at len(new_ids) = {n}"
+        for k in range(R * G):
+            if off[k + 1] < off[k]:
+                return STEP_TABLE, (f"offsets must be non-decreasing (offsets[{k + 1}] < "
+                                    f"offsets[{k}])")
+        i = _first_bad(ids, n, num_blocks)
+        if i >= 0:
+            if ids[i] < 0:
+                return STEP_TABLE, f"new_ids[{i}]: block id {ids[i]} is negative"
+            return STEP_TABLE, f"new_ids[{i}]: block id {ids[i]} is >= num_blocks ({num_blocks})"
+        for r in range(R):
+            if self._state[self._scratch[r]] == preempted_state:
+                return STEP_STATE, (f"req_ids[{r}] is PREEMPTED: a resumed request brings its "
+                                    "full table (replace), not appended ids")
+        # Valid: write. Only a buffer growth (rare) leaves C.
+        for r in range(R):
+            s = self._scratch[r]
+            b = &self._gb[s * G]
+            for k in range(G):
+                lo = off[r * G + k]
+                m = off[r * G + k + 1] - lo
+                if m == 0:
+                    continue
+                if b[k].len + m > b[k].cap:
+                    self._reserve(s * G + k, b[k].len + m)
+                dst = b[k].data + b[k].len
+                for i in range(m):
+                    dst[i] = ids[lo + i]
+                b[k].len += m
+            if self._state[s] == new_state:
+                self._state[s] = running_state
+        return None
+
+    def clip_spans(self, object req_ids, object keep):
+        """``(spans, -1)``: an int64 array ``(R, G, 2)`` whose ``[r, g]`` row is the ``[start,
+        end)`` range (blocks of group g) that :meth:`clip_views` would return for
+        ``req_ids[r]``; or ``(None, index of the first untracked id)``. ``keep``: the
+        C-contiguous int64 window plan (G entries)."""
+        _check_seq(req_ids)
+        cdef Py_ssize_t R = len(req_ids), r, k0, a, b
+        cdef int g, G = self.num_groups
+        if not _is_c1d(keep, 8) or cnp.PyArray_DIM(<cnp.ndarray>keep, 0) != G:
+            raise ValueError(f"keep must be a C-contiguous 1-D int64 array of {G} entries")
+        cdef const long long* kp = <const long long*>cnp.PyArray_DATA(<cnp.ndarray>keep)
+        cdef PyObject* v
+        out = _spans_array(R, G)
+        cdef long long* o = <long long*>cnp.PyArray_DATA(<cnp.ndarray>out)
+        # One pass, no scratch and no Python call between lookup and read: safe next to a
+        # step_flat of another thread parked in a buffer growth. An untracked id returns
+        # before the (unpublished) output is handed out.
+        for r in range(R):
+            v = PyDict_GetItemWithError(self.index, <object>PySequence_Fast_GET_ITEM(req_ids, r))
+            if v == NULL:
+                return None, r
+            k0 = PyLong_AsSsize_t(v) * G
+            for g in range(G):
+                _clip_span(self._gb[k0 + g].len, kp[g], &a, &b)
+                o[0] = a
+                o[1] = b
+                o += 2
+        return out, -1
+
+
+cdef object _spans_buf = None      # int64 storage behind the last clip_spans result
+
+
+cdef object _spans_array(Py_ssize_t R, int G):
+    # An (R, G, 2) int64 array for clip_spans. It is a view of _spans_buf, reused when no
+    # earlier result (or a view of one) is alive any more: the buffer's only reference is
+    # then this module's, so the reuse is unobservable. A step then needs no malloc (a
+    # fresh one right after many frees can cost a heap consolidation, ~100 us).
+    global _spans_buf
+    cdef cnp.npy_intp n = R * G * 2
+    cdef cnp.npy_intp dims[3]
+    if _spans_buf is None or (<PyObject*>_spans_buf).ob_refcnt != 1 \
+            or cnp.PyArray_DIM(<cnp.ndarray>_spans_buf, 0) < n:
+        dims[0] = n + (n >> 2) + 64
+        _spans_buf = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
+    dims[0] = R
+    dims[1] = G
+    dims[2] = 2
+    out = cnp.PyArray_SimpleNewFromData(3, dims, cnp.NPY_INT64,
+                                        cnp.PyArray_DATA(<cnp.ndarray>_spans_buf))
+    cnp.set_array_base(<cnp.ndarray>out, _spans_buf)
+    return out
+
+
+cdef inline int _check_seq(object req_ids) except -1:
+    # The batch loops index req_ids with PySequence_Fast_GET_ITEM.
+    if not (PyList_Check(req_ids) or PyTuple_Check(req_ids)):
+        raise TypeError(f"req_ids must be a list or tuple, got {type(req_ids).__name__}")
+    return 0
+
+
+cdef inline bint _is_c1d(object a, int itemsize):
+    # A 1-D C-contiguous native-endian signed-integer array of that item size.
+    if not cnp.PyArray_Check(a):
+        return False
+    cdef cnp.ndarray arr = <cnp.ndarray>a
+    return (cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(arr)
+            and cnp.PyArray_ISSIGNED(arr) and cnp.PyArray_ITEMSIZE(arr) == itemsize
+            and cnp.PyArray_ISNOTSWAPPED(arr))
+
+
+cdef Py_ssize_t _first_bad(const block_id_t* ids, Py_ssize_t n, long long num_blocks) noexcept nogil:
+    # first_bad_id on a raw pointer.
+    cdef Py_ssize_t i
+    cdef block_id_t mn = 2147483647, mx = -2147483648, v
+    for i in range(n):
+        v = ids[i]
+        mn = v if v < mn else mn
+        mx = v if v > mx else mx
+    if n == 0 or (mn >= 0 and (num_blocks <= 0 or mx < num_blocks)):
+        return -1
+    for i in range(n):
+        if ids[i] < 0 or (num_blocks > 0 and ids[i] >= num_blocks):
+            return i
+    return -1
+
+
+cdef inline void _clip_span(Py_ssize_t n, long long keep, Py_ssize_t* a, Py_ssize_t* b) noexcept nogil:
+    # keep > 0: the last keep entries; 0: everything; -1 - s: the running state slot of a
+    # Mamba group with s speculative scratch slots (see RequestTables.clip_views).
+    cdef Py_ssize_t k, end
+    if keep > 0:
+        a[0] = n - keep if n > keep else 0
+        b[0] = n
+    elif keep == 0 or n == 0:
+        a[0] = 0
+        b[0] = n
+    else:
+        k = -1 - keep
+        end = n - (k if k < n - 1 else n - 1)
+        a[0] = end - 1
+        b[0] = end
