@@ -203,26 +203,8 @@ def test_as_block_table_matches_rule(groups, nb):
             as_block_table(obj, len(groups), num_blocks=nb)
 
 
-# -- the Cython storage class guards its own entry points -------------------------------
-def test_request_tables_guards():
-    from hmacore._fast._tables import RequestTables
-    rt = RequestTables(2)
-    with pytest.raises(ValueError, match="num_groups must be >= 1"):
-        RequestTables(0)
-    for g in (-1, 2):
-        with pytest.raises(IndexError, match=f"group {g} out of range for 2 groups"):
-            rt.append(g, np.array([1], dtype=np.int32))
-        with pytest.raises(IndexError):
-            rt.copy_group(g)
-    with pytest.raises(ValueError, match="groups has 1 entries, expected 2"):
-        rt.extend_groups([[1]])
-    with pytest.raises(ValueError, match="groups\\[1\\] must be a list/tuple of ints"):
-        rt.extend_groups([[1, 2], [1.5]])
-    assert rt.length(0) == 0  # nothing written
-    with pytest.raises(ValueError, match="full has 0 entries, fewer than the 2 tracked"):
-        rt.extend_groups([[1, 2], None])
-        rt.merge_full(0, np.zeros(0, dtype=np.int32))
-    rt.clear()
+# -- the Cython kernels guard their own entry points (TableStore: tests/test_tables_tracker.py)
+def test_kernel_guards():
     from hmacore._fast._tables import count_hashed_nonnull, select_unhashed
     ids = np.array([1, 2], dtype=np.int32)
     with pytest.raises(ValueError, match="hashed must have 2 entries"):
@@ -231,18 +213,21 @@ def test_request_tables_guards():
         select_unhashed(ids, np.zeros(2, np.uint8), np.zeros(1, np.int32))
     with pytest.raises(ValueError, match="hashed must have 2 entries"):
         count_hashed_nonnull(ids, np.zeros(3, np.uint8))
+    from hmacore._fast._tables import TableStore
+    st = TableStore(2)
+    s = st.add("r", 0)
     with pytest.raises(ValueError, match="keep has 3 entries, expected 2"):
-        rt.clip_views(np.zeros(3, dtype=np.int64))
+        st.clip_views(s, np.zeros(3, dtype=np.int64))
     with pytest.raises(ValueError):  # read-only/wrong-dtype buffers are refused by Cython
-        rt.append(0, np.array([1], dtype=np.int64))
-    rt.append(0, np.array([1, 2], dtype=np.int32))
-    v = rt.view_group(0)
+        st.append(s, 0, np.array([1], dtype=np.int64))
+    st.append(s, 0, np.array([1, 2], dtype=np.int32))
+    v = st.view_group(s, 0)
     assert not v.flags.writeable and v.tolist() == [1, 2]
     for _ in range(100):  # growth keeps the prefix
-        rt.append(0, np.array([3], dtype=np.int32))
-    assert rt.copy_group(0).tolist() == [1, 2] + [3] * 100 and v.tolist() == [1, 2]
-    taken = rt.take_group(0)
-    assert taken.flags.writeable and rt.length(0) == 0
+        st.append(s, 0, np.array([3], dtype=np.int32))
+    assert st.copy_group(s, 0).tolist() == [1, 2] + [3] * 100 and v.tolist() == [1, 2]
+    taken = st.take_group(s, 0)
+    assert taken.flags.writeable and st.length(s, 0) == 0
 
 
 def test_table_store_guards():

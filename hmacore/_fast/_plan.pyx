@@ -223,6 +223,13 @@ cdef void _emit(const block_id_t** ptrs, const Py_ssize_t* lens, Py_ssize_t G, P
 # ---------------------------------------------------------------------------------------
 # Compiled plan: region arrays validated once, one call per request
 # ---------------------------------------------------------------------------------------
+cdef inline bint _is_i32_vector(object a):
+    """An exact, C-contiguous, 1-D int32 ndarray (the fast form of one group's ids)."""
+    return (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == cnp.NPY_INT32
+            and cnp.PyArray_NDIM(<cnp.ndarray>a) == 1
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
+
+
 cdef class DescPlan:
     """``flatten_desc_ids`` with the plan's region arrays validated and copied once.
 
@@ -318,9 +325,7 @@ cdef class DescPlan:
             return self._slow(block_ids, kernel_ids, allow_null, out)
         for g in range(G):
             a = block_ids[g]
-            if not (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == cnp.NPY_INT32
-                    and cnp.PyArray_NDIM(<cnp.ndarray>a) == 1
-                    and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a)):
+            if not _is_i32_vector(a):
                 return self._slow(block_ids, kernel_ids, allow_null, out)
             m = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
             src = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>a)
@@ -382,9 +387,7 @@ cdef class DescPlan:
             return -1
         for g in range(G):
             a = block_ids[g]
-            if not (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == cnp.NPY_INT32
-                    and cnp.PyArray_NDIM(<cnp.ndarray>a) == 1
-                    and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a)):
+            if not _is_i32_vector(a):
                 return -1
             m = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
             src = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>a)

@@ -12,34 +12,6 @@ cdef enum IdStatus:
 cdef Py_ssize_t first_bad_id(const block_id_t[::1] ids, long long num_blocks) noexcept nogil
 
 
-cdef class RequestTables:
-    """Growable per-group int32 tables of one request (one buffer per group, no per-block objects)."""
-    cdef readonly int num_groups
-    cdef list _bufs                 # per group: np.ndarray[int32] capacity buffer (owner;
-                                    # flagged read-only for NumPy, written via _data)
-    cdef block_id_t** _data         # per group: data pointer of _bufs[g]
-    cdef Py_ssize_t* _lens          # per group: live length (malloc'd, num_groups entries)
-    cdef Py_ssize_t* _caps          # per group: capacity of _bufs[g] (no object touched to grow)
-    cdef public token_t scheduled_tokens
-    cdef public token_t saved_tokens
-    cdef public token_t loaded_tokens
-    cdef public token_t num_prompt_tokens
-    cdef public int state
-
-    cdef inline int _check_group(self, int g) except -1
-    cdef void _set_buffer(self, int g, object arr) except *
-    cdef void _reserve(self, int g, Py_ssize_t need) except *
-    cpdef Py_ssize_t length(self, int g)
-    cpdef Py_ssize_t append(self, int g, const block_id_t[::1] ids) except -1
-    cpdef Py_ssize_t assign(self, int g, const block_id_t[::1] ids) except -1
-    cpdef Py_ssize_t first_illegal_change(self, int g, const block_id_t[::1] full) except -2
-    cpdef Py_ssize_t merge_full(self, int g, const block_id_t[::1] full) except -1
-    cpdef object copy_group(self, int g)
-    cpdef object view_group(self, int g)
-    cpdef object take_group(self, int g)
-    cpdef void clear(self)
-
-
 cdef struct GroupBuf:
     block_id_t* data                # the table of one (slot, group): blocks of that group
     Py_ssize_t len                  # live entries

@@ -1,6 +1,6 @@
 """Typed kernels for hmacore.tables: id conversion/validation, unhashed-block selection, the
-growable int32 block tables of one request (RequestTables) and of every tracked request by
-slot (TableStore, what TrackerSet keeps).
+growable int32 block tables of every tracked request by slot (TableStore, what TrackerSet
+keeps).
 
 Every function here trusts the shapes/dtypes the Python layer (hmacore/tables.py) checked;
 the Python layer turns the IdStatus codes returned here into BlockTableError messages.
@@ -120,7 +120,7 @@ def check_int_table(object groups, int num_groups, long long num_blocks, bint al
     of Python ints (``None`` groups allowed when ``allow_none``).
 
     Returns ``True`` when the table is valid and in that shape (then
-    :meth:`RequestTables.extend_groups` may consume it directly), ``False`` when the caller
+    :meth:`TableStore.extend_groups` may consume it directly), ``False`` when the caller
     must take the general path (which also produces the error messages).
     """
     cdef Py_ssize_t g, bad = -1
@@ -168,194 +168,6 @@ def count_hashed_nonnull(const block_id_t[::1] ids, const flag_t[::1] hashed):
     return k
 
 
-cdef class RequestTables:
-    """Per-group block tables of one request in growable int32 buffers.
-
-    Positions are stable: entry j of group g is block j of that group (id 0 = null). Lengths
-    are blocks of the respective group. Callers validate ids; these methods only move memory.
-    """
-
-    def __cinit__(self, int num_groups):
-        if num_groups <= 0:
-            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
-        self.num_groups = num_groups
-        self._lens = <Py_ssize_t*>PyMem_Malloc(num_groups * sizeof(Py_ssize_t))
-        self._data = <block_id_t**>PyMem_Malloc(num_groups * sizeof(block_id_t*))
-        self._caps = <Py_ssize_t*>PyMem_Malloc(num_groups * sizeof(Py_ssize_t))
-        if self._lens == NULL or self._data == NULL or self._caps == NULL:
-            raise MemoryError()
-        self._bufs = []
-        for g in range(num_groups):
-            self._lens[g] = 0
-            self._bufs.append(None)
-            self._set_buffer(g, np.empty(0, dtype=np.int32))
-        self.scheduled_tokens = 0
-        self.saved_tokens = 0
-        self.loaded_tokens = 0
-        self.num_prompt_tokens = 0
-        self.state = 0
-
-    def __dealloc__(self):
-        PyMem_Free(self._lens)
-        PyMem_Free(self._data)
-        PyMem_Free(self._caps)
-
-    cdef inline int _check_group(self, int g) except -1:
-        if g < 0 or g >= self.num_groups:
-            raise IndexError(f"group {g} out of range for {self.num_groups} groups")
-        return 0
-
-    cdef void _set_buffer(self, int g, object arr) except *:
-        # NumPy sees the buffer read-only so every slice handed out is a read-only view;
-        # this class writes through the raw pointer.
-        arr.flags.writeable = False
-        self._bufs[g] = arr
-        self._data[g] = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
-        self._caps[g] = cnp.PyArray_DIM(<cnp.ndarray>arr, 0)
-
-    cdef void _reserve(self, int g, Py_ssize_t need) except *:
-        # Growth with headroom (the first appends after a full table are free), then
-        # doubling; the live prefix is copied once per growth.
-        cdef Py_ssize_t cap = self._caps[g]
-        if need <= cap:
-            return
-        cdef Py_ssize_t new_cap = need + (need >> 3) + 16
-        if cap * 2 > new_cap:
-            new_cap = cap * 2
-        new = np.empty(new_cap, dtype=np.int32)
-        cdef block_id_t* dst = <block_id_t*>cnp.PyArray_DATA(new)
-        if self._lens[g]:
-            memcpy(dst, self._data[g], self._lens[g] * sizeof(block_id_t))
-        self._set_buffer(g, new)
-
-    cpdef Py_ssize_t length(self, int g):
-        """Tracked blocks of group g."""
-        self._check_group(g)
-        return self._lens[g]
-
-    cpdef Py_ssize_t append(self, int g, const block_id_t[::1] ids) except -1:
-        """Append ``ids`` to group g; return the new length."""
-        self._check_group(g)
-        cdef Py_ssize_t n = ids.shape[0], base = self._lens[g]
-        if n == 0:
-            return base
-        self._reserve(g, base + n)
-        memcpy(self._data[g] + base, &ids[0], n * sizeof(block_id_t))
-        self._lens[g] = base + n
-        return base + n
-
-    def extend_groups(self, object groups):
-        """Append a table already accepted by :func:`check_int_table` (lists of Python ints,
-        ``None`` = nothing for that group), writing straight into the buffers."""
-        cdef int g
-        cdef Py_ssize_t i, n, base
-        cdef block_id_t* dst
-        cdef Py_ssize_t bad = -1
-        if len(groups) != self.num_groups:
-            raise ValueError(f"groups has {len(groups)} entries, expected {self.num_groups}")
-        for g in range(self.num_groups):  # all-or-nothing: check every group before writing
-            seq = groups[g]
-            if seq is not None and _check_int_seq(seq, 0, &bad) != ID_OK:
-                raise ValueError(f"groups[{g}] must be a list/tuple of ints in [0, 2**31)")
-        for g in range(self.num_groups):
-            seq = groups[g]
-            if seq is None:
-                continue
-            n = len(seq)
-            if n == 0:
-                continue
-            base = self._lens[g]
-            self._reserve(g, base + n)
-            dst = self._data[g] + base
-            for i in range(n):
-                dst[i] = <block_id_t>(<long long>seq[i])
-            self._lens[g] = base + n
-
-    def clip_views(self, const long long[::1] keep):
-        """Read-only views of the clipped table: ``keep[g] > 0`` keeps the last keep[g]
-        entries; ``keep[g] == 0`` keeps everything; ``keep[g] = -1 - s`` keeps the running
-        state slot of a Mamba group with s speculative scratch slots."""
-        cdef int g
-        cdef Py_ssize_t a, b
-        if keep.shape[0] != self.num_groups:
-            raise ValueError(f"keep has {keep.shape[0]} entries, expected {self.num_groups}")
-        out = []
-        for g in range(self.num_groups):
-            _clip_span(self._lens[g], keep[g], &a, &b)
-            out.append(self._bufs[g][a:b])
-        return tuple(out)
-
-    cpdef Py_ssize_t assign(self, int g, const block_id_t[::1] ids) except -1:
-        """Replace group g's table with ``ids``; return the new length."""
-        self._check_group(g)
-        self._lens[g] = 0
-        return self.append(g, ids)
-
-    cpdef Py_ssize_t first_illegal_change(self, int g, const block_id_t[::1] full) except -2:
-        """Check a full table of group g against the tracked one.
-
-        Returns -1 when ``full`` is legal: at least as long as the tracked table, and every
-        tracked position either unchanged or changed from a real id to the null id 0.
-        Otherwise the first offending position (``len(full)`` when the table shrank).
-        """
-        self._check_group(g)
-        cdef Py_ssize_t i, n = self._lens[g]
-        if full.shape[0] < n:
-            return full.shape[0]
-        if n == 0:
-            return -1
-        cdef const block_id_t* cur = self._data[g]
-        with nogil:
-            for i in range(n):
-                if full[i] != cur[i] and full[i] != 0:
-                    return i
-        return -1
-
-    cpdef Py_ssize_t merge_full(self, int g, const block_id_t[::1] full) except -1:
-        """Apply a legal full table (see first_illegal_change): null freed positions in place,
-        append the suffix past the tracked length. Returns the number of appended blocks."""
-        self._check_group(g)
-        cdef Py_ssize_t i, n = self._lens[g], m = full.shape[0]
-        cdef block_id_t* cur = self._data[g]
-        if m < n:
-            raise ValueError(f"full has {m} entries, fewer than the {n} tracked")
-        if n:
-            with nogil:
-                for i in range(n):
-                    if full[i] == 0:
-                        cur[i] = 0
-        if m > n:
-            self.append(g, full[n:])
-        return m - n
-
-    cpdef object copy_group(self, int g):
-        """A fresh int32 array holding group g's table."""
-        self._check_group(g)
-        return self._bufs[g][:self._lens[g]].copy()
-
-    cpdef object view_group(self, int g):
-        """A read-only view of group g's live table (no copy)."""
-        self._check_group(g)
-        return self._bufs[g][:self._lens[g]]
-
-    cpdef object take_group(self, int g):
-        """Group g's table as an array the caller owns (no copy); the group is emptied."""
-        self._check_group(g)
-        buf = self._bufs[g]
-        buf.flags.writeable = True   # the caller owns it now
-        out = buf[:self._lens[g]]
-        self._set_buffer(g, np.empty(0, dtype=np.int32))
-        self._lens[g] = 0
-        return out
-
-    cpdef void clear(self):
-        """Empty every group (buffers are kept for reuse)."""
-        cdef int g
-        for g in range(self.num_groups):
-            self._lens[g] = 0
-
-
-# Python-visible copies of the IdStatus codes.
 STATUS_OK = ID_OK
 STATUS_NOT_INT = ID_NOT_INT
 STATUS_NEGATIVE = ID_NEGATIVE
@@ -517,7 +329,7 @@ cdef class TableStore:
         self._gb[k].len = 0 if self._gb[k].cap == 0 else self._gb[k].len
 
     cdef void _reserve(self, Py_ssize_t k, Py_ssize_t need) except *:
-        # Same growth policy as RequestTables: headroom first, then doubling.
+        # Growth: headroom first, then doubling.
         cdef GroupBuf* b = &self._gb[k]
         if need <= b.cap:
             return
@@ -645,8 +457,10 @@ cdef class TableStore:
             self._gb[k + g].len = 0
 
     def first_illegal_change(self, Py_ssize_t s, int g, const block_id_t[::1] full):
-        """-1 when ``full`` is a legal full table of group g (see
-        :meth:`RequestTables.first_illegal_change`), else the first offending position."""
+        """Check a full table of group g of slot s against the tracked one: -1 when ``full``
+        is legal (at least as long as the tracked table, every tracked position unchanged or
+        changed from a real id to the null id 0), else the first offending position
+        (``len(full)`` when the table shrank)."""
         cdef Py_ssize_t k = self._k(s, g), i, n = self._gb[k].len
         cdef const block_id_t* cur = self._gb[k].data
         if full.shape[0] < n:
@@ -693,8 +507,9 @@ cdef class TableStore:
         return out
 
     def clip_views(self, Py_ssize_t s, const long long[::1] keep):
-        """Read-only views of slot s's clipped table (``keep`` as in
-        :meth:`RequestTables.clip_views`)."""
+        """Read-only views of slot s's clipped table: ``keep[g] > 0`` keeps the last keep[g]
+        entries; ``keep[g] == 0`` keeps everything; ``keep[g] = -1 - s`` keeps the running
+        state slot of a Mamba group with s speculative scratch slots."""
         cdef Py_ssize_t k0 = self._k(s, 0), a, b
         cdef int g
         if keep.shape[0] != self.num_groups:
@@ -883,7 +698,7 @@ cdef Py_ssize_t _first_bad(const block_id_t* ids, Py_ssize_t n, long long num_bl
 
 cdef inline void _clip_span(Py_ssize_t n, long long keep, Py_ssize_t* a, Py_ssize_t* b) noexcept nogil:
     # keep > 0: the last keep entries; 0: everything; -1 - s: the running state slot of a
-    # Mamba group with s speculative scratch slots (see RequestTables.clip_views).
+    # Mamba group with s speculative scratch slots (see TableStore.clip_views).
     cdef Py_ssize_t k, end
     if keep > 0:
         a[0] = n - keep if n > keep else 0

@@ -280,13 +280,7 @@ class Driver:
 
     def finished_params(self) -> dict[str, dict]:
         """kv_transfer_params of every finished request seen so far."""
-        res = {}
-        for out in self.outputs:
-            for eco in out.values():
-                for o in eco.outputs:
-                    if o.finish_reason is not None:
-                        res[o.request_id] = o.kv_transfer_params
-        return res
+        return finished_params(self.outputs)
 
     def run(self, max_steps: int = 60, **kv) -> int:
         n = 0
@@ -295,6 +289,17 @@ class Driver:
             n += 1
         assert not self.s.has_unfinished_requests(), f"not done after {max_steps} steps"
         return n
+
+
+def finished_params(outputs: list) -> dict[str, dict]:
+    """kv_transfer_params of every finished request in a list of update_from_output results."""
+    res = {}
+    for out in outputs:
+        for eco in out.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    res[o.request_id] = o.kv_transfer_params
+    return res
 
 
 def assert_no_leak(sched: Scheduler) -> None:

@@ -151,13 +151,7 @@ class TpEngine:
         return so
 
     def finished_params(self) -> dict:
-        res = {}
-        for out in self.outputs:
-            for eco in out.values():
-                for o in eco.outputs:
-                    if o.finish_reason is not None:
-                        res[o.request_id] = o.kv_transfer_params
-        return res
+        return H.finished_params(self.outputs)
 
     def close(self) -> None:
         for r in self.ranks:
