@@ -179,11 +179,19 @@ def test_tp_worker_needs_vllm_parallel_state():
         HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
 
 
-def test_push_worker_refuses_tensor_parallel():
+def test_push_worker_needs_vllm_parallel_state():
+    """Push workers run one per TP rank too (rank from vLLM's TP group); outside a vLLM
+    worker TP > 1 is a clear error, PP > 1 is refused."""
     vc = H.vllm_config(extra={"transfer_mode": "push"})
     vc.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(RuntimeError, match="tensor_parallel_size=2 but vLLM's model-parallel "
+                                           "groups are not initialized"):
+        HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
+    vc = H.vllm_config(extra={"transfer_mode": "push"})
+    vc.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(NotImplementedError, match=r"\(transfer_mode='push'\) worker: "
-                                                  "tensor_parallel_size=2"):
+                                                  "tensor_parallel_size=1, "
+                                                  "pipeline_parallel_size=2; only PP = 1"):
         HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
 
 

@@ -50,10 +50,9 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         if role == C.KVConnectorRole.SCHEDULER:
             self.scheduler = sched
         else:
-            # pull: one worker per TP rank; push: TP = 1 so far
+            # one worker per TP rank in both modes (PP = 1)
             require_single_worker(vllm_config, type(self).__name__
-                                  + (" (transfer_mode='push')" if push else ""),
-                                  allow_tp=not push)
+                                  + (" (transfer_mode='push')" if push else ""), allow_tp=True)
             tp = worker_tp(vllm_config, kv_cache_config, sched.layout)
             if push:
                 from .push_worker import HmaPushWorker

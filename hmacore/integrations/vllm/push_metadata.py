@@ -87,11 +87,20 @@ class HmaPushConnectorMetadata(HmaNixlConnectorMetadata):
 @dataclasses.dataclass
 class HmaPushWorkerMeta(HmaNixlWorkerMeta):
     """Worker -> scheduler: ``registered`` push id -> D's positional table (from D's
-    registration notification), new since the last report."""
+    registration notifications), new since the last report; ``registered_by`` push id -> the
+    prefill TP ranks that reported it (a rank reports a push once every decode rank that
+    reads from it registered). vLLM's KVOutputAggregator folds the ranks' reports with
+    :meth:`aggregate` (rank lists are united); P's scheduler starts a push once every rank of
+    its engine reported it (a report without ``registered_by`` counts as rank 0's)."""
 
     registered: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)
+    registered_by: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: Any) -> HmaPushWorkerMeta:
+        by = {k: list(v) for k, v in self.registered_by.items()}
+        for pid, ranks in (getattr(other, "registered_by", None) or {}).items():
+            by[pid] = sorted(set(by.get(pid, ())) | set(ranks))
         return HmaPushWorkerMeta(renewed=set(self.renewed) | set(getattr(other, "renewed", ())),
                                  registered={**self.registered,
-                                             **(getattr(other, "registered", None) or {})})
+                                             **(getattr(other, "registered", None) or {})},
+                                 registered_by=by)

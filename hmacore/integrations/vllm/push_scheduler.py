@@ -87,6 +87,8 @@ class HmaPushScheduler(HmaNixlScheduler):
         self._hold_since: dict[str, float] = {}
         self._registered: dict[str, list[list[int]]] = {}  # push id -> D's positional table
         self._registered_at: dict[str, float] = {}         # push id -> arrival (clock s)
+        # push id -> (D's table, P ranks that reported it, first report): not all ranks yet
+        self._reg_partial: dict[str, tuple[list[list[int]], set[int], float]] = {}
         self._unpushed: set[str] = set()                   # registration timed out / bad
         self._push_steps: dict[str, int] = {}              # rid -> steps pushed so far
         self._push_ended: set[str] = set()                 # worker reported the push over
@@ -147,8 +149,13 @@ class HmaPushScheduler(HmaNixlScheduler):
             first = self._hold_since.setdefault(rid, now)
             if now - first < self.register_timeout:
                 return None, False
-            logger.warning("push %s: no registration from the decode engine within %.1f s; "
-                           "prefilling without push", pid, self.register_timeout)
+            partial = self._reg_partial.pop(pid, None)
+            logger.warning("push %s: no %sregistration from the decode engine within %.1f s; "
+                           "prefilling without push", pid,
+                           f"complete (prefill ranks {sorted(partial[1])} of TP {self.tp_size} "
+                           "reported it) " if partial else "", self.register_timeout)
+            if partial is not None:
+                self._aborts.add(pid)    # the ranks that have registrations tell D it failed
             self._unpushed.add(rid)
             return 0, False
         if not params.get("do_remote_prefill"):
@@ -252,13 +259,21 @@ class HmaPushScheduler(HmaNixlScheduler):
             if rid in self.trackers:
                 self.trackers.preempt(rid)
         wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
+        by = getattr(wmeta, "registered_by", None) or {}
         for pid, ids in (getattr(wmeta, "registered", None) or {}).items():
-            if len(ids) == self.layout.num_groups:
-                self._registered[pid] = [[int(x) for x in g] for g in ids]
-                self._registered_at[pid] = self.clock()
-            else:
+            if len(ids) != self.layout.num_groups:
                 logger.warning("push %s: registration has %d groups, the layout %d; ignored",
                                pid, len(ids), self.layout.num_groups)
+                continue
+            table, ranks, first = self._reg_partial.get(pid) or (
+                [[int(x) for x in g] for g in ids], set(), self.clock())
+            ranks.update(int(r) for r in by.get(pid, (0,)))
+            if ranks >= set(range(self.tp_size)):    # every prefill rank has its consumers
+                self._reg_partial.pop(pid, None)
+                self._registered[pid] = table
+                self._registered_at[pid] = self.clock()
+            else:
+                self._reg_partial[pid] = (table, ranks, first)
         now = self.clock()
         self._drop_stale_registrations(now)
         sending = set()
@@ -282,6 +297,9 @@ class HmaPushScheduler(HmaNixlScheduler):
         """A registration no request of this engine claimed within ``kv_lease_duration``
         seconds (P's request never came, or was refused) is forgotten."""
         claimed = {pid for _, pid in self._push_reqs.values()}
+        for pid, (_, _, t) in list(self._reg_partial.items()):
+            if pid not in claimed and now - t > self.lease_s:
+                del self._reg_partial[pid]
         for pid, t in list(self._registered_at.items()):
             if pid not in claimed and now - t > self.lease_s:
                 del self._registered_at[pid]
@@ -314,6 +332,8 @@ class HmaPushScheduler(HmaNixlScheduler):
         pid = entry[1]
         registered = self._registered.pop(pid, None) is not None
         self._registered_at.pop(pid, None)
+        if self._reg_partial.pop(pid, None) is not None:
+            self._aborts.add(pid)        # some ranks hold registrations: they tell D
         if unpushed or not registered or ended:
             return False, None
         has_blocks = any(len(g) for g in block_ids)
