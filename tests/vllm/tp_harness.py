@@ -101,20 +101,24 @@ class RankProc:
 class TpEngine:
     """Scheduler + TP rank processes of one engine (``tp`` ranks) for a tp_cases case."""
 
-    def __init__(self, case: str, tp: int, name: str, *, load_failure_policy: str = "fail"):
+    def __init__(self, case: str, tp: int, name: str, *, load_failure_policy: str = "fail",
+                 extra: dict | None = None):
         self.case = tp_cases.CASES[case]
         self.tp = tp
         self.port = free_ports(tp)
         self.engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.extra = dict(extra or {})
+        self.push = self.extra.get("transfer_mode") == "push"
         self.vc = tp_cases.engine_config(self.case, tp=tp, port=self.port,
-                                         engine_id=self.engine_id)
+                                         engine_id=self.engine_id, extra=self.extra)
         self.vc.kv_transfer_config.kv_load_failure_policy = load_failure_policy
         self.kcc = self.case.kcc(tp)
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.agg = KVOutputAggregator(expected_finished_count=tp)
         dist_port = free_ports(1)
         self.ranks = [RankProc(dict(case=case, tp=tp, rank=r, port=self.port, dist_port=dist_port,
-                                    engine_id=self.engine_id)) for r in range(tp)]
+                                    engine_id=self.engine_id, extra=self.extra))
+                      for r in range(tp)]
         self.names: list[str] = []
         self.metas: list = []
         self.outputs: list = []
@@ -136,16 +140,31 @@ class TpEngine:
     def layout(self):
         return self.s.connector.scheduler.layout
 
-    def step(self):
-        """schedule -> every rank's worker step -> vLLM's aggregation -> update_from_output."""
+    def step(self, fill: bool = False):
+        """schedule -> every rank's worker step -> vLLM's aggregation -> update_from_output.
+
+        Push engines run the forward pass (``save_kv_layer`` per layer) when tokens were
+        scheduled; with ``fill`` it writes the pattern into the scheduled requests' blocks
+        (P computing them). The ranks run the step concurrently (as vLLM's workers do)."""
         so = self.s.schedule()
         meta = so.kv_connector_metadata
         self.metas.append(meta)
         blob = base64.b64encode(pickle.dumps(meta)).decode()
-        results = [pickle.loads(base64.b64decode(r.call("step", meta=blob,
-                                                         finished=sorted(so.finished_req_ids))
-                                                  ["result"]))
-                   for r in self.ranks]
+        kw = dict(meta=blob, finished=sorted(so.finished_req_ids))
+        if self.push and so.total_num_scheduled_tokens:
+            kw["forward"] = True
+            if fill:
+                kw["fill"] = {rid: [list(map(int, g)) for g in
+                                    self.s.kv_cache_manager.get_block_ids(rid)]
+                              for rid in so.num_scheduled_tokens}
+        for r in self.ranks:                 # send to every rank first: they run together
+            r.proc.stdin.write(json.dumps({"op": "step", **kw}) + "\n")
+            r.proc.stdin.flush()
+        replies = [r.read() for r in self.ranks]
+        for out in replies:
+            if "error" in out:
+                raise RuntimeError(out["error"])
+        results = [pickle.loads(base64.b64decode(out["result"])) for out in replies]
         outs = [H.runner_output(so, self.s, **res) for res in results]
         self.outputs.append(self.s.update_from_output(so, self.agg.aggregate(outs, 0)))
         return so
