@@ -15,6 +15,7 @@ import time
 import pytest
 
 import harness as H
+import push_harness as PH
 from tp_harness import TpEngine
 
 pytestmark = pytest.mark.nixl
@@ -63,6 +64,16 @@ def engines():
 
 
 PAIRS = {(2, 1): ("tp2", "tp1"), (1, 2): ("tp1", "tp2"), (2, 2): ("tp2", "tp2b")}
+
+# per (case, P TP, D TP): the D ranks each P rank WRITEs to (written out, not computed)
+CONSUMERS = {
+    ("gemma", 2, 1): [[0], [0]],        # D's two heads come one from each P rank
+    ("gemma", 1, 2): [[0, 1]],          # each D rank gets its head from P's only rank
+    ("gemma", 2, 2): [[0], [1]],        # same TP: whole pages, rank to rank
+    ("dsv4", 2, 1): [[0], []],          # MLA replicated: D rank 0 reads P rank 0 only
+    ("dsv4", 1, 2): [[0, 1]],
+    ("dsv4", 2, 2): [[0], [1]],
+}
 
 
 def _start(P, D, prompt, rid):
@@ -124,3 +135,90 @@ def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
     sched = P.s.connector.scheduler
     assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
     assert sched._reg_partial == {}
+    for r, st in enumerate(P.call_all("push_state")):
+        mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
+        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": 1,
+                         "consumers": CONSUMERS[(case, tp_p, tp_d)][r]}], (r, st)
+    for st in P.call_all("push_state") + D.call_all("push_state"):
+        assert st["errors"] == [] and st["regs"] == st["pushes"] == st["expect"] == [], st
+
+
+def test_d_rank_never_registers(engines):
+    """D rank 1's registrations are lost (fault injection): P's only rank never has both of
+    its consumers, P's scheduler gives up at push_register_timeout and prefills without push;
+    every worker forgets the push (D rank 0 is told at once, D rank 1 fails at its deadline);
+    D's request fails with nothing valid; neither engine leaks a block."""
+    e = engines("dsv4")
+    P, D = e["tp1"], e["tp2"]
+    for eng in (P, D):
+        eng.call_all("zero")
+    D.ranks[1].call("drop_regs")
+    try:
+        n = P.case.prompt_tokens
+        prompt = [1 + (i * 11 + 5) % 900 for i in range(n)]
+        t0 = time.monotonic()
+        d_req, p_req = _start(P, D, prompt, "lost")
+        deadline = time.monotonic() + 40
+        while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS or P.s.requests:
+            assert time.monotonic() < deadline, (d_req.status, list(P.s.requests))
+            D.step()
+            P.step(fill=True)
+        assert time.monotonic() - t0 >= PUSH["push_register_timeout"] - 0.5
+        assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
+        assert p_req.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        assert all(not m.push_saves for m in P.metas[-10:] if m)
+        _run_out(D)
+        H.assert_no_leak(D.s)
+        H.assert_no_leak(P.s)
+        sched = P.s.connector.scheduler
+        assert sched.registered() == set() and sched._reg_partial == {}
+        (p0,) = P.call_all("push_state")
+        assert p0["regs"] == p0["pushes"] == [], p0
+        d0, d1 = D.call_all("push_state")
+        assert d0["expect"] == d1["expect"] == []
+        assert any("prefill side reported" in x for x in d0["errors"]), d0["errors"]
+        assert any("deadline" in x for x in d1["errors"]), d1["errors"]
+        # nothing valid: no byte was pushed into D's blocks
+        for st in D.call_all("check", table=[[] for _ in D.kcc.kv_cache_groups],
+                             loaded=[[] for _ in D.kcc.kv_cache_groups]):
+            assert st["stray"] == 0, st
+    finally:
+        D.ranks[1].call("undrop")
+
+
+# -- guards (one process, TP = 1 engines speaking the TP-aware handshake) --------------------
+
+def _reg_msg(D, pid, ids, **claims):
+    import json
+    body = {"agent": D.w.worker.name, "ids": ids, **claims}
+    return pid.encode() + b":REG:" + json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("claims, needle", [
+    ({"rank": 1, "tp": 2}, "claims rank 1 of TP 2, but its handshake said rank 0 of TP 1"),
+    ({"rank": 3, "tp": 2}, "rank 3 of TP 2 is not a TP rank"),
+    ({"rank": 0, "tp": 1, "ids": "other"}, "disagrees with earlier ones"),
+])
+def test_bad_registration_claims_are_refused(claims, needle):
+    G = PH.H.gemma_like
+    P = PH.Engine(lambda: G(num_blocks=64))
+    D = PH.Engine(lambda: G(num_blocks=64))
+    try:
+        d_params, _ = PH.push_params("g1", P.port)
+        hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+        D.s.add_request(H.make_request("d", list(range(1, 41)), hbs, params=d_params,
+                                       max_tokens=2))
+        D.step()                                  # handshook with P, registered g1
+        PH.step_until(lambda: "g1" in P.conn.registered(), [P], what="g1 registered")
+        reg = PH.registration(D, "d")
+        pid = "g1" if claims.get("ids") == "other" else "g2"
+        ids = [[b + 1 if b else 0 for b in g] for g in reg.block_ids] \
+            if claims.pop("ids", None) == "other" else reg.block_ids
+        peer = next(iter(D.w.worker._sources.values())).names[0]
+        D.w.worker.agent.send_notif(peer, _reg_msg(D, pid, ids, **claims))
+        PH.step_until(lambda: any(needle in e for e in P.w.worker.errors), [P],
+                      what=f"refusal {needle!r}", timeout=10)
+        assert "g2" not in P.conn.registered()
+    finally:
+        P.close()
+        D.close()

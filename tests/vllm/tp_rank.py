@@ -8,7 +8,8 @@ Driven by tests/vllm/tp_harness.py over stdin/stdout, one JSON line per command:
 step of the connector's worker side; metadata pickled; with ``forward`` the forward pass
 runs in between: per layer, in layer order, the pattern of the ``fill`` tables' blocks is
 written, then ``save_kv_layer``, as push mode needs), ``drop_regs`` (fault injection: this
-rank's push registrations are never sent), ``check`` (D: compare loaded blocks
+rank's push registrations are never sent; ``undrop`` ends it), ``push_state`` (push
+worker internals), ``check`` (D: compare loaded blocks
 with the pattern of this rank's heads; count non-zero bytes elsewhere), ``zero``, ``quit``.
 Usage: python tp_rank.py '<json args>' (spawned by the harness; bounded by it).
 """
@@ -83,6 +84,16 @@ def main() -> None:
             conn.worker.agent.send_notif = lambda peer, msg: (
                 None if b":REG:" in bytes(msg) else send(peer, msg))
             out = {"ok": True}
+        elif op == "undrop":
+            conn.worker.agent.send_notif = send
+            out = {"ok": True}
+        elif op == "push_state":     # push worker internals the tests assert on
+            w = conn.worker
+            out = {"errors": w.errors, "regs": sorted(w._regs), "pushes": sorted(w._pushes),
+                   "expect": sorted(w._expect),
+                   "stats": [{k: v for k, v in r.items() if k in ("push_id", "ok", "rank",
+                                                                  "consumers", "steps")}
+                             for r in w.stats()]}
         elif op == "step":
             conn.bind_connector_metadata(_unb64(cmd["meta"]))
             conn.start_load_kv(None)

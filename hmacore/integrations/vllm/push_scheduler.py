@@ -154,8 +154,9 @@ class HmaPushScheduler(HmaNixlScheduler):
                            "prefilling without push", pid,
                            f"complete (prefill ranks {sorted(partial[1])} of TP {self.tp_size} "
                            "reported it) " if partial else "", self.register_timeout)
-            if partial is not None:
-                self._aborts.add(pid)    # the ranks that have registrations tell D it failed
+            # every worker forgets the push: ranks holding registrations tell those D ranks
+            # it failed, a registration arriving later is answered the same way at once
+            self._aborts.add(pid)
             self._unpushed.add(rid)
             return 0, False
         if not params.get("do_remote_prefill"):
