@@ -5,7 +5,9 @@ sends its per-group block ids and agent metadata to the prefill side (vLLM push 
 through ``kv_transfer_params``). The prefill side WRITEs each layer's pages of the request as
 soon as that layer is computed (:meth:`LayerwisePusher.save_layer`), so the transfer overlaps
 the forward pass. Each layer WRITE carries the notification ``"<req>:L<k>"`` (NIXL delivers it
-after that WRITE's bytes); after every layer WRITE completed the pusher sends ``"<req>:done:<n>"``.
+after that WRITE's bytes); after every layer WRITE completed the pusher sends ``"<req>:done:<n>"``
+(``<req>`` is the request's tag, by default its id). A peer may bring its own local LayerPlan
+(heterogeneous TP: the pair's head-slice descriptors, possibly fewer layers).
 The decode side (:class:`LayerwiseReceiver`) marks the request ready only when all ``n``
 per-layer notifications and the final one arrived; a peer that dies midway leaves it failed
 at its deadline with nothing valid. The prefill side keeps the request's blocks until its lease

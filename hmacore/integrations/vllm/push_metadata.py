@@ -1,9 +1,10 @@
 """Scheduler <-> worker payloads of :class:`HmaNixlConnector` in layer-wise push mode
 (``kv_connector_extra_config: {"transfer_mode": "push"}``).
 
-Decode first: D's scheduler hands its worker a :class:`PushRegistration` (D's per-group block
-ids); D's worker sends it to P as a NIXL notification; P's worker reports it to P's scheduler
-(:class:`HmaPushWorkerMeta`); P's scheduler then puts one :class:`PushSave` per scheduled push
+Decode first: D's scheduler hands its workers a :class:`PushRegistration` (D's per-group block
+ids); each D worker (TP rank) sends it to every P rank as a NIXL notification; each P worker
+reports it to P's scheduler (:class:`HmaPushWorkerMeta`, once the D ranks it writes to all
+registered); P's scheduler then puts one :class:`PushSave` per scheduled push
 request into each step's metadata; P's worker WRITEs each layer as soon as it is computed.
 
 Units: block ids are per KV cache group (blocks of that group, vLLM group order); a

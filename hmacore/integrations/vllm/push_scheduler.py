@@ -10,8 +10,11 @@ table) for D's worker, which sends it to P and waits for P's per-layer WRITEs.
 
 P: a push request whose registration has not reached P's scheduler yet is held
 (``get_num_new_matched_tokens`` returns ``None``: ask again next step) for at most
-``push_register_timeout`` seconds, then runs without push (D's deadline then fails it and D
-recomputes). Once registered, every step's metadata carries a :class:`PushSave` per scheduled
+``push_register_timeout`` seconds, then runs without push and every worker is told to abort
+it (ranks holding registrations tell those decode ranks it failed; D then recomputes). With
+TP > 1 a push counts as registered once every prefill rank reported it
+(``HmaPushWorkerMeta.registered_by``: a rank reports once all decode ranks it writes to
+registered). Once registered, every step's metadata carries a :class:`PushSave` per scheduled
 push request: P's and D's ids of the block positions whose tokens become computed in this step
 (all positions up to the step's end in the first pushed step, so a local prefix hit on P is
 pushed too). ``request_finished`` keeps the blocks (returns True) until the worker reports the

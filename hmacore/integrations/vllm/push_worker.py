@@ -1,26 +1,37 @@
-"""Worker side of :class:`HmaNixlConnector` in layer-wise push mode.
+"""Worker side of :class:`HmaNixlConnector` in layer-wise push mode, one worker per TP rank.
 
 Built on :mod:`hmacore.layerwise` (LayerPlan, LayerwisePusher, LayerwiseReceiver) over a
 :class:`~hmacore.transport.nixl_desc.DescAgent` whose NIXL agent is named
-``<engine_id>@push`` (a peer in pull mode is recognised at handshake and refused with a clear
-error). A :class:`HandshakeServer` on ``side_channel_host:port`` answers decode peers.
+``<engine_id>#tp<rank>@push`` (``<engine_id>@push`` at TP = 1; a peer in pull mode is
+recognised at handshake and refused with a clear error). A TP-aware :class:`HandshakeServer`
+on ``side_channel_host:port + rank`` answers decode ranks.
 
-* D (``start_load_kv``): for each :class:`PushRegistration` handshake with P once per address,
-  send P ``b"<push_id>:REG:<json>"`` (D's agent name and positional per-group ids) and expect
-  the push (LayerwiseReceiver, deadline ``push_recv_timeout`` s). Every layer's notification
-  plus ``done`` -> ``finished_recving``; a failure notification, a count mismatch, the deadline
-  or a handshake error -> ``finished_recving`` and ``failed_recving`` (nothing valid).
-* P: registrations become worker metadata for P's scheduler. In ``save_kv_layer`` the layer's
-  WRITE (its group's blocks of this step's :class:`PushSave`) is posted at once: one
-  LayerwisePusher request per (push, step), the prompt's last step under the push id itself
-  (its per-layer notifications and ``done`` reach D's receiver), earlier steps under
-  ``<push_id>.<step>`` (D ignores those). A step starts only after the previous step's WRITEs
-  of the same push completed (bounded), so a partly filled block re-written later is never
-  overtaken by its stale copy. When the final step is sent or any step failed, the request
-  is reported in ``finished_sending`` (P's scheduler frees it if it holds it).
+* D (``start_load_kv``): for each :class:`PushRegistration` handshake once per prefill engine
+  with every one of its ranks (rank r at ``port + r``; rank 0 tells the TP size), send each
+  ``b"<push_id>:REG:<json>"`` (D's agent name, positional per-group ids, this rank and TP
+  size) and expect one push per *source* rank (equal TP: the same rank; else the
+  :class:`~hmacore.tp.TpMapping` of this rank), each under the tag :func:`push_tag`
+  (LayerwiseReceiver, deadline ``push_recv_timeout`` s). Every layer's notification plus
+  ``done`` from every source -> ``finished_recving``; a failure notification, a count
+  mismatch, the deadline or a handshake error of any source -> ``finished_recving`` and
+  ``failed_recving`` (nothing valid), reported once every source settled.
+* P: a rank reports a push id (worker metadata, ``registered_by`` = this rank) once every
+  *consumer* decode rank (:func:`hmacore.tp.consumer_ranks`; equal TP: the same rank)
+  registered; a registration whose rank / TP claim contradicts its sender's handshake, or
+  that disagrees with the push's earlier ones, is refused. In ``save_kv_layer`` the layer's
+  WRITE (its group's blocks of this step's :class:`PushSave`) is posted at once to every
+  consumer: whole pages at equal TP, else this rank's head slices / replicated pages from the
+  :class:`~hmacore.tp.TpPairPlan` seen from that decode rank, used in the WRITE direction.
+  One LayerwisePusher request per (push, step, consumer), all of a step under one tag: the
+  prompt's last step under :func:`push_tag` (its per-layer notifications and ``done`` reach
+  D's receiver), earlier steps under ``<tag>.<step>`` (D ignores those). A step starts only
+  after the previous step's WRITEs of the same push completed (bounded), so a partly filled
+  block re-written later is never overtaken by its stale copy. When the final step is sent
+  or any step failed, the request is reported in ``finished_sending`` once (a rank without
+  consumers: when the final step comes); vLLM's KVOutputAggregator waits for every rank.
 
 Units: block ids per group; descriptor ids from LayerPlan; times ``time.monotonic()`` seconds.
-Single worker (TP = PP = 1).
+PP = 1; prefill and decode must have equal block sizes.
 """
 from __future__ import annotations
 
