@@ -186,6 +186,28 @@ def test_d_rank_never_registers(engines):
         D.ranks[1].call("undrop")
 
 
+def test_d_refuses_a_port_that_is_not_rank_0(engines):
+    """remote_port must be P's base port (rank 0, which tells the TP size): pointing D at
+    rank 1's port is refused at the handshake; D's load fails, nothing leaks."""
+    e = engines("dsv4")
+    P, D = e["tp2"], e["tp1"]
+    hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+    d_params, _ = push_params("wrongport", P.port + 1)
+    d_req = H.make_request("d-wrongport", [3 + i % 700 for i in range(200)], hbs,
+                           params=d_params, max_tokens=3)
+    D.s.add_request(d_req)
+    deadline = time.monotonic() + 30
+    D.step()
+    while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
+        assert time.monotonic() < deadline
+        D.step()
+    assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
+    (st,) = D.call_all("push_state")
+    assert any("is rank 1 of TP 2; expected rank 0 of TP 2" in x for x in st["errors"]), st
+    _run_out(D)
+    H.assert_no_leak(D.s)
+
+
 # -- guards (one process, TP = 1 engines speaking the TP-aware handshake) --------------------
 
 def _reg_msg(D, pid, ids, **claims):
