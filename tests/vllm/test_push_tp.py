@@ -70,6 +70,9 @@ CONSUMERS = {
     ("gemma", 2, 1): [[0], [0]],        # D's two heads come one from each P rank
     ("gemma", 1, 2): [[0, 1]],          # each D rank gets its head from P's only rank
     ("gemma", 2, 2): [[0], [1]],        # same TP: whole pages, rank to rank
+    ("gemma-chunk", 2, 1): [[0], [0]],  # the same over 3 prefill steps
+    ("gemma-chunk", 1, 2): [[0, 1]],
+    ("gemma-chunk", 2, 2): [[0], [1]],
     ("dsv4", 2, 1): [[0], []],          # MLA replicated: D rank 0 reads P rank 0 only
     ("dsv4", 1, 2): [[0, 1]],
     ("dsv4", 2, 2): [[0], [1]],
@@ -102,7 +105,7 @@ def _registration(D, rid):
     raise AssertionError(f"no registration of {rid}")
 
 
-@pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in ("gemma", "dsv4")
+@pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in ("gemma", "gemma-chunk", "dsv4")
                                             for p, d in PAIRS])
 def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
     e = engines(case)
@@ -135,9 +138,10 @@ def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
     sched = P.s.connector.scheduler
     assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
     assert sched._reg_partial == {}
+    steps = -(-n // P.case.vkw.get("max_num_batched_tokens", 256))
     for r, st in enumerate(P.call_all("push_state")):
         mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
-        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": 1,
+        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": steps,
                          "consumers": CONSUMERS[(case, tp_p, tp_d)][r]}], (r, st)
     for st in P.call_all("push_state") + D.call_all("push_state"):
         assert st["errors"] == [] and st["regs"] == st["pushes"] == st["expect"] == [], st

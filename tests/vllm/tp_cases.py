@@ -28,6 +28,10 @@ class Case:
 CASES = {
     "gemma": Case("gemma", lambda tp: H.gemma_like(num_blocks=64,
                                                    heads=max(1, TOTAL_HEADS // tp)), {}, 150),
+    # P's budget of 64 tokens per step: a 150-token prompt is prefilled (and pushed) in 3 steps
+    "gemma-chunk": Case("gemma-chunk", lambda tp: H.gemma_like(num_blocks=64,
+                                                               heads=max(1, TOTAL_HEADS // tp)),
+                        dict(max_num_batched_tokens=64), 150),
     "dsv4": Case("dsv4", lambda tp: H.dsv4_like(num_blocks=600),
                  dict(max_num_batched_tokens=1024), 600),
 }

@@ -153,10 +153,15 @@ class TpEngine:
         kw = dict(meta=blob, finished=sorted(so.finished_req_ids))
         if self.push and so.total_num_scheduled_tokens:
             kw["forward"] = True
-            if fill:
-                kw["fill"] = {rid: [list(map(int, g)) for g in
-                                    self.s.kv_cache_manager.get_block_ids(rid)]
-                              for rid in so.num_scheduled_tokens}
+            if fill:      # the block positions holding tokens computed so far (incl. now)
+                kw["fill"] = {}
+                for rid in so.num_scheduled_tokens:
+                    req = self.s.requests[rid]
+                    end = min(req.num_computed_tokens, req.num_prompt_tokens)
+                    kw["fill"][rid] = [
+                        list(map(int, g[:-(-end // grp.kv_cache_spec.block_size)]))
+                        for g, grp in zip(self.s.kv_cache_manager.get_block_ids(rid),
+                                          self.kcc.kv_cache_groups)]
         for r in self.ranks:                 # send to every rank first: they run together
             r.proc.stdin.write(json.dumps({"op": "step", **kw}) + "\n")
             r.proc.stdin.flush()
