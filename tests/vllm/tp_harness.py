@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import pickle
+import random
 import selectors
 import socket
 import subprocess
@@ -22,13 +23,23 @@ import tp_cases
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_rank.py")
 
 
+_HANDED_OUT: set[int] = set()   # ports given to engines of this process (bound later)
+
+
 def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free loopback ports (handshake port + rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
+    """A base port with ``n`` consecutive free loopback ports (handshake port + rank), none
+    handed out before by this process (rank processes bind them only when they start, so a
+    port merely free now may already belong to an engine that is still starting). Drawn
+    below the kernel's ephemeral range, which outgoing connections (UCX, gloo) take from."""
+    lo = 10000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            eph = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        eph = 32768
+    for _ in range(200):
+        base = random.randrange(lo, max(lo + 1000, eph) - n)
+        if _HANDED_OUT & set(range(base, base + n)):
             continue
         try:
             socks = []
@@ -36,6 +47,7 @@ def free_ports(n: int) -> int:
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", p))
+            _HANDED_OUT.update(range(base, base + n))
             return base
         except OSError:
             continue
