@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ...spec import GroupKind
 from ...tables import RequestState
 from . import _compat as C
 from ._clip import clip_table
@@ -70,8 +71,9 @@ class HmaPushScheduler(HmaNixlScheduler):
     Extra ``kv_connector_extra_config`` keys: ``push_register_timeout`` (P: seconds a push
     request waits for D's registration, default 30), ``push_recv_timeout`` (D: seconds from
     registration until every layer must have arrived, default 60; read by the worker).
-    Refused (ValueError): ``sync_load`` true. Mamba groups register one state slot (the block
-    holding the state after the loaded tokens; P computes the prompt less the backoff token).
+    Refused (ValueError): ``sync_load`` true; Mamba groups with TP > 1. Mamba groups register
+    one state slot (the block holding the state after the loaded tokens; P computes the prompt
+    less the backoff token).
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *,
@@ -81,6 +83,11 @@ class HmaPushScheduler(HmaNixlScheduler):
         if self.sync_load:
             raise ValueError("kv_connector_extra_config.sync_load must be false with "
                              "transfer_mode='push' (pushed KV arrives asynchronously)")
+        if self.tp_size > 1 and any(s.kind == GroupKind.MAMBA for s in self.layout.groups):
+            raise ValueError(f"transfer_mode='push' with Mamba KV cache groups needs "
+                             f"tensor_parallel_size=1 (got {self.tp_size}): how a Mamba state "
+                             "is split across TP ranks is model-specific; use "
+                             "transfer_mode='pull' (equal TP sizes) or TP 1")
         self.register_timeout = _positive(ktc, "push_register_timeout", 30.0)
         self.recv_timeout = _positive(ktc, "push_recv_timeout", 60.0)
         # D side
