@@ -5,7 +5,9 @@ sends its per-group block ids and agent metadata to the prefill side (vLLM push 
 through ``kv_transfer_params``). The prefill side WRITEs each layer's pages of the request as
 soon as that layer is computed (:meth:`LayerwisePusher.save_layer`), so the transfer overlaps
 the forward pass. Each layer WRITE carries the notification ``"<req>:L<k>"`` (NIXL delivers it
-after that WRITE's bytes); after every layer WRITE completed the pusher sends ``"<req>:done:<n>"``.
+after that WRITE's bytes); after every layer WRITE completed the pusher sends ``"<req>:done:<n>"``
+(``<req>`` is the request's tag, by default its id). A peer may bring its own local LayerPlan
+(heterogeneous TP: the pair's head-slice descriptors, possibly fewer layers).
 The decode side (:class:`LayerwiseReceiver`) marks the request ready only when all ``n``
 per-layer notifications and the final one arrived; a peer that dies midway leaves it failed
 at its deadline with nothing valid. The prefill side keeps the request's blocks until its lease
@@ -124,6 +126,7 @@ class PushState(str, enum.Enum):
 @dataclasses.dataclass
 class _PushReq:
     peer: str
+    tag: str
     local_ids: tuple[np.ndarray, ...]
     remote_ids: tuple[np.ndarray, ...]
     expires_at: float
@@ -168,16 +171,33 @@ class LayerwisePusher:
         self.remote: dict[str, LayerPlan] = dict(remote_layers or {})
         self.release_cb = release
         self._reqs: dict[str, _PushReq] = {}
+        self._local_of: dict[str, LayerPlan] = {}   # peer -> its pair's local LayerPlan
 
-    def add_peer(self, peer: str, remote_layers: LayerPlan) -> None:
-        if set(remote_layers.layers) != set(self.local.layers):
-            raise LayoutError(f"peer {peer!r} registers layers that differ from this side's")
+    def add_peer(self, peer: str, remote_layers: LayerPlan,
+                 local_layers: LayerPlan | None = None) -> None:
+        """Register a decode peer. ``local_layers``: this side's descriptors for this peer
+        only (a heterogeneous-TP pair: the transport's dlist pair of ``peer`` holds this
+        side's head slices, ``hmacore.tp.TpPairPlan``); it and ``remote_layers`` may then
+        cover a subset of the layers (groups the pair does not serve: those layers only get
+        their notification). Default: the pusher's full local plan, every layer."""
+        if local_layers is None:
+            if set(remote_layers.layers) != set(self.local.layers):
+                raise LayoutError(f"peer {peer!r} registers layers that differ from this side's")
+        else:
+            if set(remote_layers.layers) != set(local_layers.layers) \
+                    or not set(local_layers.layers) <= set(self.local.layers):
+                raise LayoutError(f"peer {peer!r}: pair layers differ between the sides or are "
+                                  "not this side's layers")
+            self._local_of[peer] = local_layers
         self.remote[peer] = remote_layers
 
     def start(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
-              remote_block_ids: Sequence[Any], *, lease_s: float = 30.0) -> None:
+              remote_block_ids: Sequence[Any], *, lease_s: float = 30.0,
+              tag: str | None = None) -> None:
         """Begin pushing a request: ``remote_block_ids`` came from the decode side (clipped
-        per group, same per-group counts as ``local_block_ids``). Validates everything first."""
+        per group, same per-group counts as ``local_block_ids``). Validates everything first.
+        ``tag``: the prefix of the request's notifications (default ``request_id``; several
+        pusher requests, e.g. one per decode rank, may share a tag when their peers differ)."""
         if request_id in self._reqs:
             raise TrackerStateError(f"request {request_id!r} is already being pushed")
         if peer not in self.remote:
@@ -191,10 +211,15 @@ class LayerwisePusher:
                                       "blocks; per-group counts must match")
         if not (isinstance(lease_s, (int, float)) and lease_s > 0):
             raise TrackerStateError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
-        for layer in self.local.layers:  # validate ids once (raises before anything is posted)
-            self.local.desc_ids(layer, lids)
+        local = self._local_of.get(peer, self.local)
+        for layer in local.layers:  # validate ids once (raises before anything is posted)
+            local.desc_ids(layer, lids)
             self.remote[peer].desc_ids(layer, rids)
-        self._reqs[request_id] = _PushReq(peer, lids, rids, time.monotonic() + lease_s, {}, set())
+        tag = request_id if tag is None else str(tag)
+        if ":" in tag:
+            raise TrackerStateError(f"notification tag must not contain ':' (got {tag!r})")
+        self._reqs[request_id] = _PushReq(peer, tag, lids, rids, time.monotonic() + lease_s,
+                                          {}, set())
 
     def save_layer(self, request_id: str, layer: str) -> None:
         """The forward pass computed ``layer``: post its WRITE (notification ``<req>:L<k>``)."""
@@ -203,11 +228,18 @@ class LayerwisePusher:
             return
         if layer in req.saved:
             raise TrackerStateError(f"request {request_id!r}: layer {layer!r} saved twice")
-        lids = self.local.desc_ids(layer, req.local_ids)
-        rids = self.remote[req.peer].desc_ids(layer, req.remote_ids)
-        req.saved.add(layer)
+        local = self._local_of.get(req.peer, self.local)
+        if layer not in self.local.meta:
+            raise LayoutError(f"layer {layer!r} is not in the plan "
+                              f"(known: {len(self.local.meta)} layers)")
         k = self.local.layers.index(layer)
-        notif = f"{request_id}:L{k}".encode()
+        if layer in local.meta:
+            lids = local.desc_ids(layer, req.local_ids)
+            rids = self.remote[req.peer].desc_ids(layer, req.remote_ids)
+        else:                                   # a group this pair does not serve
+            lids = rids = np.empty(0, dtype=np.int64)
+        req.saved.add(layer)
+        notif = f"{req.tag}:L{k}".encode()
         try:
             if lids.size == 0:
                 self.transport.send_notif(req.peer, notif)
@@ -238,7 +270,8 @@ class LayerwisePusher:
                 if req.state == PushState.PUSHING and not req.pending \
                         and len(req.saved) == len(self.local.layers):
                     try:
-                        self.transport.send_notif(req.peer, f"{rid}:done:{len(req.saved)}".encode())
+                        self.transport.send_notif(req.peer,
+                                                 f"{req.tag}:done:{len(req.saved)}".encode())
                         req.state = PushState.SENT
                     except Exception as e:  # noqa: BLE001
                         self._fail(rid, req, f"completion notification failed: {e}")
@@ -275,7 +308,7 @@ class LayerwisePusher:
                 pass
         req.pending.clear()
         try:
-            self.transport.send_notif(req.peer, f"{rid}:failed".encode())
+            self.transport.send_notif(req.peer, f"{req.tag}:failed".encode())
         except Exception:  # noqa: BLE001 - the peer may be gone; its deadline fails it
             pass
 

@@ -198,3 +198,24 @@ def test_layer_in_two_groups_is_rejected():
     bad = Region(0, 64, 64, 8, 1, 1, False, ("full.0",))
     with pytest.raises(LayoutError, match="layer 'full.0' of group 0 sits in region 0 owned by group 1"):
         layer_metadata(TransferPlan(layout, [bad]))
+
+
+def test_notification_tag_and_per_peer_local_layers():
+    """Several pusher requests (one per decode rank) share a notification tag; a peer's own
+    local LayerPlan (a TP pair's descriptors) must list the same layers as its remote one."""
+    layout = LAYOUTS["full_sliding"]
+    p, d, pp, dp, tr, pusher, recv, ptable, dtable, released = _push(layout)
+    recv.expect("push@1", dtable, timeout_s=60)
+    pusher.start("push@1>0", "D", ptable, dtable, lease_s=60, tag="push@1")
+    for layer in pusher.local.layers:
+        pusher.save_layer("push@1>0", layer)
+        pusher.progress()
+    recv.poll()
+    assert pusher.state("push@1>0") == PushState.SENT
+    assert recv.state("push@1") == PushState.READY
+    with pytest.raises(TrackerStateError, match="tag must not contain ':'"):
+        pusher.start("x", "D", ptable, dtable, tag="a:b")
+    sub = LayerPlan(TransferPlan(layout, dp.regions[:1]))
+    assert set(sub.layers) < set(LayerPlan(dp).layers)
+    with pytest.raises(LayoutError, match="pair layers differ"):
+        pusher.add_peer("E", LayerPlan(dp), local_layers=sub)

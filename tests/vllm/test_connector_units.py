@@ -179,11 +179,19 @@ def test_tp_worker_needs_vllm_parallel_state():
         HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
 
 
-def test_push_worker_refuses_tensor_parallel():
+def test_push_worker_needs_vllm_parallel_state():
+    """Push workers run one per TP rank too (rank from vLLM's TP group); outside a vLLM
+    worker TP > 1 is a clear error, PP > 1 is refused."""
     vc = H.vllm_config(extra={"transfer_mode": "push"})
     vc.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(RuntimeError, match="tensor_parallel_size=2 but vLLM's model-parallel "
+                                           "groups are not initialized"):
+        HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
+    vc = H.vllm_config(extra={"transfer_mode": "push"})
+    vc.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(NotImplementedError, match=r"\(transfer_mode='push'\) worker: "
-                                                  "tensor_parallel_size=2"):
+                                                  "tensor_parallel_size=1, "
+                                                  "pipeline_parallel_size=2; only PP = 1"):
         HmaNixlConnector(vc, KVConnectorRole.WORKER, H.gemma_like())
 
 
@@ -212,3 +220,39 @@ def test_worker_side_refuses_more_than_one_worker_per_engine(tp, pp):
         require_single_worker(cfg, "HmaNixlConnector")
     require_single_worker(SimpleNamespace(parallel_config=SimpleNamespace(
         tensor_parallel_size=1, pipeline_parallel_size=1)), "HmaNixlConnector")
+
+
+def test_push_worker_meta_aggregates_registering_ranks():
+    from hmacore.integrations.vllm.push_metadata import HmaPushWorkerMeta
+    ids = [[1, 2], [3]]
+    a = HmaPushWorkerMeta(registered={"x": ids}, registered_by={"x": [0]})
+    b = HmaPushWorkerMeta(registered={"x": ids, "y": ids}, registered_by={"x": [1], "y": [1]})
+    m = a.aggregate(b).aggregate(None)
+    assert m.registered == {"x": ids, "y": ids}
+    assert m.registered_by == {"x": [0, 1], "y": [1]}
+    assert pickle.loads(pickle.dumps(m)).registered_by == m.registered_by
+
+
+def test_push_scheduler_starts_only_when_every_prefill_rank_reported():
+    """TP-2 prefill engine: a push counts as registered only once both ranks reported it
+    (each rank reports once every decode rank reading from it registered); reports of one
+    rank in different steps accumulate; a report without ranks counts as rank 0's."""
+    from types import SimpleNamespace
+
+    from hmacore.integrations.vllm.push_metadata import HmaPushWorkerMeta
+    vc = H.vllm_config(extra={"transfer_mode": "push"}, tp=2)
+    sched = HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.gemma_like()).scheduler
+    G = sched.layout.num_groups
+    ids = [[1, 2]] * G
+
+    def report(meta):
+        sched.update_connector_output(SimpleNamespace(
+            finished_recving=None, failed_recving=None, finished_sending=None,
+            kv_connector_worker_meta=meta))
+
+    report(HmaPushWorkerMeta(registered={"x": ids}, registered_by={"x": [1]}))
+    assert sched.registered() == set()
+    report(HmaPushWorkerMeta(registered={"x": ids}))           # rank 0 (no ranks named)
+    assert sched.registered() == {"x"} and sched._reg_partial == {}
+    report(HmaPushWorkerMeta(registered={"y": ids}, registered_by={"y": [0, 1]}))
+    assert sched.registered() == {"x", "y"}

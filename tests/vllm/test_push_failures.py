@@ -162,6 +162,14 @@ def test_bad_config_is_a_clear_error(extra, needle):
         HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, kcc)
 
 
+def test_push_with_mamba_groups_and_tp_is_refused():
+    vc = H.vllm_config(extra={"transfer_mode": "push"}, block_size=64, mamba_cache_mode="align",
+                       tp=2)
+    with pytest.raises(ValueError, match="Mamba KV cache groups needs tensor_parallel_size=1 "
+                                         r"\(got 2\)"):
+        HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.qwen3_next_like(num_blocks=16))
+
+
 @pytest.mark.parametrize("bad, needle", [
     ({"push_id": "a:b"}, "push_id"),
     ({"push_id": ""}, "push_id"),

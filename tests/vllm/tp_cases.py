@@ -28,13 +28,19 @@ class Case:
 CASES = {
     "gemma": Case("gemma", lambda tp: H.gemma_like(num_blocks=64,
                                                    heads=max(1, TOTAL_HEADS // tp)), {}, 150),
+    # P's budget of 64 tokens per step: a 150-token prompt is prefilled (and pushed) in 3 steps
+    "gemma-chunk": Case("gemma-chunk", lambda tp: H.gemma_like(num_blocks=64,
+                                                               heads=max(1, TOTAL_HEADS // tp)),
+                        dict(max_num_batched_tokens=64), 150),
     "dsv4": Case("dsv4", lambda tp: H.dsv4_like(num_blocks=600),
                  dict(max_num_batched_tokens=1024), 600),
 }
 
 
-def engine_config(case: Case, *, tp: int, port: int, engine_id: str):
-    return H.vllm_config(extra={"side_channel_port": port, "kv_lease_duration": 30}, tp=tp,
+def engine_config(case: Case, *, tp: int, port: int, engine_id: str, extra: dict | None = None):
+    """``extra``: more kv_connector_extra_config keys (e.g. ``transfer_mode``)."""
+    return H.vllm_config(extra={"side_channel_port": port, "kv_lease_duration": 30,
+                                **(extra or {})}, tp=tp,
                          engine_id=engine_id, kv_cache_layout="LBHNC", **case.vkw)
 
 
@@ -86,15 +92,17 @@ def _layers(kcc) -> dict[str, int]:
     return {n: i for i, n in enumerate(sorted(n for _, n in _specs(kcc)))}
 
 
-def fill(case: Case, kcc, caches, table, tp: int, rank: int) -> None:
+def fill(case: Case, kcc, caches, table, tp: int, rank: int, layers=None) -> None:
     """P: write every block of ``table`` (per group, position order; 0 = null) with the
-    pattern of its positions and this rank's heads."""
+    pattern of its positions and this rank's heads (only ``layers`` if given)."""
     idx = _layers(kcc)
     for g, grp in enumerate(kcc.kv_cache_groups):
         spec = grp.kv_cache_spec
         for j, b in enumerate(table[g]):
             if b:
                 for name in grp.layer_names:
+                    if layers is not None and name not in layers:
+                        continue
                     caches[name][b] = block_pattern(idx[name], j, spec, _heads(spec, tp, rank))
 
 

@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import pickle
+import random
 import selectors
 import socket
 import subprocess
@@ -22,13 +23,23 @@ import tp_cases
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_rank.py")
 
 
+_HANDED_OUT: set[int] = set()   # ports given to engines of this process (bound later)
+
+
 def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free loopback ports (handshake port + rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
+    """A base port with ``n`` consecutive free loopback ports (handshake port + rank), none
+    handed out before by this process (rank processes bind them only when they start, so a
+    port merely free now may already belong to an engine that is still starting). Drawn
+    below the kernel's ephemeral range, which outgoing connections (UCX, gloo) take from."""
+    lo = 10000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            eph = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        eph = 32768
+    for _ in range(200):
+        base = random.randrange(lo, max(lo + 1000, eph) - n)
+        if _HANDED_OUT & set(range(base, base + n)):
             continue
         try:
             socks = []
@@ -36,6 +47,7 @@ def free_ports(n: int) -> int:
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", p))
+            _HANDED_OUT.update(range(base, base + n))
             return base
         except OSError:
             continue
@@ -101,20 +113,24 @@ class RankProc:
 class TpEngine:
     """Scheduler + TP rank processes of one engine (``tp`` ranks) for a tp_cases case."""
 
-    def __init__(self, case: str, tp: int, name: str, *, load_failure_policy: str = "fail"):
+    def __init__(self, case: str, tp: int, name: str, *, load_failure_policy: str = "fail",
+                 extra: dict | None = None):
         self.case = tp_cases.CASES[case]
         self.tp = tp
         self.port = free_ports(tp)
         self.engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.extra = dict(extra or {})
+        self.push = self.extra.get("transfer_mode") == "push"
         self.vc = tp_cases.engine_config(self.case, tp=tp, port=self.port,
-                                         engine_id=self.engine_id)
+                                         engine_id=self.engine_id, extra=self.extra)
         self.vc.kv_transfer_config.kv_load_failure_policy = load_failure_policy
         self.kcc = self.case.kcc(tp)
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.agg = KVOutputAggregator(expected_finished_count=tp)
         dist_port = free_ports(1)
         self.ranks = [RankProc(dict(case=case, tp=tp, rank=r, port=self.port, dist_port=dist_port,
-                                    engine_id=self.engine_id)) for r in range(tp)]
+                                    engine_id=self.engine_id, extra=self.extra))
+                      for r in range(tp)]
         self.names: list[str] = []
         self.metas: list = []
         self.outputs: list = []
@@ -136,16 +152,36 @@ class TpEngine:
     def layout(self):
         return self.s.connector.scheduler.layout
 
-    def step(self):
-        """schedule -> every rank's worker step -> vLLM's aggregation -> update_from_output."""
+    def step(self, fill: bool = False):
+        """schedule -> every rank's worker step -> vLLM's aggregation -> update_from_output.
+
+        Push engines run the forward pass (``save_kv_layer`` per layer) when tokens were
+        scheduled; with ``fill`` it writes the pattern into the scheduled requests' blocks
+        (P computing them). The ranks run the step concurrently (as vLLM's workers do)."""
         so = self.s.schedule()
         meta = so.kv_connector_metadata
         self.metas.append(meta)
         blob = base64.b64encode(pickle.dumps(meta)).decode()
-        results = [pickle.loads(base64.b64decode(r.call("step", meta=blob,
-                                                         finished=sorted(so.finished_req_ids))
-                                                  ["result"]))
-                   for r in self.ranks]
+        kw = dict(meta=blob, finished=sorted(so.finished_req_ids))
+        if self.push and so.total_num_scheduled_tokens:
+            kw["forward"] = True
+            if fill:      # the block positions holding tokens computed so far (incl. now)
+                kw["fill"] = {}
+                for rid in so.num_scheduled_tokens:
+                    req = self.s.requests[rid]
+                    end = min(req.num_computed_tokens, req.num_prompt_tokens)
+                    kw["fill"][rid] = [
+                        list(map(int, g[:-(-end // grp.kv_cache_spec.block_size)]))
+                        for g, grp in zip(self.s.kv_cache_manager.get_block_ids(rid),
+                                          self.kcc.kv_cache_groups)]
+        for r in self.ranks:                 # send to every rank first: they run together
+            r.proc.stdin.write(json.dumps({"op": "step", **kw}) + "\n")
+            r.proc.stdin.flush()
+        replies = [r.read() for r in self.ranks]
+        for out in replies:
+            if "error" in out:
+                raise RuntimeError(out["error"])
+        results = [pickle.loads(base64.b64decode(out["result"])) for out in replies]
         outs = [H.runner_output(so, self.s, **res) for res in results]
         self.outputs.append(self.s.update_from_output(so, self.agg.aggregate(outs, 0)))
         return so

@@ -5,7 +5,11 @@ rank's KV heads x block_size x 2*head_size; MLA: blocks x block_size x head_size
 
 Driven by tests/vllm/tp_harness.py over stdin/stdout, one JSON line per command:
 ``fill`` (P: write the pattern of each block's token positions), ``step`` (one model-runner
-step of the connector's worker side; metadata pickled), ``check`` (D: compare loaded blocks
+step of the connector's worker side; metadata pickled; with ``forward`` the forward pass
+runs in between: per layer, in layer order, the pattern of the ``fill`` tables' blocks is
+written, then ``save_kv_layer``, as push mode needs), ``drop_regs`` (fault injection: this
+rank's push registrations are never sent; ``undrop`` ends it), ``push_state`` (push
+worker internals), ``check`` (D: compare loaded blocks
 with the pattern of this rank's heads; count non-zero bytes elsewhere), ``zero``, ``quit``.
 Usage: python tp_rank.py '<json args>' (spawned by the harness; bounded by it).
 """
@@ -49,9 +53,11 @@ def main() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
+    from hmacore.plan import layer_sort_key
     case = tp_cases.CASES[args["case"]]
     tp, rank = args["tp"], args["rank"]
-    vc = tp_cases.engine_config(case, tp=tp, port=args["port"], engine_id=args["engine_id"])
+    vc = tp_cases.engine_config(case, tp=tp, port=args["port"], engine_id=args["engine_id"],
+                                extra=args.get("extra"))
     init_tp(tp, rank, args["dist_port"], vc)
     kcc = case.kcc(tp)
     conn = HmaNixlConnector(vc, KVConnectorRole.WORKER, kcc)
@@ -73,9 +79,29 @@ def main() -> None:
         elif op == "check":
             out = tp_cases.check(case, kcc, caches, cmd["table"], cmd["loaded"], tp,
                                  cmd.get("as_rank", rank))
+        elif op == "drop_regs":      # fault injection: this rank's registrations are lost
+            send = conn.worker.agent.send_notif
+            conn.worker.agent.send_notif = lambda peer, msg: (
+                None if b":REG:" in bytes(msg) else send(peer, msg))
+            out = {"ok": True}
+        elif op == "undrop":
+            conn.worker.agent.send_notif = send
+            out = {"ok": True}
+        elif op == "push_state":     # push worker internals the tests assert on
+            w = conn.worker
+            out = {"errors": w.errors, "regs": sorted(w._regs), "pushes": sorted(w._pushes),
+                   "expect": sorted(w._expect),
+                   "stats": [{k: v for k, v in r.items() if k in ("push_id", "ok", "rank",
+                                                                  "consumers", "steps")}
+                             for r in w.stats()]}
         elif op == "step":
             conn.bind_connector_metadata(_unb64(cmd["meta"]))
             conn.start_load_kv(None)
+            if cmd.get("forward"):    # the forward pass: layer by layer, as the model runner
+                for name in sorted(caches, key=layer_sort_key):
+                    for table in cmd.get("fill", {}).values():   # P computes these blocks
+                        tp_cases.fill(case, kcc, caches, table, tp, rank, layers={name})
+                    conn.save_kv_layer(name, caches[name], None)
             conn.wait_for_save()
             r = conn.get_transfer_results(set(cmd["finished"]))
             wmeta = conn.build_connector_worker_meta()

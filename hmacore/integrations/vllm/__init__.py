@@ -8,8 +8,8 @@ kv_connector_module_path="hmacore.integrations.vllm")`` works through vLLM's fac
 Exports:
     HmaNixlConnector: P/D connector over NIXL (KVConnectorBase_V1 + SupportsHMA): pull
         (default; HmaNixlScheduler / HmaNixlWorker) or layer-wise push, decode first
-        (``transfer_mode="push"``; HmaPushScheduler / HmaPushWorker); one worker per engine:
-        TP = PP = 1, other sizes are refused.
+        (``transfer_mode="push"``; HmaPushScheduler / HmaPushWorker); one worker per TP
+        rank (prefill and decode TP sizes may differ), PP = 1 (PP > 1 is refused).
     HmaStoreConnector: KV offload / cross-instance prefix reuse through a hash-addressed
         store (embedded in-process store or Mooncake), KVConnectorBase_V1 + SupportsHMA:
         scheduler side (HmaStoreScheduler) and worker side (HmaStoreWorker; TP = PP = 1).

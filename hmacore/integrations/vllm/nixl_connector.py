@@ -10,9 +10,10 @@ rank, PP = 1; prefill and decode engines may have different TP sizes: see docs/v
 calling the other role's methods raises.
 
 ``kv_connector_extra_config.transfer_mode``: ``"pull"`` (default: D READs P's finished blocks)
-or ``"push"`` (decode first, layer-wise: :mod:`.push_scheduler` / :mod:`.push_worker`; P
-WRITEs each layer into D's blocks as soon as the forward pass computed it). Both engines must
-use the same mode; a mismatch is refused at the NIXL handshake.
+or ``"push"`` (decode first, layer-wise: :mod:`.push_scheduler` / :mod:`.push_worker`, one
+worker per TP rank too, equal or different TP sizes; P WRITEs each layer into D's blocks as
+soon as the forward pass computed it). Both engines must use the same mode; a mismatch is
+refused at the NIXL handshake.
 """
 from __future__ import annotations
 
@@ -50,10 +51,9 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         if role == C.KVConnectorRole.SCHEDULER:
             self.scheduler = sched
         else:
-            # pull: one worker per TP rank; push: TP = 1 so far
+            # one worker per TP rank in both modes (PP = 1)
             require_single_worker(vllm_config, type(self).__name__
-                                  + (" (transfer_mode='push')" if push else ""),
-                                  allow_tp=not push)
+                                  + (" (transfer_mode='push')" if push else ""), allow_tp=True)
             tp = worker_tp(vllm_config, kv_cache_config, sched.layout)
             if push:
                 from .push_worker import HmaPushWorker

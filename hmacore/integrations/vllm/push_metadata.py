@@ -1,9 +1,10 @@
 """Scheduler <-> worker payloads of :class:`HmaNixlConnector` in layer-wise push mode
 (``kv_connector_extra_config: {"transfer_mode": "push"}``).
 
-Decode first: D's scheduler hands its worker a :class:`PushRegistration` (D's per-group block
-ids); D's worker sends it to P as a NIXL notification; P's worker reports it to P's scheduler
-(:class:`HmaPushWorkerMeta`); P's scheduler then puts one :class:`PushSave` per scheduled push
+Decode first: D's scheduler hands its workers a :class:`PushRegistration` (D's per-group block
+ids); each D worker (TP rank) sends it to every P rank as a NIXL notification; each P worker
+reports it to P's scheduler (:class:`HmaPushWorkerMeta`, once the D ranks it writes to all
+registered); P's scheduler then puts one :class:`PushSave` per scheduled push
 request into each step's metadata; P's worker WRITEs each layer as soon as it is computed.
 
 Units: block ids are per KV cache group (blocks of that group, vLLM group order); a
@@ -87,11 +88,20 @@ class HmaPushConnectorMetadata(HmaNixlConnectorMetadata):
 @dataclasses.dataclass
 class HmaPushWorkerMeta(HmaNixlWorkerMeta):
     """Worker -> scheduler: ``registered`` push id -> D's positional table (from D's
-    registration notification), new since the last report."""
+    registration notifications), new since the last report; ``registered_by`` push id -> the
+    prefill TP ranks that reported it (a rank reports a push once every decode rank that
+    reads from it registered). vLLM's KVOutputAggregator folds the ranks' reports with
+    :meth:`aggregate` (rank lists are united); P's scheduler starts a push once every rank of
+    its engine reported it (a report without ``registered_by`` counts as rank 0's)."""
 
     registered: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)
+    registered_by: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: Any) -> HmaPushWorkerMeta:
+        by = {k: list(v) for k, v in self.registered_by.items()}
+        for pid, ranks in (getattr(other, "registered_by", None) or {}).items():
+            by[pid] = sorted(set(by.get(pid, ())) | set(ranks))
         return HmaPushWorkerMeta(renewed=set(self.renewed) | set(getattr(other, "renewed", ())),
                                  registered={**self.registered,
-                                             **(getattr(other, "registered", None) or {})})
+                                             **(getattr(other, "registered", None) or {})},
+                                 registered_by=by)

@@ -10,8 +10,11 @@ table) for D's worker, which sends it to P and waits for P's per-layer WRITEs.
 
 P: a push request whose registration has not reached P's scheduler yet is held
 (``get_num_new_matched_tokens`` returns ``None``: ask again next step) for at most
-``push_register_timeout`` seconds, then runs without push (D's deadline then fails it and D
-recomputes). Once registered, every step's metadata carries a :class:`PushSave` per scheduled
+``push_register_timeout`` seconds, then runs without push and every worker is told to abort
+it (ranks holding registrations tell those decode ranks it failed; D then recomputes). With
+TP > 1 a push counts as registered once every prefill rank reported it
+(``HmaPushWorkerMeta.registered_by``: a rank reports once all decode ranks it writes to
+registered). Once registered, every step's metadata carries a :class:`PushSave` per scheduled
 push request: P's and D's ids of the block positions whose tokens become computed in this step
 (all positions up to the step's end in the first pushed step, so a local prefix hit on P is
 pushed too). ``request_finished`` keeps the blocks (returns True) until the worker reports the
@@ -26,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ...spec import GroupKind
 from ...tables import RequestState
 from . import _compat as C
 from ._clip import clip_table
@@ -67,8 +71,9 @@ class HmaPushScheduler(HmaNixlScheduler):
     Extra ``kv_connector_extra_config`` keys: ``push_register_timeout`` (P: seconds a push
     request waits for D's registration, default 30), ``push_recv_timeout`` (D: seconds from
     registration until every layer must have arrived, default 60; read by the worker).
-    Refused (ValueError): ``sync_load`` true. Mamba groups register one state slot (the block
-    holding the state after the loaded tokens; P computes the prompt less the backoff token).
+    Refused (ValueError): ``sync_load`` true; Mamba groups with TP > 1. Mamba groups register
+    one state slot (the block holding the state after the loaded tokens; P computes the prompt
+    less the backoff token).
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *,
@@ -78,6 +83,11 @@ class HmaPushScheduler(HmaNixlScheduler):
         if self.sync_load:
             raise ValueError("kv_connector_extra_config.sync_load must be false with "
                              "transfer_mode='push' (pushed KV arrives asynchronously)")
+        if self.tp_size > 1 and any(s.kind == GroupKind.MAMBA for s in self.layout.groups):
+            raise ValueError(f"transfer_mode='push' with Mamba KV cache groups needs "
+                             f"tensor_parallel_size=1 (got {self.tp_size}): how a Mamba state "
+                             "is split across TP ranks is model-specific; use "
+                             "transfer_mode='pull' (equal TP sizes) or TP 1")
         self.register_timeout = _positive(ktc, "push_register_timeout", 30.0)
         self.recv_timeout = _positive(ktc, "push_recv_timeout", 60.0)
         # D side
@@ -87,6 +97,8 @@ class HmaPushScheduler(HmaNixlScheduler):
         self._hold_since: dict[str, float] = {}
         self._registered: dict[str, list[list[int]]] = {}  # push id -> D's positional table
         self._registered_at: dict[str, float] = {}         # push id -> arrival (clock s)
+        # push id -> (D's table, P ranks that reported it, first report): not all ranks yet
+        self._reg_partial: dict[str, tuple[list[list[int]], set[int], float]] = {}
         self._unpushed: set[str] = set()                   # registration timed out / bad
         self._push_steps: dict[str, int] = {}              # rid -> steps pushed so far
         self._push_ended: set[str] = set()                 # worker reported the push over
@@ -147,8 +159,14 @@ class HmaPushScheduler(HmaNixlScheduler):
             first = self._hold_since.setdefault(rid, now)
             if now - first < self.register_timeout:
                 return None, False
-            logger.warning("push %s: no registration from the decode engine within %.1f s; "
-                           "prefilling without push", pid, self.register_timeout)
+            partial = self._reg_partial.pop(pid, None)
+            logger.warning("push %s: no %sregistration from the decode engine within %.1f s; "
+                           "prefilling without push", pid,
+                           f"complete (prefill ranks {sorted(partial[1])} of TP {self.tp_size} "
+                           "reported it) " if partial else "", self.register_timeout)
+            # every worker forgets the push: ranks holding registrations tell those D ranks
+            # it failed, a registration arriving later is answered the same way at once
+            self._aborts.add(pid)
             self._unpushed.add(rid)
             return 0, False
         if not params.get("do_remote_prefill"):
@@ -252,13 +270,21 @@ class HmaPushScheduler(HmaNixlScheduler):
             if rid in self.trackers:
                 self.trackers.preempt(rid)
         wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
+        by = getattr(wmeta, "registered_by", None) or {}
         for pid, ids in (getattr(wmeta, "registered", None) or {}).items():
-            if len(ids) == self.layout.num_groups:
-                self._registered[pid] = [[int(x) for x in g] for g in ids]
-                self._registered_at[pid] = self.clock()
-            else:
+            if len(ids) != self.layout.num_groups:
                 logger.warning("push %s: registration has %d groups, the layout %d; ignored",
                                pid, len(ids), self.layout.num_groups)
+                continue
+            table, ranks, first = self._reg_partial.get(pid) or (
+                [[int(x) for x in g] for g in ids], set(), self.clock())
+            ranks.update(int(r) for r in by.get(pid, (0,)))
+            if ranks >= set(range(self.tp_size)):    # every prefill rank has its consumers
+                self._reg_partial.pop(pid, None)
+                self._registered[pid] = table
+                self._registered_at[pid] = self.clock()
+            else:
+                self._reg_partial[pid] = (table, ranks, first)
         now = self.clock()
         self._drop_stale_registrations(now)
         sending = set()
@@ -282,6 +308,9 @@ class HmaPushScheduler(HmaNixlScheduler):
         """A registration no request of this engine claimed within ``kv_lease_duration``
         seconds (P's request never came, or was refused) is forgotten."""
         claimed = {pid for _, pid in self._push_reqs.values()}
+        for pid, (_, _, t) in list(self._reg_partial.items()):
+            if pid not in claimed and now - t > self.lease_s:
+                del self._reg_partial[pid]
         for pid, t in list(self._registered_at.items()):
             if pid not in claimed and now - t > self.lease_s:
                 del self._registered_at[pid]
@@ -314,6 +343,8 @@ class HmaPushScheduler(HmaNixlScheduler):
         pid = entry[1]
         registered = self._registered.pop(pid, None) is not None
         self._registered_at.pop(pid, None)
+        if self._reg_partial.pop(pid, None) is not None:
+            self._aborts.add(pid)        # some ranks hold registrations: they tell D
         if unpushed or not registered or ended:
             return False, None
         has_blocks = any(len(g) for g in block_ids)

@@ -1,26 +1,37 @@
-"""Worker side of :class:`HmaNixlConnector` in layer-wise push mode.
+"""Worker side of :class:`HmaNixlConnector` in layer-wise push mode, one worker per TP rank.
 
 Built on :mod:`hmacore.layerwise` (LayerPlan, LayerwisePusher, LayerwiseReceiver) over a
 :class:`~hmacore.transport.nixl_desc.DescAgent` whose NIXL agent is named
-``<engine_id>@push`` (a peer in pull mode is recognised at handshake and refused with a clear
-error). A :class:`HandshakeServer` on ``side_channel_host:port`` answers decode peers.
+``<engine_id>#tp<rank>@push`` (``<engine_id>@push`` at TP = 1; a peer in pull mode is
+recognised at handshake and refused with a clear error). A TP-aware :class:`HandshakeServer`
+on ``side_channel_host:port + rank`` answers decode ranks.
 
-* D (``start_load_kv``): for each :class:`PushRegistration` handshake with P once per address,
-  send P ``b"<push_id>:REG:<json>"`` (D's agent name and positional per-group ids) and expect
-  the push (LayerwiseReceiver, deadline ``push_recv_timeout`` s). Every layer's notification
-  plus ``done`` -> ``finished_recving``; a failure notification, a count mismatch, the deadline
-  or a handshake error -> ``finished_recving`` and ``failed_recving`` (nothing valid).
-* P: registrations become worker metadata for P's scheduler. In ``save_kv_layer`` the layer's
-  WRITE (its group's blocks of this step's :class:`PushSave`) is posted at once: one
-  LayerwisePusher request per (push, step), the prompt's last step under the push id itself
-  (its per-layer notifications and ``done`` reach D's receiver), earlier steps under
-  ``<push_id>.<step>`` (D ignores those). A step starts only after the previous step's WRITEs
-  of the same push completed (bounded), so a partly filled block re-written later is never
-  overtaken by its stale copy. When the final step is sent or any step failed, the request
-  is reported in ``finished_sending`` (P's scheduler frees it if it holds it).
+* D (``start_load_kv``): for each :class:`PushRegistration` handshake once per prefill engine
+  with every one of its ranks (rank r at ``port + r``; rank 0 tells the TP size), send each
+  ``b"<push_id>:REG:<json>"`` (D's agent name, positional per-group ids, this rank and TP
+  size) and expect one push per *source* rank (equal TP: the same rank; else the
+  :class:`~hmacore.tp.TpMapping` of this rank), each under the tag :func:`push_tag`
+  (LayerwiseReceiver, deadline ``push_recv_timeout`` s). Every layer's notification plus
+  ``done`` from every source -> ``finished_recving``; a failure notification, a count
+  mismatch, the deadline or a handshake error of any source -> ``finished_recving`` and
+  ``failed_recving`` (nothing valid), reported once every source settled.
+* P: a rank reports a push id (worker metadata, ``registered_by`` = this rank) once every
+  *consumer* decode rank (:func:`hmacore.tp.consumer_ranks`; equal TP: the same rank)
+  registered; a registration whose rank / TP claim contradicts its sender's handshake, or
+  that disagrees with the push's earlier ones, is refused. In ``save_kv_layer`` the layer's
+  WRITE (its group's blocks of this step's :class:`PushSave`) is posted at once to every
+  consumer: whole pages at equal TP, else this rank's head slices / replicated pages from the
+  :class:`~hmacore.tp.TpPairPlan` seen from that decode rank, used in the WRITE direction.
+  One LayerwisePusher request per (push, step, consumer), all of a step under one tag: the
+  prompt's last step under :func:`push_tag` (its per-layer notifications and ``done`` reach
+  D's receiver), earlier steps under ``<tag>.<step>`` (D ignores those). A step starts only
+  after the previous step's WRITEs of the same push completed (bounded), so a partly filled
+  block re-written later is never overtaken by its stale copy. When the final step is sent
+  or any step failed, the request is reported in ``finished_sending`` once (a rank without
+  consumers: when the final step comes); vLLM's KVOutputAggregator waits for every rank.
 
 Units: block ids per group; descriptor ids from LayerPlan; times ``time.monotonic()`` seconds.
-Single worker (TP = PP = 1).
+PP = 1; prefill and decode must have equal block sizes.
 """
 from __future__ import annotations
 
@@ -35,6 +46,7 @@ from typing import Any
 from ...errors import HandshakeError, HmacoreError
 from ...layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState
 from ...plan import TransferPlan
+from ...tp import TpMapping, TpPairPlan, consumer_ranks
 from ...transport import configure_ucx_env
 from ...transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
 from ._roles import close_transport
@@ -59,11 +71,39 @@ class _Inbox:
         return out
 
 
+def push_tag(push_id: str, rank: int, tp_size: int) -> str:
+    """The prefix of the notifications prefill rank ``rank`` of a TP-``tp_size`` engine sends
+    for ``push_id``: the push id itself at TP = 1, ``<push_id>@<rank>`` else (a decode rank
+    fed by several prefill ranks tells their layers apart)."""
+    return push_id if tp_size == 1 else f"{push_id}@{rank}"
+
+
+@dataclasses.dataclass
+class _Source:
+    """D: a prefill engine (one handshake per rank): its TP size, every rank's agent name,
+    and the ranks that WRITE into this rank."""
+
+    tp: int
+    names: tuple[str, ...]
+    from_ranks: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class _Reg:
+    """P: one push id's registrations on this rank: D's TP size and table (identical on
+    every D rank), ``agents`` D rank -> agent name, ``reported`` to the scheduler."""
+
+    dtp: int
+    ids: list[list[int]]
+    agents: dict[int, str] = dataclasses.field(default_factory=dict)
+    reported: bool = False
+
+
 @dataclasses.dataclass
 class _Push:
     request_id: str
-    peer: str
-    subs: list[str] = dataclasses.field(default_factory=list)
+    peers: dict[int, str]          # consumer D rank -> agent name
+    subs: list[str] = dataclasses.field(default_factory=list)   # pusher request ids
     steps: int = 0
     final_started: bool = False
     failed: str | None = None
@@ -73,13 +113,15 @@ class _Push:
 
 
 class HmaPushWorker:
-    """Per-worker push state of one engine. Created by the connector in the WORKER role.
+    """Per-rank push state of one engine. Created by the connector in the WORKER role.
 
     Args:
-        layout, num_blocks, engine_id, host, port: as :class:`HmaNixlWorker`.
+        layout, num_blocks, engine_id, host, port: as :class:`HmaNixlWorker` (rank r listens
+            on ``port + r``).
         recv_timeout: D, seconds from registration until the push must be complete.
         lease_s: P, seconds a push may take at most (the scheduler's lease).
         gate_timeout: P, seconds a step waits for the previous step's WRITEs of a push.
+        tp: this rank's :class:`~._tp.WorkerTp` (None: rank 0 of TP 1).
     """
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
@@ -88,9 +130,11 @@ class HmaPushWorker:
         configure_ucx_env()
         self.layout = layout
         self.num_blocks = int(num_blocks)
-        self.name = f"{engine_id}{PUSH_AGENT_SUFFIX}"
-        self.tp = tp   # WorkerTp (TP = 1): the TP-aware handshake pull workers speak
-        self.host, self.port = host, port
+        self.tp = tp
+        self.rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        base = tp.agent_name(engine_id) if tp is not None else engine_id
+        self.name = f"{base}{PUSH_AGENT_SUFFIX}"
+        self.host, self.port = host, (tp.port(port) if tp is not None else port)
         self.recv_timeout, self.lease_s, self.gate_timeout = recv_timeout, lease_s, gate_timeout
         self.agent = None
         self.server: HandshakeServer | None = None
@@ -100,21 +144,23 @@ class HmaPushWorker:
         self.receiver: LayerwiseReceiver | None = None
         self._inbox = _Inbox()
         self._new_peers: queue.Queue = queue.Queue()
-        self._peer_by_addr: dict[tuple[str, int], str] = {}
+        self._sources: dict[tuple[str, int], _Source] = {}
         self.errors: list[str] = []           # handshake / registration problems (bounded)
         # D side
-        self._expect: dict[str, str] = {}     # push id -> local request id
+        self._expect: dict[str, tuple[str, tuple[str, ...]]] = {}  # push id -> (rid, keys)
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         # P side
-        self._regs: dict[str, str] = {}       # push id -> D agent name
+        self._dpeers: dict[str, tuple[int, int]] = {}   # D agent -> (its rank, its TP size)
+        self._consumers_of: dict[int, tuple[int, ...]] = {}   # D TP size -> consumer ranks
+        self._regs: dict[str, _Reg] = {}
         self._new_regs: dict[str, list[list[int]]] = {}
         self._pending_regs: list[tuple[float, str, dict]] = []
         self._pushes: dict[str, _Push] = {}
         self._dead: deque[str] = deque(maxlen=4096)
         self._sending: set[str] = set()
         self._step_meta: Any = None
-        self._step_saves: list[tuple[str, str]] = []   # (push id, pusher request id)
+        self._step_saves: list[tuple[str, list[str], bool]] = []  # (push id, subs, final)
         self._stats: deque[dict] = deque(maxlen=1024)
         self._need_fwd_end: dict[str, dict] = {}   # ended in this step's forward pass
 
@@ -127,7 +173,8 @@ class HmaPushWorker:
         self.agent = DescAgent(self.name, plan.registration_ranges(), mem_type=plan.mem_type)
         self.pusher = LayerwisePusher(self.agent, self.layers)
         self.receiver = LayerwiseReceiver(self._inbox, len(self.layers.layers))
-        self.server = HandshakeServer(self._payload(), host=self.host, port=self.port,
+        self._me = self._payload()
+        self.server = HandshakeServer(self._me, host=self.host, port=self.port,
                                       on_peer=self._new_peers.put)
         return plan
 
@@ -141,8 +188,30 @@ class HmaPushWorker:
         logger.error("%s", msg)
         self.errors = (self.errors + [msg])[-64:]
 
+    def _tag(self, push_id: str) -> str:
+        return push_tag(push_id, self.rank, self.tp_size)
+
+    def _consumers(self, dtp: int) -> tuple[int, ...]:
+        """P: the ranks of a TP-``dtp`` decode engine that read from this rank (equal TP: the
+        same rank, whole pages; else hmacore.tp.consumer_ranks). LayoutError if the sizes do
+        not pair."""
+        if dtp not in self._consumers_of:
+            if dtp == self.tp_size:
+                self._consumers_of[dtp] = (self.rank,)
+            elif self.tp is None:
+                raise HandshakeError(f"a TP-{dtp} decode engine needs the TP-aware handshake; "
+                                     "this worker has no TP description")
+            else:
+                self._consumers_of[dtp] = consumer_ranks(
+                    self.layout, self.tp.shardings, local_tp=dtp, remote_tp=self.tp_size,
+                    remote_rank=self.rank)
+        return self._consumers_of[dtp]
+
     def _accept_peers(self) -> None:
-        """P: decode peers that handshook (queued by the server thread) become NIXL peers."""
+        """P: decode ranks that handshook (queued by the server thread) become NIXL peers; the
+        ranks that read from this rank get a dlist pair (equal TP: whole pages; else this
+        rank's head slices / replicated pages of :class:`~hmacore.tp.TpPairPlan`, seen from
+        the decode rank, used in the WRITE direction)."""
         while True:
             try:
                 payload = self._new_peers.get_nowait()
@@ -153,30 +222,85 @@ class HmaPushWorker:
                 self._error(f"transfer_mode mismatch: peer {name!r} handshook in pull mode but "
                             f"this engine runs kv_connector_extra_config.transfer_mode='push'")
                 continue
-            if name in self.pusher.remote:
+            if name in self._dpeers:
                 continue
             try:
+                d, dtp = (payload.tp.tp_rank, payload.tp.tp_size) if payload.tp is not None \
+                    else (0, 1)
+                if dtp != 1 or self.tp_size != 1:
+                    self._me.check_compatible(payload)
+                    if tuple(payload.block_sizes) != tuple(self.layout.block_sizes):
+                        raise HandshakeError(f"block sizes {list(payload.block_sizes)} differ "
+                                             f"from this engine's {list(self.layout.block_sizes)}"
+                                             " (push pairs equal block sizes only)")
                 self.agent.add_remote(payload.agent_metadata)
-                dplan = payload.remote_plan(self.layout)
-                self.agent.prep_pair(name, name, self.plan.descriptors(), dplan.descriptors())
-                self.pusher.add_peer(name, LayerPlan(dplan))
+                if d in self._consumers(dtp):
+                    dplan = payload.remote_plan(self.layout)
+                    if dtp == self.tp_size:
+                        self.agent.prep_pair(name, name, self.plan.descriptors(),
+                                             dplan.descriptors())
+                        self.pusher.add_peer(name, LayerPlan(dplan))
+                    else:
+                        mapping = TpMapping(self.layout, self.tp.shardings, local_tp=dtp,
+                                            local_rank=d, remote_tp=self.tp_size,
+                                            page_layout=payload.tp.page_layout)
+                        pair = TpPairPlan(mapping, self.rank, dplan, self.plan)
+                        # seen from D: local = D's pages, remote = ours; we WRITE
+                        self.agent.prep_pair(name, name, pair.remote.descriptors(),
+                                             pair.local.descriptors())
+                        self.pusher.add_peer(name, LayerPlan(pair.local), LayerPlan(pair.remote))
+                self._dpeers[name] = (d, dtp)
             except Exception as e:  # noqa: BLE001 - hmacore and NIXL errors: refuse this peer
                 self._error(f"decode peer {name!r} not usable for push: {e}")
 
-    def _peer(self, host: str, port: int) -> str:
-        """D: handshake with P once per address; HandshakeError on a mode mismatch."""
+    def _source(self, host: str, port: int) -> _Source:
+        """D: handshake with every rank of the prefill engine at ``host:port`` (rank r at
+        ``port + r``; rank 0 tells the TP size) once; HandshakeError on a mode mismatch, a
+        rank at the wrong port, other block sizes or an incompatible layout."""
         key = (host, int(port))
-        name = self._peer_by_addr.get(key)
-        if name is None:
-            payload = exchange_handshake(host, int(port), self._payload())
-            if not payload.agent_name.endswith(PUSH_AGENT_SUFFIX):
+        src = self._sources.get(key)
+        if src is not None:
+            return src
+        got: list[HandshakePayload] = []
+        ptp = 1
+        r = 0
+        while r < ptp:
+            payload = exchange_handshake(host, int(port) + r, self._me)
+            pname = payload.agent_name
+            if not pname.endswith(PUSH_AGENT_SUFFIX):
                 raise HandshakeError(
-                    f"transfer_mode mismatch: peer {payload.agent_name!r} at {host}:{port} runs "
+                    f"transfer_mode mismatch: peer {pname!r} at {host}:{int(port) + r} runs "
                     "pull mode, this engine kv_connector_extra_config.transfer_mode='push' "
                     "(set the same transfer_mode on both engines)")
-            name = self.agent.add_remote(payload.agent_metadata)
-            self._peer_by_addr[key] = name
-        return name
+            said = (payload.tp.tp_rank, payload.tp.tp_size) if payload.tp is not None else (0, 1)
+            if r == 0:
+                ptp = said[1]
+            if said != (r, ptp):
+                raise HandshakeError(f"peer {pname!r} at {host}:{int(port) + r} is rank "
+                                     f"{said[0]} of TP {said[1]}; expected rank {r} of TP {ptp} "
+                                     f"(rank r of a prefill engine listens on port + r)")
+            if ptp != 1 or self.tp_size != 1:
+                self._me.check_compatible(payload)
+                if tuple(payload.block_sizes) != tuple(self.layout.block_sizes):
+                    raise HandshakeError(f"peer {pname!r} has block sizes "
+                                         f"{list(payload.block_sizes)}, this engine "
+                                         f"{list(self.layout.block_sizes)}: push pairs engines "
+                                         "with equal block sizes only")
+            got.append(payload)
+            r += 1
+        if ptp == self.tp_size:
+            from_ranks: tuple[int, ...] = (self.rank,)
+        else:
+            if self.tp is None:
+                raise HandshakeError(f"prefill engine at {host}:{port} has TP {ptp}; this "
+                                     "worker has no TP description")
+            mapping = TpMapping(self.layout, self.tp.shardings, local_tp=self.tp_size,
+                                local_rank=self.rank, remote_tp=ptp,
+                                page_layout=self.tp.page_layout)
+            from_ranks = tuple(mapping.remote_ranks)
+        names = tuple(self.agent.add_remote(p.agent_metadata) for p in got)
+        src = self._sources[key] = _Source(ptp, names, from_ranks)
+        return src
 
     # -- per step ---------------------------------------------------------------------------
     def start_load_kv(self, meta: HmaPushConnectorMetadata) -> None:
@@ -196,20 +320,32 @@ class HmaPushWorker:
                     self._dead.append(pid)
 
     def _register(self, reg) -> None:
+        """D: register ``reg``'s blocks with every rank of P; expect one push per source rank
+        (``push_tag`` of that rank)."""
+        sent = False
+        keys: tuple[str, ...] = ()
         try:
             if ":" in reg.push_id or reg.push_id in self._expect:
                 raise HmacoreError(f"push_id {reg.push_id!r} is malformed or already expected")
-            peer = self._peer(reg.host, reg.port)
-            body = json.dumps({"agent": self.name, "ids": reg.block_ids}).encode()
+            src = self._source(reg.host, reg.port)
+            body = json.dumps({"agent": self.name, "ids": reg.block_ids, "rank": self.rank,
+                               "tp": self.tp_size}).encode()
             if reg.awaiting:
-                self.receiver.expect(reg.push_id, reg.block_ids, timeout_s=self.recv_timeout)
-                self._expect[reg.push_id] = reg.request_id
-            self.agent.send_notif(peer, reg.push_id.encode() + b":" + _REG + body)
+                keys = tuple(push_tag(reg.push_id, p, src.tp) for p in src.from_ranks)
+                for k in keys:
+                    self.receiver.expect(k, reg.block_ids, timeout_s=self.recv_timeout)
+                self._expect[reg.push_id] = (reg.request_id, keys)
+            for name in src.names:
+                self.agent.send_notif(name, reg.push_id.encode() + b":" + _REG + body)
+                sent = True
         except Exception as e:  # noqa: BLE001 - hmacore and NIXL errors fail this request only
             self._error(f"push registration of {reg.request_id!r} with {reg.host}:{reg.port} "
                         f"failed: {e}")
-            if reg.push_id in self._expect:
-                self.receiver.forget(reg.push_id)
+            if sent:     # some prefill ranks have it: they may WRITE; the deadline settles it
+                return
+            if reg.push_id in self._expect and self._expect[reg.push_id][1] == keys:
+                for k in keys:
+                    self.receiver.forget(k)
                 self._expect.pop(reg.push_id, None)
             if reg.awaiting:
                 self._recving.add(reg.request_id)
@@ -225,27 +361,71 @@ class HmaPushWorker:
                     if not isinstance(doc["agent"], str) or len(ids) != self.layout.num_groups:
                         raise ValueError(f"needs 'agent' and {self.layout.num_groups} id lists")
                     ids = [[int(x) for x in g] for g in ids]
+                    rank, tp = doc.get("rank", 0), doc.get("tp", 1)
+                    if isinstance(rank, bool) or isinstance(tp, bool) or not isinstance(
+                            rank, int) or not isinstance(tp, int) or not 0 <= rank < tp:
+                        raise ValueError(f"rank {rank!r} of TP {tp!r} is not a TP rank")
                 except (ValueError, KeyError, TypeError) as e:
                     self._error(f"malformed push registration for {pid!r}: {e}")
                     continue
                 self._pending_regs.append((time.monotonic(), pid.decode(errors="replace"),
-                                           {"agent": doc["agent"], "ids": ids}))
+                                           {"agent": doc["agent"], "ids": ids, "rank": rank,
+                                            "tp": tp}))
             else:
                 self._inbox.msgs.append(m)
         if self._pending_regs:
             self._accept_peers()
             keep = []
             for t, pid, doc in self._pending_regs:
-                if doc["agent"] in self.pusher.remote:
-                    self._regs[pid] = doc["agent"]
-                    while len(self._regs) > 4096:        # unclaimed registrations: bounded
-                        self._regs.pop(next(iter(self._regs)))
-                    self._new_regs[pid] = doc["ids"]
+                if doc["agent"] in self._dpeers:
+                    self._add_reg(pid, doc)
                 elif time.monotonic() - t < self.gate_timeout:
                     keep.append((t, pid, doc))       # its handshake is still being accepted
                 else:
                     self._error(f"push registration {pid!r} names unknown peer {doc['agent']!r}")
             self._pending_regs = keep
+
+    def _add_reg(self, pid: str, doc: dict) -> None:
+        """P: fold one D rank's registration in; report the push to the scheduler once every
+        D rank that reads from this rank registered (a rank nobody reads from: at once)."""
+        agent = doc["agent"]
+        d, dtp = self._dpeers[agent]
+        if (doc["rank"], doc["tp"]) != (d, dtp):
+            self._error(f"push registration {pid!r} from {agent!r} claims rank {doc['rank']} of "
+                        f"TP {doc['tp']}, but its handshake said rank {d} of TP {dtp}; refused")
+            return
+        if pid in self._dead:       # already ended or aborted here: D must not wait for it
+            try:
+                self.agent.send_notif(agent, f"{self._tag(pid)}:failed".encode())
+            except Exception:  # noqa: BLE001 - its deadline fails it anyway
+                pass
+            return
+        reg = self._regs.get(pid)
+        if reg is None:
+            reg = self._regs[pid] = _Reg(dtp, doc["ids"])
+            while len(self._regs) > 4096:        # unclaimed registrations: bounded
+                old = next((k for k in self._regs if k not in self._pushes), None)
+                if old is None:
+                    break
+                del self._regs[old]
+        elif reg.dtp != dtp or reg.ids != doc["ids"]:
+            self._error(f"push registration {pid!r} from {agent!r} (rank {d} of TP {dtp}) "
+                        f"disagrees with earlier ones (TP {reg.dtp}, or other block ids); "
+                        "refused")
+            return
+        if reg.agents.get(d, agent) != agent:
+            self._error(f"push registration {pid!r}: rank {d} registered as {reg.agents[d]!r} "
+                        f"and {agent!r}; the second refused")
+            return
+        reg.agents[d] = agent
+        try:
+            need = self._consumers(dtp)
+        except HmacoreError as e:
+            self._error(f"push registration {pid!r}: {e}")
+            return
+        if not reg.reported and set(need) <= set(reg.agents):
+            reg.reported = True
+            self._new_regs[pid] = reg.ids
 
     # -- P: layer-wise writes ---------------------------------------------------------------
     def _prepare_step(self, meta: Any) -> None:
@@ -258,44 +438,60 @@ class HmaPushWorker:
             return
         self._accept_peers()
         for save in saves.values():
-            sub = self._start_sub(save)
-            if sub is not None:
-                self._step_saves.append((save.push_id, sub))
+            subs = self._start_sub(save)
+            if subs:
+                self._step_saves.append((save.push_id, subs, save.final))
 
-    def _start_sub(self, save: PushSave) -> str | None:
+    def _start_sub(self, save: PushSave) -> list[str]:
+        """Start one step of a push: one pusher request per consumer D rank (ids
+        ``<sub>><rank>``), all under the notification tag ``sub`` (the prompt's last step:
+        :func:`push_tag`, earlier steps ``<tag>.<step>``, which D ignores)."""
         pid = save.push_id
         if pid in self._dead:
-            return None
-        peer = self._regs.get(pid)
+            return []
         p = self._pushes.get(pid)
         if p is None:
-            if peer is None:
-                self._error(f"push {pid!r}: no registration on this worker; not pushed")
-                return None
-            p = self._pushes[pid] = _Push(save.request_id, peer)
+            reg = self._regs.get(pid)
+            if reg is None or not reg.reported:
+                self._error(f"push {pid!r}: no complete registration on this worker (rank "
+                            f"{self.rank}); not pushed")
+                return []
+            need = self._consumers(reg.dtp)
+            p = self._pushes[pid] = _Push(save.request_id, {d: reg.agents[d] for d in need})
         if p.failed is not None or p.final_started:
-            return None
+            return []
+        if not p.peers:                # no decode rank reads from this rank: nothing to WRITE
+            p.steps += 1
+            p.final_started = save.final   # _progress ends it (reports finished_sending once)
+            return []
         deadline = time.monotonic() + self.gate_timeout
         while any(self.pusher.state(s) == PushState.PUSHING for s in p.subs):
             self._progress()
             if time.monotonic() >= deadline:
                 self._fail_push(pid, p, f"step {save.step - 1} WRITEs not done within "
                                         f"{self.gate_timeout} s")
-                return None
+                return []
             time.sleep(0.0002)
-        sub = pid if save.final else f"{pid}.{save.step}"
-        try:
-            self.pusher.start(sub, p.peer, save.local_block_ids, save.remote_block_ids,
-                              lease_s=self.lease_s)
-        except HmacoreError as e:
-            self._fail_push(pid, p, f"step {save.step} could not start: {e}")
-            return None
-        p.subs.append(sub)
+        tag = self._tag(pid)
+        sub = tag if save.final else f"{tag}.{save.step}"
+        started = []
+        for d, agent in p.peers.items():
+            key = f"{sub}>{d}"
+            try:
+                self.pusher.start(key, agent, save.local_block_ids, save.remote_block_ids,
+                                  lease_s=self.lease_s, tag=sub)
+            except HmacoreError as e:
+                p.subs.extend(started)
+                self._fail_push(pid, p, f"step {save.step} could not start for decode rank "
+                                        f"{d}: {e}")
+                return []
+            started.append(key)
+        p.subs.extend(started)
         p.steps += 1
         p.final_started = save.final
         if not p.first_post:
             p.first_post = time.monotonic()
-        return sub
+        return started
 
     def save_layer(self, layer_name: str, meta: Any) -> None:
         """The forward pass computed ``layer_name``: post its WRITE for every push request of
@@ -305,25 +501,27 @@ class HmaPushWorker:
         self._prepare_step(meta)
         if not self._step_saves or layer_name not in self.layers.meta:
             return
-        for pid, sub in self._step_saves:
+        for pid, subs, _ in self._step_saves:
             p = self._pushes.get(pid)
             if p is None or p.failed is not None:
                 continue
-            try:
-                self.pusher.save_layer(sub, layer_name)
-            except HmacoreError as e:
-                self._fail_push(pid, p, f"layer {layer_name!r}: {e}")
+            for sub in subs:
+                try:
+                    self.pusher.save_layer(sub, layer_name)
+                except HmacoreError as e:
+                    self._fail_push(pid, p, f"layer {layer_name!r}: {e}")
+                    break
         self._progress()
 
     def wait_for_save(self, meta: Any) -> None:
         """Forward pass over: record its end for final steps (overlap figure); poll WRITEs."""
         now = time.monotonic()
         if meta is not None and meta is self._step_meta:
-            for pid, sub in self._step_saves:
+            for pid, _, final in self._step_saves:
                 p = self._pushes.get(pid)
-                if p is not None and sub == pid:
+                if p is not None and final:
                     p.forward_end = now
-                elif sub == pid and pid in self._need_fwd_end:   # done before the pass ended
+                elif final and pid in self._need_fwd_end:   # done before the pass ended
                     rec = self._need_fwd_end[pid]
                     rec["forward_end"] = now
                     if rec["last_write_done"]:
@@ -352,25 +550,28 @@ class HmaPushWorker:
             if p.failed is not None or (p.final_started and not p.subs):
                 self._end(pid, p)
 
+    def _tell_failed(self, pid: str, agents) -> None:
+        msg = f"{self._tag(pid)}:failed".encode()
+        for agent in agents:
+            try:
+                self.agent.send_notif(agent, msg)
+            except Exception:  # noqa: BLE001 - the peer may be gone; its deadline fails it
+                pass
+
     def _fail_push(self, pid: str, p: _Push, why: str) -> None:
         if p.failed is None:
             p.failed = why
-            logger.warning("push %s of %s failed: %s", pid, p.request_id, why)
-            try:
-                self.agent.send_notif(p.peer, f"{pid}:failed".encode())
-            except Exception:  # noqa: BLE001 - the peer may be gone; its deadline fails it
-                pass
+            logger.warning("push %s of %s failed on rank %d: %s", pid, p.request_id, self.rank,
+                           why)
+            self._tell_failed(pid, p.peers.values())
 
     def _abort(self, pid: str, why: str) -> None:
         p = self._pushes.get(pid)
         if p is None:                  # nothing posted yet: only tell D
-            peer = self._regs.pop(pid, None)
+            reg = self._regs.pop(pid, None)
             self._dead.append(pid)
-            if peer is not None:
-                try:
-                    self.agent.send_notif(peer, f"{pid}:failed".encode())
-                except Exception:  # noqa: BLE001 - D's deadline fails it anyway
-                    pass
+            if reg is not None:
+                self._tell_failed(pid, reg.agents.values())
             return
         self._fail_push(pid, p, why)
         for sub in p.subs:
@@ -393,14 +594,17 @@ class HmaPushWorker:
             p.last_write_done else None
         rec = {"push_id": pid, "request_id": p.request_id, "steps": p.steps,
                "ok": p.failed is None, "error": p.failed, "forward_end": p.forward_end,
-               "last_write_done": p.last_write_done, "write_after_forward_ms": gap}
+               "last_write_done": p.last_write_done, "write_after_forward_ms": gap,
+               "rank": self.rank, "consumers": sorted(p.peers)}
         self._stats.append(rec)
         if not p.forward_end:
             self._need_fwd_end[pid] = rec
 
     # -- results ----------------------------------------------------------------------------
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
+        """``(finished_sending, finished_recving, failed_recving)`` of this rank since the
+        last call. D: a request is finished once the push of every source rank settled
+        (failed if any did not arrive whole)."""
         if self.agent is None:
             return set(), set(), set()
         self._accept_peers()
@@ -409,15 +613,17 @@ class HmaPushWorker:
         self.receiver.poll()
         recving, failed = self._recving, self._failed
         self._recving, self._failed = set(), set()
-        for pid, rid in list(self._expect.items()):
-            st = self.receiver.state(pid)
-            if st == PushState.WAITING:
+        for pid, (rid, keys) in list(self._expect.items()):
+            states = [self.receiver.state(k) for k in keys]
+            if PushState.WAITING in states:
                 continue
-            if st != PushState.READY:
-                self._error(f"push {pid!r} into {rid!r} failed: {self.receiver.error(pid)}")
-                failed.add(rid)
+            for k, st in zip(keys, states):
+                if st != PushState.READY:
+                    self._error(f"push {k!r} into {rid!r} failed: {self.receiver.error(k)}")
+                    failed.add(rid)
             recving.add(rid)
-            self.receiver.forget(pid)
+            for k in keys:
+                self.receiver.forget(k)
             del self._expect[pid]
         sending, self._sending = self._sending, set()
         return sending, recving, failed
@@ -425,7 +631,9 @@ class HmaPushWorker:
     def build_worker_meta(self) -> HmaPushWorkerMeta | None:
         if not self._new_regs:
             return None
-        meta, self._new_regs = HmaPushWorkerMeta(registered=self._new_regs), {}
+        meta = HmaPushWorkerMeta(registered=self._new_regs,
+                                 registered_by={pid: [self.rank] for pid in self._new_regs})
+        self._new_regs = {}
         return meta
 
     def stats(self) -> list[dict]:

@@ -1,0 +1,250 @@
+"""Layer-wise push (decode first) through HmaNixlConnector between engines of different
+tensor-parallel sizes.
+
+Each engine is a real vLLM Scheduler in this process and one process per TP rank (vLLM's TP
+group initialized with gloo; a WORKER-role connector over CPU tensors shaped like vLLM's CPU
+pages, each rank holding its KV heads); vLLM's KVOutputAggregator folds the ranks' outputs.
+Real NIXL (UCX, loopback). D registers its blocks with every P rank; P's forward pass writes,
+layer by layer, the pattern of (layer, token, global head) into the scheduled blocks and calls
+``save_kv_layer`` per layer, which WRITEs that layer's head slices into D's blocks. Checked on
+every D rank: every byte of every pushed block equals the pattern of that rank's heads,
+nothing else was written; no block leaked on either engine; P freed its blocks.
+"""
+import time
+
+import pytest
+
+import harness as H
+import push_harness as PH
+from tp_harness import TpEngine
+
+pytestmark = pytest.mark.nixl
+
+PUSH = {"transfer_mode": "push", "push_register_timeout": 4, "push_recv_timeout": 8}
+
+
+def push_params(push_id, p_port):
+    d = {"do_remote_prefill": True, "transfer_mode": "push", "push_id": push_id,
+         "remote_host": "127.0.0.1", "remote_port": p_port}
+    p = {"do_remote_decode": True, "transfer_mode": "push", "push_id": push_id}
+    return d, p
+
+
+def _run_out(E, timeout=60):
+    deadline = time.monotonic() + timeout
+    while E.s.requests:
+        assert time.monotonic() < deadline, f"requests still held: {list(E.s.requests)}"
+        E.step()
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Per case, three push engines (TP 1, TP 2, a second TP 2), started together and reused
+    by that case's tests; a case's engines are closed when the next case starts."""
+    live: dict[str, dict[str, TpEngine]] = {}
+
+    def get(case: str) -> dict[str, TpEngine]:
+        if case not in live:
+            for old in live.pop(next(iter(live), None), {}).values() if live else ():
+                old.close()
+            started = {}
+            try:
+                for key, tp in (("tp1", 1), ("tp2", 2), ("tp2b", 2)):
+                    started[key] = TpEngine(case, tp, f"push-{case}-{key}", extra=PUSH)
+                live[case] = {k: e.wait_ready() for k, e in started.items()}
+            except Exception:
+                for e in started.values():
+                    e.close()
+                raise
+        return live[case]
+    yield get
+    for group in live.values():
+        for e in group.values():
+            e.close()
+
+
+PAIRS = {(2, 1): ("tp2", "tp1"), (1, 2): ("tp1", "tp2"), (2, 2): ("tp2", "tp2b")}
+
+# per (case, P TP, D TP): the D ranks each P rank WRITEs to (written out, not computed)
+CONSUMERS = {
+    ("gemma", 2, 1): [[0], [0]],        # D's two heads come one from each P rank
+    ("gemma", 1, 2): [[0, 1]],          # each D rank gets its head from P's only rank
+    ("gemma", 2, 2): [[0], [1]],        # same TP: whole pages, rank to rank
+    ("gemma-chunk", 2, 1): [[0], [0]],  # the same over 3 prefill steps
+    ("gemma-chunk", 1, 2): [[0, 1]],
+    ("gemma-chunk", 2, 2): [[0], [1]],
+    ("dsv4", 2, 1): [[0], []],          # MLA replicated: D rank 0 reads P rank 0 only
+    ("dsv4", 1, 2): [[0, 1]],
+    ("dsv4", 2, 2): [[0], [1]],
+}
+
+
+def _start(P, D, prompt, rid):
+    hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+    d_params, p_params = push_params(f"push-{rid}", P.port)
+    d_req = H.make_request(f"d-{rid}", prompt, hbs, params=d_params, max_tokens=3)
+    p_req = H.make_request(f"p-{rid}", prompt, hbs, params=p_params, max_tokens=1)
+    D.s.add_request(d_req)
+    P.s.add_request(p_req)
+    return d_req, p_req
+
+
+def _until_loaded(P, D, d_req, timeout=60):
+    deadline = time.monotonic() + timeout
+    while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS or \
+            d_req.request_id not in {r for m in D.metas for r in getattr(m, "push_regs", {})}:
+        assert time.monotonic() < deadline, "the push did not complete"
+        D.step()
+        P.step(fill=True)
+
+
+def _registration(D, rid):
+    for m in D.metas:
+        if rid in getattr(m, "push_regs", {}):
+            return m.push_regs[rid]
+    raise AssertionError(f"no registration of {rid}")
+
+
+@pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in ("gemma", "gemma-chunk", "dsv4")
+                                            for p, d in PAIRS])
+def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
+    e = engines(case)
+    P, D = (e[k] for k in PAIRS[(tp_p, tp_d)])
+    for eng in (P, D):
+        eng.call_all("zero")
+    rid = f"{case}-{tp_p}{tp_d}"
+    n = P.case.prompt_tokens
+    prompt = [1 + (i * 5 + tp_p * 17 + tp_d * 3) % 900 for i in range(n)]
+    d_req, p_req = _start(P, D, prompt, rid)
+    _until_loaded(P, D, d_req)
+    assert d_req.status != H.RequestStatus.FINISHED_ERROR
+    assert d_req.num_computed_tokens >= n - 1, "D recomputed instead of receiving the push"
+    reg = _registration(D, d_req.request_id)
+    assert reg.awaiting
+    loaded = [[int(b) for b in g if b] for g in reg.block_ids]
+    assert sum(map(len, loaded)) > 0
+    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(d_req.request_id)]
+    groups = D.kcc.kv_cache_groups
+    want = sum(len(loaded[g]) * grp.kv_cache_spec.page_size_bytes * len(grp.layer_names)
+               for g, grp in enumerate(groups))
+    for r, got in enumerate(D.call_all("check", table=table, loaded=loaded)):
+        assert got == {"bad": 0, "checked": want, "stray": 0}, (case, tp_p, tp_d, r, got)
+    if case == "gemma" and tp_d == 2:   # control: rank 0 holds other heads than rank 1
+        assert D.ranks[0].call("check", table=table, loaded=loaded, as_rank=1)["bad"] > 0
+    _run_out(D)
+    H.assert_no_leak(D.s)
+    _run_out(P)            # P frees once every P rank reported its pushes ended
+    H.assert_no_leak(P.s)
+    sched = P.s.connector.scheduler
+    assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
+    assert sched._reg_partial == {}
+    steps = -(-n // P.case.vkw.get("max_num_batched_tokens", 256))
+    for r, st in enumerate(P.call_all("push_state")):
+        mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
+        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": steps,
+                         "consumers": CONSUMERS[(case, tp_p, tp_d)][r]}], (r, st)
+    for st in P.call_all("push_state") + D.call_all("push_state"):
+        assert st["errors"] == [] and st["regs"] == st["pushes"] == st["expect"] == [], st
+
+
+def test_d_rank_never_registers(engines):
+    """D rank 1's registrations are lost (fault injection): P's only rank never has both of
+    its consumers, P's scheduler gives up at push_register_timeout and prefills without push;
+    every worker forgets the push (D rank 0 is told at once, D rank 1 fails at its deadline);
+    D's request fails with nothing valid; neither engine leaks a block."""
+    e = engines("dsv4")
+    P, D = e["tp1"], e["tp2"]
+    for eng in (P, D):
+        eng.call_all("zero")
+    D.ranks[1].call("drop_regs")
+    try:
+        n = P.case.prompt_tokens
+        prompt = [1 + (i * 11 + 5) % 900 for i in range(n)]
+        t0 = time.monotonic()
+        d_req, p_req = _start(P, D, prompt, "lost")
+        deadline = time.monotonic() + 40
+        while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS or P.s.requests:
+            assert time.monotonic() < deadline, (d_req.status, list(P.s.requests))
+            D.step()
+            P.step(fill=True)
+        assert time.monotonic() - t0 >= PUSH["push_register_timeout"] - 0.5
+        assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
+        assert p_req.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        assert all(not m.push_saves for m in P.metas[-10:] if m)
+        _run_out(D)
+        H.assert_no_leak(D.s)
+        H.assert_no_leak(P.s)
+        sched = P.s.connector.scheduler
+        assert sched.registered() == set() and sched._reg_partial == {}
+        (p0,) = P.call_all("push_state")
+        assert p0["regs"] == p0["pushes"] == [], p0
+        d0, d1 = D.call_all("push_state")
+        assert d0["expect"] == d1["expect"] == []
+        assert any("prefill side reported" in x for x in d0["errors"]), d0["errors"]
+        assert any("deadline" in x for x in d1["errors"]), d1["errors"]
+        # nothing valid: no byte was pushed into D's blocks
+        for st in D.call_all("check", table=[[] for _ in D.kcc.kv_cache_groups],
+                             loaded=[[] for _ in D.kcc.kv_cache_groups]):
+            assert st["stray"] == 0, st
+    finally:
+        D.ranks[1].call("undrop")
+
+
+def test_d_refuses_a_port_that_is_not_rank_0(engines):
+    """remote_port must be P's base port (rank 0, which tells the TP size): pointing D at
+    rank 1's port is refused at the handshake; D's load fails, nothing leaks."""
+    e = engines("dsv4")
+    P, D = e["tp2"], e["tp1"]
+    hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+    d_params, _ = push_params("wrongport", P.port + 1)
+    d_req = H.make_request("d-wrongport", [3 + i % 700 for i in range(200)], hbs,
+                           params=d_params, max_tokens=3)
+    D.s.add_request(d_req)
+    deadline = time.monotonic() + 30
+    D.step()
+    while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
+        assert time.monotonic() < deadline
+        D.step()
+    assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
+    (st,) = D.call_all("push_state")
+    assert any("is rank 1 of TP 2; expected rank 0 of TP 2" in x for x in st["errors"]), st
+    _run_out(D)
+    H.assert_no_leak(D.s)
+
+
+# -- guards (one process, TP = 1 engines speaking the TP-aware handshake) --------------------
+
+def _reg_msg(D, pid, ids, **claims):
+    import json
+    body = {"agent": D.w.worker.name, "ids": ids, **claims}
+    return pid.encode() + b":REG:" + json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("claims, needle", [
+    ({"rank": 1, "tp": 2}, "claims rank 1 of TP 2, but its handshake said rank 0 of TP 1"),
+    ({"rank": 3, "tp": 2}, "rank 3 of TP 2 is not a TP rank"),
+    ({"rank": 0, "tp": 1, "ids": "other"}, "disagrees with earlier ones"),
+])
+def test_bad_registration_claims_are_refused(claims, needle):
+    G = PH.H.gemma_like
+    P = PH.Engine(lambda: G(num_blocks=64))
+    D = PH.Engine(lambda: G(num_blocks=64))
+    try:
+        d_params, _ = PH.push_params("g1", P.port)
+        hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+        D.s.add_request(H.make_request("d", list(range(1, 41)), hbs, params=d_params,
+                                       max_tokens=2))
+        D.step()                                  # handshook with P, registered g1
+        PH.step_until(lambda: "g1" in P.conn.registered(), [P], what="g1 registered")
+        reg = PH.registration(D, "d")
+        pid = "g1" if claims.get("ids") == "other" else "g2"
+        ids = [[b + 1 if b else 0 for b in g] for g in reg.block_ids] \
+            if claims.pop("ids", None) == "other" else reg.block_ids
+        peer = next(iter(D.w.worker._sources.values())).names[0]
+        D.w.worker.agent.send_notif(peer, _reg_msg(D, pid, ids, **claims))
+        PH.step_until(lambda: any(needle in e for e in P.w.worker.errors), [P],
+                      what=f"refusal {needle!r}", timeout=10)
+        assert "g2" not in P.conn.registered()
+    finally:
+        P.close()
+        D.close()
