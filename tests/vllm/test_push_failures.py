@@ -142,8 +142,9 @@ def test_mode_mismatch_pull_decoder_push_prefiller(caplog):
                           what="the refused handshake")
         assert "transfer_mode mismatch" in caplog.text
         _recomputed(D, r)
-        P.step()                                     # P records the pull-mode peer
-        assert any("transfer_mode mismatch" in e for e in P.w.worker.errors)
+        # P records the pull-mode peer once its handshake thread queued it (after its reply)
+        PH.step_until(lambda: any("transfer_mode mismatch" in e for e in P.w.worker.errors),
+                      [P], timeout=10, what="P records the mismatch")
     finally:
         P.close()
         D.close()
@@ -172,6 +173,7 @@ def test_push_with_mamba_groups_and_tp_is_refused():
 
 @pytest.mark.parametrize("bad, needle", [
     ({"push_id": "a:b"}, "push_id"),
+    ({"push_id": "a@1"}, "without ':' or '@'"),
     ({"push_id": ""}, "push_id"),
     ({"remote_port": "80"}, "remote_port"),
     ({"remote_host": None}, "remote_host"),

@@ -28,11 +28,13 @@ PUSH_AGENT_SUFFIX = "@push"
 
 
 def check_push_id(value: Any) -> str:
-    """``push_id`` rule: a non-empty string without ``:`` (it prefixes NIXL notifications),
-    at most 256 characters. Raises ValueError naming the field and the rule."""
-    if not isinstance(value, str) or not value or ":" in value or len(value) > 256:
+    """``push_id`` rule: a non-empty string without ``:`` (it prefixes NIXL notifications) or
+    ``@`` (``<push_id>@<rank>`` tags a prefill rank's pushes), at most 256 characters. Raises
+    ValueError naming the field and the rule."""
+    if not isinstance(value, str) or not value or ":" in value or "@" in value \
+            or len(value) > 256:
         raise ValueError(f"kv_transfer_params.push_id must be a non-empty string of at most "
-                         f"256 characters without ':', got {value!r}")
+                         f"256 characters without ':' or '@', got {value!r}")
     return value
 
 
