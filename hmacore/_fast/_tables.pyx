@@ -253,6 +253,14 @@ _EMPTY_RO = np.empty(0, dtype=np.int32)
 _EMPTY_RO.flags.writeable = False
 
 
+cdef void* _realloc(void* p, size_t nbytes) except NULL:
+    """PyMem_Realloc that raises MemoryError (``p`` stays valid then)."""
+    cdef void* q = PyMem_Realloc(p, nbytes)
+    if q == NULL:
+        raise MemoryError()
+    return q
+
+
 cdef class TableStore:
     """The block tables, states and watermarks of every tracked request, by slot.
 
@@ -286,29 +294,14 @@ cdef class TableStore:
     cdef void _grow_slots(self) except *:
         # Doubling; only metadata moves (the buffers stay where they are).
         cdef Py_ssize_t old = self._nslots, n = old * 2 if old else 16, s, G = self.num_groups
-        cdef GroupBuf* gb = <GroupBuf*>PyMem_Realloc(self._gb, n * G * sizeof(GroupBuf))
-        if gb == NULL:
-            raise MemoryError()
-        self._gb = gb
-        cdef int* st = <int*>PyMem_Realloc(self._state, n * sizeof(int))
-        if st == NULL:
-            raise MemoryError()
-        self._state = st
-        cdef token_t* mk = <token_t*>PyMem_Realloc(self._marks, n * _NUM_MARKS * sizeof(token_t))
-        if mk == NULL:
-            raise MemoryError()
-        self._marks = mk
-        cdef Py_ssize_t* fr = <Py_ssize_t*>PyMem_Realloc(self._free, n * sizeof(Py_ssize_t))
-        if fr == NULL:
-            raise MemoryError()
-        self._free = fr
+        self._gb = <GroupBuf*>_realloc(self._gb, n * G * sizeof(GroupBuf))
+        self._state = <int*>_realloc(self._state, n * sizeof(int))
+        self._marks = <token_t*>_realloc(self._marks, n * _NUM_MARKS * sizeof(token_t))
+        self._free = <Py_ssize_t*>_realloc(self._free, n * sizeof(Py_ssize_t))
         # A batch's slot scratch grows with the slots, not in the step: a step allocates
         # nothing (a malloc right after many frees can cost a heap consolidation).
         if self._scratch_cap < n:
-            fr = <Py_ssize_t*>PyMem_Realloc(self._scratch, n * sizeof(Py_ssize_t))
-            if fr == NULL:
-                raise MemoryError()
-            self._scratch = fr
+            self._scratch = <Py_ssize_t*>_realloc(self._scratch, n * sizeof(Py_ssize_t))
             self._scratch_cap = n
         for s in range(old * G, n * G):
             self._bufs.append(None)

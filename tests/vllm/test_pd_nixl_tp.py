@@ -12,7 +12,7 @@ import time
 import pytest
 
 import harness as H
-from tp_harness import TpEngine
+from tp_harness import PAIRS, engine_pool
 
 from hmacore.windows import trim_remote_to_local
 
@@ -46,40 +46,9 @@ def _decode_until_loaded(D, prompt, params, rid="d-req"):
     return req, rr
 
 
-def _run_out(E, timeout=60):
-    deadline = time.monotonic() + timeout
-    while E.s.requests:
-        assert time.monotonic() < deadline, f"requests still held: {list(E.s.requests)}"
-        E.step()
-
-
 @pytest.fixture(scope="module")
 def engines():
-    """Per case, three engines (TP 1, TP 2, a second TP 2), started together and reused by
-    that case's tests; a case's engines are closed when the next case starts."""
-    live: dict[str, dict[str, TpEngine]] = {}
-
-    def get(case: str) -> dict[str, TpEngine]:
-        if case not in live:
-            for old in live.pop(next(iter(live), None), {}).values() if live else ():
-                old.close()
-            started = {}
-            try:
-                for key, tp in (("tp1", 1), ("tp2", 2), ("tp2b", 2)):
-                    started[key] = TpEngine(case, tp, f"{case}-{key}")
-                live[case] = {k: e.wait_ready() for k, e in started.items()}
-            except Exception:
-                for e in started.values():
-                    e.close()
-                raise
-        return live[case]
-    yield get
-    for group in live.values():
-        for e in group.values():
-            e.close()
-
-
-PAIRS = {(2, 1): ("tp2", "tp1"), (1, 2): ("tp1", "tp2"), (2, 2): ("tp2", "tp2b")}
+    yield from engine_pool()
 
 
 @pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in ("gemma", "dsv4")
@@ -108,8 +77,8 @@ def test_mixed_tp_pull_every_byte(engines, case, tp_p, tp_d):
         assert got == {"bad": 0, "checked": want, "stray": 0}, (case, tp_p, tp_d, r, got)
     if case == "gemma" and tp_d == 2:   # control: rank 0 holds other heads than rank 1
         assert D.ranks[0].call("check", table=table, loaded=loaded, as_rank=1)["bad"] > 0
-    _run_out(D)
+    D.run_out()
     H.assert_no_leak(D.s)
-    _run_out(P)            # P frees once every D rank's done reached every P rank
+    P.run_out()            # P frees once every D rank's done reached every P rank
     H.assert_no_leak(P.s)
     assert P.s.connector.scheduler.leases() == {}

@@ -16,54 +16,17 @@ import pytest
 
 import harness as H
 import push_harness as PH
-from tp_harness import TpEngine
+from tp_harness import PAIRS, engine_pool
 
 pytestmark = pytest.mark.nixl
 
 PUSH = {"transfer_mode": "push", "push_register_timeout": 4, "push_recv_timeout": 8}
 
 
-def push_params(push_id, p_port):
-    d = {"do_remote_prefill": True, "transfer_mode": "push", "push_id": push_id,
-         "remote_host": "127.0.0.1", "remote_port": p_port}
-    p = {"do_remote_decode": True, "transfer_mode": "push", "push_id": push_id}
-    return d, p
-
-
-def _run_out(E, timeout=60):
-    deadline = time.monotonic() + timeout
-    while E.s.requests:
-        assert time.monotonic() < deadline, f"requests still held: {list(E.s.requests)}"
-        E.step()
-
-
 @pytest.fixture(scope="module")
 def engines():
-    """Per case, three push engines (TP 1, TP 2, a second TP 2), started together and reused
-    by that case's tests; a case's engines are closed when the next case starts."""
-    live: dict[str, dict[str, TpEngine]] = {}
+    yield from engine_pool("push-", extra=PUSH)
 
-    def get(case: str) -> dict[str, TpEngine]:
-        if case not in live:
-            for old in live.pop(next(iter(live), None), {}).values() if live else ():
-                old.close()
-            started = {}
-            try:
-                for key, tp in (("tp1", 1), ("tp2", 2), ("tp2b", 2)):
-                    started[key] = TpEngine(case, tp, f"push-{case}-{key}", extra=PUSH)
-                live[case] = {k: e.wait_ready() for k, e in started.items()}
-            except Exception:
-                for e in started.values():
-                    e.close()
-                raise
-        return live[case]
-    yield get
-    for group in live.values():
-        for e in group.values():
-            e.close()
-
-
-PAIRS = {(2, 1): ("tp2", "tp1"), (1, 2): ("tp1", "tp2"), (2, 2): ("tp2", "tp2b")}
 
 # per (case, P TP, D TP): the D ranks each P rank WRITEs to (written out, not computed)
 CONSUMERS = {
@@ -81,7 +44,7 @@ CONSUMERS = {
 
 def _start(P, D, prompt, rid):
     hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
-    d_params, p_params = push_params(f"push-{rid}", P.port)
+    d_params, p_params = PH.push_params(f"push-{rid}", P.port)
     d_req = H.make_request(f"d-{rid}", prompt, hbs, params=d_params, max_tokens=3)
     p_req = H.make_request(f"p-{rid}", prompt, hbs, params=p_params, max_tokens=1)
     D.s.add_request(d_req)
@@ -131,9 +94,9 @@ def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
         assert got == {"bad": 0, "checked": want, "stray": 0}, (case, tp_p, tp_d, r, got)
     if case == "gemma" and tp_d == 2:   # control: rank 0 holds other heads than rank 1
         assert D.ranks[0].call("check", table=table, loaded=loaded, as_rank=1)["bad"] > 0
-    _run_out(D)
+    D.run_out()
     H.assert_no_leak(D.s)
-    _run_out(P)            # P frees once every P rank reported its pushes ended
+    P.run_out()            # P frees once every P rank reported its pushes ended
     H.assert_no_leak(P.s)
     sched = P.s.connector.scheduler
     assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
@@ -171,7 +134,7 @@ def test_d_rank_never_registers(engines):
         assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
         assert p_req.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
         assert all(not m.push_saves for m in P.metas[-10:] if m)
-        _run_out(D)
+        D.run_out()
         H.assert_no_leak(D.s)
         H.assert_no_leak(P.s)
         sched = P.s.connector.scheduler
@@ -196,7 +159,7 @@ def test_d_refuses_a_port_that_is_not_rank_0(engines):
     e = engines("dsv4")
     P, D = e["tp2"], e["tp1"]
     hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
-    d_params, _ = push_params("wrongport", P.port + 1)
+    d_params, _ = PH.push_params("wrongport", P.port + 1)
     d_req = H.make_request("d-wrongport", [3 + i % 700 for i in range(200)], hbs,
                            params=d_params, max_tokens=3)
     D.s.add_request(d_req)
@@ -208,7 +171,7 @@ def test_d_refuses_a_port_that_is_not_rank_0(engines):
     assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
     (st,) = D.call_all("push_state")
     assert any("is rank 1 of TP 2; expected rank 0 of TP 2" in x for x in st["errors"]), st
-    _run_out(D)
+    D.run_out()
     H.assert_no_leak(D.s)
 
 

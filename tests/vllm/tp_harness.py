@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 
 import harness as H
@@ -186,6 +187,13 @@ class TpEngine:
         self.outputs.append(self.s.update_from_output(so, self.agg.aggregate(outs, 0)))
         return so
 
+    def run_out(self, timeout: float = 60.0) -> None:
+        """Step until the scheduler holds no request (bounded)."""
+        deadline = time.monotonic() + timeout
+        while self.s.requests:
+            assert time.monotonic() < deadline, f"requests still held: {list(self.s.requests)}"
+            self.step()
+
     def finished_params(self) -> dict:
         return H.finished_params(self.outputs)
 
@@ -199,3 +207,33 @@ class TpEngine:
             except (OSError, subprocess.TimeoutExpired):
                 pass
             r.kill()
+
+
+def engine_pool(prefix: str = "", extra: dict | None = None):
+    """Body of a module-scoped fixture: per case, three engines (TP 1, TP 2, a second TP 2)
+    started together and reused by that case's tests (``get(case)`` -> {"tp1", "tp2",
+    "tp2b"}); a case's engines are closed when the next case starts, the rest at the end."""
+    live: dict[str, dict[str, TpEngine]] = {}
+
+    def get(case: str) -> dict[str, TpEngine]:
+        if case not in live:
+            for old in live.pop(next(iter(live), None), {}).values() if live else ():
+                old.close()
+            started = {}
+            try:
+                for key, tp in (("tp1", 1), ("tp2", 2), ("tp2b", 2)):
+                    started[key] = TpEngine(case, tp, f"{prefix}{case}-{key}", extra=extra)
+                live[case] = {k: e.wait_ready() for k, e in started.items()}
+            except Exception:
+                for e in started.values():
+                    e.close()
+                raise
+        return live[case]
+    yield get
+    for group in live.values():
+        for e in group.values():
+            e.close()
+
+
+#: (P TP, D TP) -> the engine keys of an engine_pool case playing P and D
+PAIRS = {(2, 1): ("tp2", "tp1"), (1, 2): ("tp1", "tp2"), (2, 2): ("tp2", "tp2b")}

@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...errors import LayoutError
+from ...errors import HandshakeError, LayoutError
 from ...spec import GroupKind, KVLayout
 from ...tp import GroupSharding, kv_heads_of_rank
 from . import _compat as C
 
-__all__ = ["WorkerTp", "worker_tp"]
+__all__ = ["WorkerTp", "worker_tp", "check_rank_peer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +86,18 @@ def worker_tp(vllm_config: Any, kv_cache_config: Any, layout: KVLayout) -> Worke
         if kv_dtype == "none":
             kv_dtype, head_dim = str(spec.dtype), int(spec.head_size)
     return WorkerTp(rank, size, tuple(shardings), kv_dtype, head_dim, page_layout)
+
+
+def check_rank_peer(payload: Any, rank: int, tp_size: int, where: str, block_sizes,
+                    why: str) -> None:
+    """The handshake answered at ``where`` must come from rank ``rank`` of a TP-``tp_size``
+    engine (``why`` says where that expectation comes from) with equal block sizes (the vLLM
+    connector pairs only those); HandshakeError naming the peer otherwise."""
+    said = (payload.tp.tp_rank, payload.tp.tp_size) if payload.tp is not None else (0, 1)
+    if said != (rank, tp_size):
+        raise HandshakeError(f"peer {payload.agent_name!r} at {where} is rank {said[0]} of TP "
+                             f"{said[1]}; {why}")
+    if tuple(payload.block_sizes) != tuple(block_sizes):
+        raise HandshakeError(f"peer {payload.agent_name!r} has block sizes "
+                             f"{list(payload.block_sizes)}, this engine {list(block_sizes)}: the "
+                             "vLLM connector pairs engines with equal block sizes only")

@@ -43,7 +43,7 @@ from ...transport.handshake import HandshakePayload, HandshakeServer, exchange_h
 from ...transport.nixl import NixlAgent, Transfer
 from ...transport.tp_peer import tp_pair_plans
 from ...windows import trim_remote_to_local
-from ._tp import WorkerTp
+from ._tp import WorkerTp, check_rank_peer
 from .metadata import HmaNixlConnectorMetadata, HmaNixlWorkerMeta, RemotePeer
 from .push_metadata import PUSH_AGENT_SUFFIX
 
@@ -159,16 +159,9 @@ class HmaNixlWorker:
                     f"transfer_mode mismatch: peer {p.agent_name!r} at {host}:{port + r} runs "
                     "push mode, this engine kv_connector_extra_config.transfer_mode='pull' (set "
                     "the same transfer_mode on both engines)")
-            said = (p.tp.tp_rank, p.tp.tp_size) if p.tp is not None else (0, 1)
-            if said != (r, remote_tp):
-                raise HandshakeError(f"peer {p.agent_name!r} at {host}:{port + r} is rank "
-                                     f"{said[0]} of TP {said[1]}; kv_transfer_params said TP "
-                                     f"{remote_tp}, so port {port + r} must be rank {r}")
-            if tuple(p.block_sizes) != tuple(self.layout.block_sizes):
-                raise HandshakeError(f"peer {p.agent_name!r} has block sizes "
-                                     f"{list(p.block_sizes)}, this engine "
-                                     f"{list(self.layout.block_sizes)}: the vLLM connector "
-                                     "pairs engines with equal block sizes only")
+            check_rank_peer(p, r, remote_tp, f"{host}:{port + r}", self.layout.block_sizes,
+                            f"kv_transfer_params said TP {remote_tp}, so port {port + r} "
+                            f"must be rank {r}")
             got.append(p)
         if remote_tp == self.tp_size:
             readers = {self.rank: self.agent.add_peer(got[self.rank])}

@@ -50,6 +50,7 @@ from ...tp import TpMapping, TpPairPlan, consumer_ranks
 from ...transport import configure_ucx_env
 from ...transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
 from ._roles import close_transport
+from ._tp import check_rank_peer
 from .push_metadata import PUSH_AGENT_SUFFIX, HmaPushConnectorMetadata, HmaPushWorkerMeta, \
     PushSave
 
@@ -272,20 +273,13 @@ class HmaPushWorker:
                     f"transfer_mode mismatch: peer {pname!r} at {host}:{int(port) + r} runs "
                     "pull mode, this engine kv_connector_extra_config.transfer_mode='push' "
                     "(set the same transfer_mode on both engines)")
-            said = (payload.tp.tp_rank, payload.tp.tp_size) if payload.tp is not None else (0, 1)
             if r == 0:
-                ptp = said[1]
-            if said != (r, ptp):
-                raise HandshakeError(f"peer {pname!r} at {host}:{int(port) + r} is rank "
-                                     f"{said[0]} of TP {said[1]}; expected rank {r} of TP {ptp} "
-                                     f"(rank r of a prefill engine listens on port + r)")
+                ptp = payload.tp.tp_size if payload.tp is not None else 1
             if ptp != 1 or self.tp_size != 1:
                 self._me.check_compatible(payload)
-                if tuple(payload.block_sizes) != tuple(self.layout.block_sizes):
-                    raise HandshakeError(f"peer {pname!r} has block sizes "
-                                         f"{list(payload.block_sizes)}, this engine "
-                                         f"{list(self.layout.block_sizes)}: push pairs engines "
-                                         "with equal block sizes only")
+            check_rank_peer(payload, r, ptp, f"{host}:{int(port) + r}", self.layout.block_sizes,
+                            f"expected rank {r} of TP {ptp} (rank r of a prefill engine "
+                            "listens on port + r)")
             got.append(payload)
             r += 1
         if ptp == self.tp_size:
