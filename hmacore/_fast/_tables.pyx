@@ -27,26 +27,28 @@ cdef extern from "Python.h":
 cdef long long INT32_MAX = 2147483647
 
 
-cdef Py_ssize_t first_bad_id(const block_id_t[::1] ids, long long num_blocks) noexcept nogil:
-    """Index of the first id < 0 or >= num_blocks (num_blocks <= 0: only the sign), else -1."""
-    cdef Py_ssize_t i, n = ids.shape[0]
-    cdef block_id_t mn = 2147483647, mx = -2147483648, v
+cdef Py_ssize_t _first_bad(const block_id_t* ids, Py_ssize_t n, long long num_blocks) noexcept nogil:
+    # Index of the first id < 0 or >= num_blocks (num_blocks <= 0: only the sign), else -1.
     # Vectorisable min/max pass first; the index search runs only for bad input.
+    cdef Py_ssize_t i
+    cdef block_id_t mn = 2147483647, mx = -2147483648, v
     for i in range(n):
         v = ids[i]
         mn = v if v < mn else mn
         mx = v if v > mx else mx
     if n == 0 or (mn >= 0 and (num_blocks <= 0 or mx < num_blocks)):
         return -1
-    if num_blocks > 0:
-        for i in range(n):
-            if ids[i] < 0 or ids[i] >= num_blocks:
-                return i
-    else:
-        for i in range(n):
-            if ids[i] < 0:
-                return i
+    for i in range(n):
+        if ids[i] < 0 or (num_blocks > 0 and ids[i] >= num_blocks):
+            return i
     return -1
+
+
+cdef Py_ssize_t first_bad_id(const block_id_t[::1] ids, long long num_blocks) noexcept nogil:
+    """Index of the first id < 0 or >= num_blocks (num_blocks <= 0: only the sign), else -1."""
+    if ids.shape[0] == 0:
+        return -1
+    return _first_bad(&ids[0], ids.shape[0], num_blocks)
 
 
 def scan_int32(const block_id_t[::1] ids, long long num_blocks):
@@ -671,22 +673,6 @@ cdef inline bint _is_c1d(object a, int itemsize):
     return (cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(arr)
             and cnp.PyArray_ISSIGNED(arr) and cnp.PyArray_ITEMSIZE(arr) == itemsize
             and cnp.PyArray_ISNOTSWAPPED(arr))
-
-
-cdef Py_ssize_t _first_bad(const block_id_t* ids, Py_ssize_t n, long long num_blocks) noexcept nogil:
-    # first_bad_id on a raw pointer.
-    cdef Py_ssize_t i
-    cdef block_id_t mn = 2147483647, mx = -2147483648, v
-    for i in range(n):
-        v = ids[i]
-        mn = v if v < mn else mn
-        mx = v if v > mx else mx
-    if n == 0 or (mn >= 0 and (num_blocks <= 0 or mx < num_blocks)):
-        return -1
-    for i in range(n):
-        if ids[i] < 0 or (num_blocks > 0 and ids[i] >= num_blocks):
-            return i
-    return -1
 
 
 cdef inline void _clip_span(Py_ssize_t n, long long keep, Py_ssize_t* a, Py_ssize_t* b) noexcept nogil:

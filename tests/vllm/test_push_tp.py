@@ -86,14 +86,7 @@ def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
     assert reg.awaiting
     loaded = [[int(b) for b in g if b] for g in reg.block_ids]
     assert sum(map(len, loaded)) > 0
-    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(d_req.request_id)]
-    groups = D.kcc.kv_cache_groups
-    want = sum(len(loaded[g]) * grp.kv_cache_spec.page_size_bytes * len(grp.layer_names)
-               for g, grp in enumerate(groups))
-    for r, got in enumerate(D.call_all("check", table=table, loaded=loaded)):
-        assert got == {"bad": 0, "checked": want, "stray": 0}, (case, tp_p, tp_d, r, got)
-    if case == "gemma" and tp_d == 2:   # control: rank 0 holds other heads than rank 1
-        assert D.ranks[0].call("check", table=table, loaded=loaded, as_rank=1)["bad"] > 0
+    D.check_loaded(d_req.request_id, loaded, control=case == "gemma" and tp_d == 2)
     D.run_out()
     H.assert_no_leak(D.s)
     P.run_out()            # P frees once every P rank reported its pushes ended
