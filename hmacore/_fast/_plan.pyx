@@ -312,49 +312,12 @@ cdef class DescPlan:
     def run(self, block_ids, *, bint kernel_ids=False, bint allow_null=False, out=None):
         """Descriptor ids (int64) of one request; same contract as ``flatten_desc_ids``.
         ``block_ids``: a tuple/list of G C-contiguous 1-D int32 arrays."""
-        cdef Py_ssize_t G = self.G, g, i, m, n = 0
-        cdef int32_t mn, mx
-        cdef int64_t lo, hi
-        cdef const int32_t* src
-        cdef const int64_t[:, ::1] p = self._per_group
         cdef const block_id_t* ptrs[64]
         cdef Py_ssize_t lens[64]
-        cdef bint ok = True
-        if not (type(block_ids) is tuple or type(block_ids) is list) or len(block_ids) != G \
-                or G > 64:
+        cdef Py_ssize_t n = self._scan_fast(block_ids, kernel_ids, allow_null, ptrs, lens)
+        if n < 0:
             return self._slow(block_ids, kernel_ids, allow_null, out)
-        for g in range(G):
-            a = block_ids[g]
-            if not _is_i32_vector(a):
-                return self._slow(block_ids, kernel_ids, allow_null, out)
-            m = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
-            src = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>a)
-            ptrs[g] = src
-            lens[g] = m
-            if m == 0:
-                continue
-            if not p[g, 0]:
-                ok = False
-                break
-            mn = src[0]
-            mx = src[0]
-            with nogil:
-                for i in range(1, m):
-                    mn = src[i] if src[i] < mn else mn
-                    mx = src[i] if src[i] > mx else mx
-            if kernel_ids:
-                hi = p[g, 4]
-                lo = 0 if allow_null else p[g, 5]
-                n += m * p[g, 2]
-            else:
-                hi = p[g, 3]
-                lo = 0 if allow_null else 1
-                n += m * p[g, 1]
-            if mn < lo or mx >= hi:
-                ok = False
-                break
-        if not ok:
-            return self._slow(block_ids, kernel_ids, allow_null, out)
+        cdef Py_ssize_t G = self.G
         cdef cnp.npy_intp dim = n
         if out is None:
             result = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
@@ -374,12 +337,16 @@ cdef class DescPlan:
                   self.gstate, self.group_major, kernel_ids, dst)
         return result
 
-    cdef Py_ssize_t _logical_fast(self, block_ids, const block_id_t** ptrs, Py_ssize_t* lens):
-        """Descriptor count of ``block_ids`` (logical ids, no null ids) when it is a tuple/list
-        of G exact C-contiguous 1-D int32 arrays inside every serving region's bounds; fills
-        ``ptrs``/``lens`` (room for 64 groups). -1 when anything is off that fast form."""
+    cdef Py_ssize_t _scan_fast(self, block_ids, bint kernel_ids, bint allow_null,
+                               const block_id_t** ptrs, Py_ssize_t* lens):
+        """Descriptor count of ``block_ids`` when it is in the fast form: a tuple/list of G
+        exact C-contiguous 1-D int32 arrays whose ids lie inside every serving region's bounds
+        (logical or kernel ids; id 0 only with ``allow_null``). Fills ``ptrs``/``lens`` (room
+        for 64 groups). -1 when anything is off that form: the caller then takes the checked
+        path, which converts or raises the precise error."""
         cdef Py_ssize_t G = self.G, g, i, m, n = 0
         cdef int32_t mn, mx
+        cdef int64_t lo, hi
         cdef const int32_t* src
         cdef const int64_t[:, ::1] p = self._per_group
         if not (type(block_ids) is tuple or type(block_ids) is list) or len(block_ids) != G \
@@ -403,9 +370,16 @@ cdef class DescPlan:
                 for i in range(1, m):
                     mn = src[i] if src[i] < mn else mn
                     mx = src[i] if src[i] > mx else mx
-            if mn < 1 or mx >= p[g, 3]:
+            if kernel_ids:
+                hi = p[g, 4]
+                lo = 0 if allow_null else p[g, 5]
+                n += m * p[g, 2]
+            else:
+                hi = p[g, 3]
+                lo = 0 if allow_null else 1
+                n += m * p[g, 1]
+            if mn < lo or mx >= hi:
                 return -1
-            n += m * p[g, 1]
         return n
 
     def pair_ids32(self, DescPlan remote, local_ids, remote_ids, group_bytes):
@@ -426,10 +400,10 @@ cdef class DescPlan:
         cdef cnp.npy_intp dim
         if remote.G != G or len(group_bytes) != G:
             return None
-        nl = self._logical_fast(local_ids, lp, ll)
+        nl = self._scan_fast(local_ids, False, False, lp, ll)
         if nl < 0:
             return None
-        nr = remote._logical_fast(remote_ids, rp, rl)
+        nr = remote._scan_fast(remote_ids, False, False, rp, rl)
         if nr != nl:
             return None
         for g in range(G):

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import BlockTableError, HandshakeError, TransferError
 from ..plan import TransferPlan
+from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 from .handshake import HandshakePayload
 
 __all__ = ["NixlAgent", "Transfer", "registration_args"]
@@ -102,19 +103,21 @@ class NixlAgent:
             ``tp_rank``, ``shardings``, ``kv_dtype``, ``head_dim``, ``page_layout``): the agent
             then speaks the TP-aware handshake and can take heterogeneous-TP peers
             (``add_peer(payload, pair=...)``). None: same-TP payloads only.
+        progress_thread, progress_delay_us: NIXL's UCX progress thread and its poll delay
+            in microseconds (see :func:`hmacore.transport.new_nixl_agent`: NIXL's own default
+            spins a core; ours sleeps on events).
     """
 
     def __init__(self, name: str, plan: TransferPlan, *, backends: Sequence[str] = ("UCX",),
-                 hma: bool = True, tp: dict[str, Any] | None = None):
-        from . import configure_ucx_env
-        configure_ucx_env()  # before nixl loads UCX (exit-time SIGSEGV with libibverbs present)
-        from nixl._api import nixl_agent, nixl_agent_config  # lazy: core never imports nixl
-
+                 hma: bool = True, tp: dict[str, Any] | None = None,
+                 progress_thread: bool = True,
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US):
         self.name = name
         self.plan = plan
         self.hma = hma
         self.tp = dict(tp) if tp is not None else None
-        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self._agent = new_nixl_agent(name, backends, progress_thread=progress_thread,
+                                     progress_delay_us=progress_delay_us)
         ranges, mem = registration_args(plan)
         self._reg = self._agent.register_memory(ranges, mem)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", plan.descriptors(), mem)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TransferError
+from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 
 __all__ = ["DescAgent"]
 
@@ -33,17 +34,18 @@ class DescAgent:
         name: agent name.
         ranges: ``(addr, bytes, dev_id)`` memory to register (e.g. ``plan.registration_ranges()``).
         mem_type: ``"DRAM"`` or ``"VRAM"``.
+        progress_thread, progress_delay_us: NIXL's UCX progress thread and its poll delay
+            in microseconds (see :func:`hmacore.transport.new_nixl_agent`: NIXL's own default
+            spins a core; ours sleeps on events).
     """
 
     def __init__(self, name: str, ranges: Sequence[tuple[int, int, int]], *, mem_type: str = "DRAM",
-                 backends: Sequence[str] = ("UCX",)):
-        from . import configure_ucx_env
-        configure_ucx_env()
-        from nixl._api import nixl_agent, nixl_agent_config  # lazy: core never imports nixl
-
+                 backends: Sequence[str] = ("UCX",), progress_thread: bool = True,
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US):
         self.name = name
         self.mem_type = mem_type
-        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self._agent = new_nixl_agent(name, backends, progress_thread=progress_thread,
+                                     progress_delay_us=progress_delay_us)
         self._reg = self._agent.register_memory([(a, n, d, "") for a, n, d in ranges], mem_type)
         self._pairs: dict[str, tuple[str, Any, Any, int, int]] = {}
         self._remotes: set[str] = set()

@@ -101,6 +101,26 @@ MID_ITER = int(os.environ.get("HMACORE_MIDFLIGHT_ITER", "3"))
 MID_REQS = 4          # per iteration: READ, WRITE, READ, WRITE
 
 
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait (bounded) until every one of its threads is stopped: kill()
+    returns before delivery, and a thread asleep in poll() (NIXL's progress thread) could
+    still answer a request that lands in that window."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.add(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:        # a thread that just exited
+                pass
+        if states <= {"T", "t"}:
+            return
+        assert time.monotonic() < deadline, f"peer {pid} not stopped after {timeout} s: {states}"
+        time.sleep(0.01)
+
+
 def test_peer_killed_mid_transfer_deterministic():
     """The peer dies while transfers are provably in flight, every iteration.
 
@@ -136,7 +156,7 @@ def test_peer_killed_mid_transfer_deterministic():
                 dec.new_request(f"warm{it}", 400)
                 dec.submit(f"warm{it}", name)
                 assert dec.complete(f"warm{it}")            # the path works before the fault
-                os.kill(doomed.proc.pid, signal.SIGSTOP)
+                freeze(doomed.proc.pid)
                 reqs = []
                 for k in range(MID_REQS):
                     req = f"mid{it}-{k}"

@@ -142,6 +142,13 @@ def test_lease_must_be_positive():
         connector(extra={"kv_lease_duration": 0})
 
 
+def test_progress_delay_is_read_and_must_be_non_negative():
+    assert connector().scheduler.progress_delay_us == 1000
+    assert connector(extra={"nixl_progress_delay_us": 5000}).scheduler.progress_delay_us == 5000
+    with pytest.raises(ValueError, match="nixl_progress_delay_us must be >= 0"):
+        connector(extra={"nixl_progress_delay_us": -1})
+
+
 def test_layout_is_the_translation():
     c = connector(H.dsv4_like())
     assert c.layout.block_sizes == (256, 64, 64, 4, 8)

@@ -34,9 +34,11 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
 
     ``kv_connector_extra_config``: ``kv_lease_duration`` (seconds P keeps finished blocks for
     D, default 30), ``side_channel_host`` / ``side_channel_port`` (P's address advertised in
-    ``kv_transfer_params``), ``transfer_mode`` (``"pull"`` / ``"push"``), push mode only:
-    ``push_register_timeout`` (s, P waits for D's registration, default 30),
-    ``push_recv_timeout`` (s, D waits for every layer, default 60).
+    ``kv_transfer_params``), ``transfer_mode`` (``"pull"`` / ``"push"``),
+    ``nixl_progress_delay_us`` (NIXL progress-thread poll delay, default 1000; 0: NIXL's own
+    thread, which spins a core), push mode only: ``push_register_timeout`` (s, P waits for
+    D's registration, default 30), ``push_recv_timeout`` (s, D waits for every layer,
+    default 60).
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -60,11 +62,13 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                 self.worker = HmaPushWorker(sched.layout, int(kv_cache_config.num_blocks),
                                             sched.engine_id, sched.host, sched.port,
                                             recv_timeout=sched.recv_timeout,
-                                            lease_s=sched.lease_s, tp=tp)
+                                            lease_s=sched.lease_s, tp=tp,
+                                            progress_delay_us=sched.progress_delay_us)
             else:
                 from .nixl_worker import HmaNixlWorker  # imports the NIXL driver lazily
                 self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
-                                            sched.engine_id, sched.host, sched.port, tp=tp)
+                                            sched.engine_id, sched.host, sched.port, tp=tp,
+                                            progress_delay_us=sched.progress_delay_us)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:

@@ -31,6 +31,7 @@ from ...errors import BlockTableError
 from ...spec import GroupKind
 from ...tables import RequestState, TrackerSet, as_block_table, count_hashed, fill_blocks, \
     from_wire
+from ...transport import DEFAULT_PROGRESS_DELAY_US
 from . import _compat as C
 from ._clip import clip_table
 from ._roles import TableFollower
@@ -53,7 +54,9 @@ class HmaNixlScheduler(TableFollower):
             ``side_channel_host`` (default ``"127.0.0.1"``), ``side_channel_port`` (default
             5600 + data-parallel index), ``sync_load`` (bool, default False: D loads
             asynchronously, the request waits in WAITING_FOR_REMOTE_KVS; True: the worker
-            must finish the read in ``start_load_kv`` before the forward pass).
+            must finish the read in ``start_load_kv`` before the forward pass),
+            ``nixl_progress_delay_us`` (the workers' NIXL progress-thread poll delay, default
+            1000; 0 restores NIXL's own thread, which spins a core).
         kv_cache_config: the scheduler's ``KVCacheConfig``.
         clock: monotonic seconds; injectable for lease tests.
     """
@@ -77,6 +80,12 @@ class HmaNixlScheduler(TableFollower):
             "side_channel_port", 5600 + int(getattr(pc, "data_parallel_index", 0) or 0)))
         self.tp_size = int(pc.tensor_parallel_size)
         self.sync_load = bool(ktc.get_from_extra_config("sync_load", False))
+        # the workers' NIXL progress-thread poll delay (see hmacore.transport.new_nixl_agent)
+        self.progress_delay_us = int(ktc.get_from_extra_config(
+            "nixl_progress_delay_us", DEFAULT_PROGRESS_DELAY_US))
+        if self.progress_delay_us < 0:
+            raise ValueError("nixl_progress_delay_us must be >= 0 microseconds (0: NIXL's "
+                             f"spinning progress thread), got {self.progress_delay_us}")
         has_mamba = any(s.kind == GroupKind.MAMBA for s in self.layout.groups)
         # Tokens D recomputes itself (Mamba needs h(N-1) to derive h(N)); P stops short.
         self.backoff = max(1 if has_mamba else 0, C.prefill_lookahead_tokens(vllm_config) - 1)

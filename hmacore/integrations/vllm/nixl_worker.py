@@ -38,7 +38,7 @@ from typing import Any
 from ...errors import HandshakeError, HmacoreError, TransferError
 from ...plan import TransferPlan
 from ...spec import GroupKind
-from ...transport import configure_ucx_env
+from ...transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
 from ...transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
 from ...transport.nixl import NixlAgent, Transfer
 from ...transport.tp_peer import tp_pair_plans
@@ -98,10 +98,12 @@ class HmaNixlWorker:
         tp: this worker's TP description (None: a TP = 1 worker speaking the same-TP
             handshake, which pairs only with such workers).
         sync_timeout: seconds a sync load may take before it is reported failed.
+        progress_delay_us: the NIXL agent's progress-thread poll delay (microseconds).
     """
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
-                 tp: WorkerTp | None = None, sync_timeout: float = 30.0) -> None:
+                 tp: WorkerTp | None = None, sync_timeout: float = 30.0,
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> None:
         configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
         self.layout = layout
         self.num_blocks = int(num_blocks)
@@ -111,6 +113,7 @@ class HmaNixlWorker:
         self.name = tp.agent_name(engine_id) if tp is not None else engine_id
         self.host, self.port = host, (tp.port(port) if tp is not None else port)
         self.sync_timeout = sync_timeout
+        self.progress_delay_us = progress_delay_us
         self.agent: NixlAgent | None = None
         self.server: HandshakeServer | None = None
         self._done_msg = done_message(self.rank, self.tp_size)
@@ -127,7 +130,8 @@ class HmaNixlWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> TransferPlan:
         plan = TransferPlan.from_kv_caches(self.layout, kv_caches, num_blocks=self.num_blocks)
         self.agent = NixlAgent(self.name, plan,
-                               tp=self.tp.handshake_args() if self.tp is not None else None)
+                               tp=self.tp.handshake_args() if self.tp is not None else None,
+                               progress_delay_us=self.progress_delay_us)
         # a reader only needs to notify us: its pages may be shaped for another TP size
         self.server = HandshakeServer(self.agent.handshake_payload(), host=self.host,
                                       port=self.port, on_peer=self.agent.add_notify_peer)

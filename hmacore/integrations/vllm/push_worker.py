@@ -47,7 +47,7 @@ from ...errors import HandshakeError, HmacoreError
 from ...layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState
 from ...plan import TransferPlan
 from ...tp import TpMapping, TpPairPlan, consumer_ranks
-from ...transport import configure_ucx_env
+from ...transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
 from ...transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
 from ._roles import close_transport
 from ._tp import check_rank_peer
@@ -123,11 +123,13 @@ class HmaPushWorker:
         lease_s: P, seconds a push may take at most (the scheduler's lease).
         gate_timeout: P, seconds a step waits for the previous step's WRITEs of a push.
         tp: this rank's :class:`~._tp.WorkerTp` (None: rank 0 of TP 1).
+        progress_delay_us: the NIXL agent's progress-thread poll delay (microseconds).
     """
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  recv_timeout: float = 60.0, lease_s: float = 30.0,
-                 gate_timeout: float = 5.0, tp: Any = None) -> None:
+                 gate_timeout: float = 5.0, tp: Any = None,
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> None:
         configure_ucx_env()
         self.layout = layout
         self.num_blocks = int(num_blocks)
@@ -138,6 +140,7 @@ class HmaPushWorker:
         self.host, self.port = host, (tp.port(port) if tp is not None else port)
         self.recv_timeout, self.lease_s, self.gate_timeout = recv_timeout, lease_s, gate_timeout
         self.agent = None
+        self.progress_delay_us = progress_delay_us
         self.server: HandshakeServer | None = None
         self.plan: TransferPlan | None = None
         self.layers: LayerPlan | None = None
@@ -171,7 +174,8 @@ class HmaPushWorker:
         plan = TransferPlan.from_kv_caches(self.layout, kv_caches, num_blocks=self.num_blocks)
         self.plan = plan
         self.layers = LayerPlan(plan)
-        self.agent = DescAgent(self.name, plan.registration_ranges(), mem_type=plan.mem_type)
+        self.agent = DescAgent(self.name, plan.registration_ranges(), mem_type=plan.mem_type,
+                               progress_delay_us=self.progress_delay_us)
         self.pusher = LayerwisePusher(self.agent, self.layers)
         self.receiver = LayerwiseReceiver(self._inbox, len(self.layers.layers))
         self._me = self._payload()
