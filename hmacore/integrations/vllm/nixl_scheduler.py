@@ -249,15 +249,7 @@ class HmaNixlScheduler(TableFollower):
         """Fold the workers' report: finished/failed loads, lease renewals, finished sends;
         expire leases (expired requests are added to ``finished_sending`` so vLLM frees
         their blocks; a later worker report for them is dropped)."""
-        for rid in connector_output.finished_recving or ():
-            self._awaiting.pop(rid, None)
-        for rid in connector_output.failed_recving or ():
-            self._awaiting.pop(rid, None)
-            self.failed_recving.add(rid)
-            if rid in self.trackers:
-                # vLLM frees (recompute policy, nothing valid) and reallocates the table:
-                # the next full table replaces ours, as after a preemption.
-                self.trackers.preempt(rid)
+        self._fold_loads(connector_output)
         now = self.clock()
         wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
         for rid in getattr(wmeta, "renewed", None) or ():
@@ -270,6 +262,24 @@ class HmaNixlScheduler(TableFollower):
                 self._new_leases.pop(rid, None)
             else:
                 logger.warning("finished_sending for %s, which holds no lease; ignored", rid)
+        self._expire_leases(now, sending)
+        connector_output.finished_sending = sending or None
+
+    def _fold_loads(self, connector_output: Any) -> None:
+        """D side of a worker report: loads finished or failed (both end the wait)."""
+        for rid in connector_output.finished_recving or ():
+            self._awaiting.pop(rid, None)
+        for rid in connector_output.failed_recving or ():
+            self._awaiting.pop(rid, None)
+            self.failed_recving.add(rid)
+            if rid in self.trackers:
+                # vLLM frees (recompute policy, nothing valid) and reallocates the table:
+                # the next full table replaces ours, as after a preemption.
+                self.trackers.preempt(rid)
+
+    def _expire_leases(self, now: float, sending: set[str]) -> None:
+        """P side: every lease whose deadline (clock seconds) is ``<= now`` ends; its request
+        joins ``sending`` (vLLM then frees the blocks) and a later worker report is dropped."""
         for rid, deadline in list(self._leases.items()):
             if deadline <= now:
                 del self._leases[rid]
@@ -278,7 +288,6 @@ class HmaNixlScheduler(TableFollower):
                 sending.add(rid)
                 logger.warning("lease of %s expired after %.1f s; freeing its blocks", rid,
                                self.lease_s)
-        connector_output.finished_sending = sending or None
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """Called exactly once, before the blocks are freed, with one id list per group.

@@ -262,13 +262,7 @@ class HmaPushScheduler(HmaNixlScheduler):
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the workers' report: D loads finished/failed; P registrations, pushes ended
         (only requests P holds become ``finished_sending``), lease expiry."""
-        for rid in connector_output.finished_recving or ():
-            self._awaiting.pop(rid, None)
-        for rid in connector_output.failed_recving or ():
-            self._awaiting.pop(rid, None)
-            self.failed_recving.add(rid)
-            if rid in self.trackers:
-                self.trackers.preempt(rid)
+        self._fold_loads(connector_output)
         wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
         by = getattr(wmeta, "registered_by", None) or {}
         for pid, ids in (getattr(wmeta, "registered", None) or {}).items():
@@ -294,14 +288,7 @@ class HmaPushScheduler(HmaNixlScheduler):
                 sending.add(rid)
             elif rid in self._push_reqs:
                 self._push_ended.add(rid)        # ended (failed) before the request finished
-        for rid, deadline in list(self._leases.items()):
-            if deadline <= now:
-                del self._leases[rid]
-                self._new_leases.pop(rid, None)
-                self._expired_pending.add(rid)
-                sending.add(rid)
-                logger.warning("push lease of %s expired after %.1f s; freeing its blocks",
-                               rid, self.lease_s)
+        self._expire_leases(now, sending)
         connector_output.finished_sending = sending or None
 
     def _drop_stale_registrations(self, now: float) -> None:
