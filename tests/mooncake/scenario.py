@@ -146,6 +146,18 @@ def kill(proc, grace=5.0):
         proc.wait(timeout=5)
 
 
+def teardown(store, master, log):
+    """End a scenario: close the store client (best effort: the master may be dead already),
+    stop the master by its PID, close its log."""
+    if store is not None:
+        try:
+            store.close()
+        except Exception:  # noqa: BLE001
+            pass
+    kill(master)
+    log.close()
+
+
 def netns_main(mode, port):
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     log = master_log("mc_master")

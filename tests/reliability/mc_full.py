@@ -183,13 +183,7 @@ def main(port):
         print(json.dumps(out), flush=True)
         return 0
     finally:
-        if st is not None:
-            try:
-                st.close()
-            except Exception:  # noqa: BLE001
-                pass
-        sc.kill(master)
-        log.close()
+        sc.teardown(st, master, log)
 
 
 if __name__ == "__main__":
