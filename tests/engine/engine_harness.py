@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import socket
 import zlib
+from contextlib import contextmanager
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,27 @@ def start(model: Path, ktc: dict | None, logdir: Path, name: str, **kw) -> Engin
     """Start one engine child (not waiting for it: start several, then wait_ready each)."""
     env = {"PYTHONPATH": HERE}
     return EngineProcess(model, ktc, logdir / f"{name}.log", env=env, **kw)
+
+
+@contextmanager
+def reference_run(engines: dict[str, EngineProcess], rounds: dict[str, list[list[int]]]):
+    """Wait for every engine (started, not waited: they boot in parallel), generate the
+    reference tokens of every round's prompts on ``engines["single"]`` in one call, close that
+    engine, and yield ``{round: reference token lists}``. Every engine is closed (by PID) on
+    exit, whatever happened."""
+    try:
+        for e in engines.values():
+            e.wait_ready()
+        flat = [p for prompts in rounds.values() for p in prompts]
+        ref = engines["single"].generate(flat, MAX_TOKENS, timeout=300)["tokens"]
+        engines["single"].close()
+        refs, i = {}, 0
+        for name, prompts in rounds.items():
+            refs[name], i = ref[i:i + len(prompts)], i + len(prompts)
+        yield refs
+    finally:
+        for e in engines.values():
+            e.close()
 
 
 def prompt_sets(names: list[str]) -> dict[str, list[list[int]]]:

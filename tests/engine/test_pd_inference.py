@@ -43,18 +43,9 @@ def pd(request, tmp_path_factory):
                                              module=MODULE, connector="FaultyNixlConnector"),
                           root, "decode-sync"),
     }
-    try:
-        for e in engines.values():
-            e.wait_ready()
-        flat = [p for r in ROUNDS for p in prompts[r]]
-        ref = engines["single"].generate(flat, E.MAX_TOKENS, timeout=300)["tokens"]
-        engines["single"].close()
-        refs = {r: ref[i * len(E.LENGTHS):(i + 1) * len(E.LENGTHS)] for i, r in enumerate(ROUNDS)}
+    with E.reference_run(engines, {r: prompts[r] for r in ROUNDS}) as refs:
         yield {"family": family, "engines": engines, "prompts": prompts, "refs": refs,
                "results": {}}
-    finally:
-        for e in engines.values():
-            e.close()
 
 
 def run_round(pd, name: str) -> dict:

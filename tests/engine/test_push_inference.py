@@ -38,18 +38,9 @@ def pd(request, tmp_path_factory):
         "d": E.start(model, nixl_config("kv_consumer", E.free_port(), push_recv_timeout=180,
                                         **common), root, "decode"),
     }
-    try:
-        for e in engines.values():
-            e.wait_ready()
-        flat = [p for r in ROUNDS for p in prompts[f"push-{r}"]]
-        ref = engines["single"].generate(flat, E.MAX_TOKENS, timeout=300)["tokens"]
-        engines["single"].close()
-        refs = {r: ref[i * len(E.LENGTHS):(i + 1) * len(E.LENGTHS)] for i, r in enumerate(ROUNDS)}
+    with E.reference_run(engines, {r: prompts[f"push-{r}"] for r in ROUNDS}) as refs:
         yield {"family": family, "engines": engines, "prompts": prompts, "refs": refs,
                "p_port": p_port, "root": root, "results": {}}
-    finally:
-        for e in engines.values():
-            e.close()
 
 
 def run_round(pd, name: str) -> dict:
