@@ -8,7 +8,6 @@ from .errors import (BlockTableError, HandshakeError, HashInputError, HmacoreErr
 from .grain import blocks_covering, cdiv, coarse_block_count, complete_blocks, grain_slice
 from .hits import ExistenceSet, ExternalBlockPool, HitFinder, HitResult
 from .keys import KeyBuilder, RankNamespace
-from .paged import allocate_paged_kv, fill_pattern, verify_pattern
 from .plan import TransferPlan
 from .presets import DEFAULT_PRESET, get_preset, preset_names
 from .spec import GroupKind, GroupSpec, KVLayout, MambaMode

@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from hmacore.errors import HandshakeError
-from hmacore.paged import allocate_paged_kv
+from hmacore.demo.paged_memory import allocate_paged_kv
 from hmacore.plan import TransferPlan
 from hmacore.presets import get_preset
 from hmacore.transport.handshake import (PROTOCOL_VERSION, HandshakePayload, HandshakeServer,

@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 from hmacore.errors import BlockTableError, LayoutError, TrackerStateError, TransferError
 from hmacore.layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState, layer_metadata
-from hmacore.paged import allocate_paged_kv, fill_pattern, verify_pattern
+from hmacore.demo.paged_memory import allocate_paged_kv, fill_pattern, verify_pattern
 from hmacore.plan import Region, TransferPlan
 from hmacore.presets import get_preset
 

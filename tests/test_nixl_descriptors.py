@@ -1,7 +1,7 @@
 """NIXL driver pieces that need no NIXL: registration ranges (DRAM and VRAM), id dtypes."""
 import numpy as np
 
-from hmacore.paged import allocate_paged_kv
+from hmacore.demo.paged_memory import allocate_paged_kv
 from hmacore.plan import TransferPlan
 from hmacore.presets import get_preset
 from hmacore.transport.nixl import _nixl_ids, registration_args

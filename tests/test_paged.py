@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from hmacore.errors import BlockTableError, LayoutError
-from hmacore.paged import (allocate_paged_kv, expected_bytes, fill_pattern, layer_geometry,
-                           read_page, verify_pattern)
+from hmacore.paged import layer_geometry
+from hmacore.demo.paged_memory import allocate_paged_kv, expected_bytes, fill_pattern, read_page, verify_pattern
 from hmacore.presets import get_preset
 
 

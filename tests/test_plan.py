@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from hmacore.errors import LayoutError
-from hmacore.paged import allocate_paged_kv
+from hmacore.demo.paged_memory import allocate_paged_kv
 from hmacore.plan import Region, TransferPlan, layer_sort_key
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind, GroupSpec, KVLayout

@@ -4,7 +4,7 @@ import pytest
 
 from hmacore._fast import _plan
 from hmacore.errors import BlockTableError, LayoutError
-from hmacore.paged import allocate_paged_kv
+from hmacore.demo.paged_memory import allocate_paged_kv
 from hmacore.plan import Region, TransferPlan
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind, GroupSpec, KVLayout

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import assume, given, strategies as st
 
 from hmacore.errors import BlockTableError
-from hmacore.paged import allocate_paged_kv
+from hmacore.demo.paged_memory import allocate_paged_kv
 from hmacore.plan import Region, TransferPlan
 from hmacore.spec import GroupKind, GroupSpec, KVLayout
 

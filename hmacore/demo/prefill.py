@@ -27,7 +27,7 @@ def emit(**msg) -> None:
 def main(argv: list[str]) -> int:
     from ..transport import configure_ucx_env
     configure_ucx_env()
-    from ..paged import allocate_paged_kv, fill_pattern
+    from .paged_memory import allocate_paged_kv, fill_pattern
     from ..plan import TransferPlan
     from ..tables import TrackerSet, to_wire
     from ..transport.handshake import HandshakeServer

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..hits import HitFinder
 from ..keys import KeyBuilder
-from ..paged import allocate_paged_kv, verify_pattern, fill_pattern
+from .paged_memory import allocate_paged_kv, verify_pattern, fill_pattern
 from ..spec import GroupKind
 from ..transport.store import (EmbeddedStore, GroupSegments, load_blocks, lookup_hit,
                                save_blocks, save_state)

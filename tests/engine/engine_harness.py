@@ -8,8 +8,8 @@ from contextlib import contextmanager
 from collections.abc import Callable
 from pathlib import Path
 
-from hmacore.integrations.vllm.engine_driver import EngineProcess, make_prompts
-from hmacore.integrations.vllm.tiny_model import write_tiny_model
+from hmacore.demo.engine_driver import EngineProcess, make_prompts
+from hmacore.demo.tiny_model import write_tiny_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # 10 and 37 tokens fit in the 64-token window; 100 and 150 do not; 150 also takes 3 prefill

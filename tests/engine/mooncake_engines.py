@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))   # repo root
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "mooncake"))
 
 import engine_harness as E  # noqa: E402
-from hmacore.integrations.vllm.engine_driver import store_config  # noqa: E402
+from hmacore.demo.engine_driver import store_config  # noqa: E402
 from hmacore.transport.mooncake import wait_for_port  # noqa: E402
 from netns import start_master  # noqa: E402 - tests/mooncake/netns.py
 

@@ -13,7 +13,7 @@ import json
 import pytest
 
 import engine_harness as E
-from hmacore.integrations.vllm.engine_driver import nixl_config
+from hmacore.demo.engine_driver import nixl_config
 
 ROUNDS = ["async", "sync", "drop0", "drop1", "corrupt0", "corrupt1"]
 FAULTS = {"drop0": {"drop_group": 0}, "drop1": {"drop_group": 1},

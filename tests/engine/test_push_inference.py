@@ -15,7 +15,7 @@ import statistics
 import pytest
 
 import engine_harness as E
-from hmacore.integrations.vllm.engine_driver import nixl_config
+from hmacore.demo.engine_driver import nixl_config
 
 ROUNDS = ["push", "drop0", "drop1"]
 FAULTS = {"drop0": {"drop_group": 0}, "drop1": {"drop_group": 1}}

@@ -12,7 +12,7 @@ test_store_mooncake_inference.py.
 import pytest
 
 import engine_harness as E
-from hmacore.integrations.vllm.engine_driver import store_config
+from hmacore.demo.engine_driver import store_config
 
 BLOCK = 32
 

@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hmacore.paged import allocate_paged_kv, fill_pattern, verify_pattern  # noqa: E402
+from hmacore.demo.paged_memory import allocate_paged_kv, fill_pattern, verify_pattern  # noqa: E402
 from hmacore.plan import TransferPlan  # noqa: E402
 from hmacore.presets import get_preset  # noqa: E402
 from hmacore.spec import KVLayout  # noqa: E402

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hmacore.errors import HandshakeError, TransferError
-from hmacore.paged import allocate_paged_kv, fill_pattern, verify_pattern
+from hmacore.demo.paged_memory import allocate_paged_kv, fill_pattern, verify_pattern
 from hmacore.plan import TransferPlan
 from hmacore.presets import get_preset
 from hmacore.transport.nixl import NixlAgent

@@ -9,7 +9,7 @@ import pytest
 
 from hmacore.errors import TransferError
 from hmacore.grain import cdiv
-from hmacore.paged import allocate_paged_kv, fill_pattern, verify_pattern
+from hmacore.demo.paged_memory import allocate_paged_kv, fill_pattern, verify_pattern
 from hmacore.plan import TransferPlan
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind, GroupSpec, KVLayout

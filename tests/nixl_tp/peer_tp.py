@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 
 from hmacore.layerwise import LayerPlan, LayerwisePusher, PushState  # noqa: E402
 from hmacore.sends import SendTracker  # noqa: E402
-from hmacore.paged import allocate_paged_kv  # noqa: E402
+from hmacore.demo.paged_memory import allocate_paged_kv  # noqa: E402
 from hmacore.plan import TransferPlan  # noqa: E402
 from hmacore.tp import GroupSharding  # noqa: E402
 from hmacore.transport.nixl_desc import DescAgent  # noqa: E402

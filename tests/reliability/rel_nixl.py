@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from hmacore.invariants import BlockPool, InvariantChecker
-from hmacore.paged import _write_pages, allocate_paged_kv, expected_pages, verify_pattern
+from invariants import BlockPool, InvariantChecker
+from hmacore.demo.paged_memory import _write_pages, allocate_paged_kv, expected_pages, verify_pattern
 from hmacore.plan import TransferPlan
 from hmacore.spec import GroupKind, GroupSpec, KVLayout
 from hmacore.tables import TrackerSet

@@ -16,7 +16,7 @@ import pytest
 
 from hmacore.errors import StoreError
 from hmacore.hits import HitFinder
-from hmacore.invariants import CheckedStore, null_ranges
+from invariants import CheckedStore, null_ranges
 from hmacore.keys import KeyBuilder
 from hmacore.presets import get_preset
 from hmacore.transport.store import (NO_SPACE, EmbeddedStore, GroupSegments, load_blocks,

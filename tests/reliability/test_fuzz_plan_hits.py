@@ -12,7 +12,7 @@ from hypothesis import event, given, strategies as st
 from hmacore.errors import BlockTableError, HashInputError
 from hmacore.hits import ExistenceSet, HitFinder
 from hmacore.keys import KeyBuilder, RankNamespace
-from hmacore.paged import allocate_paged_kv
+from hmacore.demo.paged_memory import allocate_paged_kv
 from hmacore.plan import TransferPlan
 from hmacore.presets import get_preset
 from hmacore.transport.store import (NOT_FOUND, OK, EmbeddedStore, GroupSegments, load_blocks,

@@ -3,7 +3,7 @@
 Every step applies a random scheduler operation (add with prefix-cache sharing, append,
 in-place nulling of out-of-window blocks, preempt/resume, finish, watermark moves, clipped
 transfers through a TransferPlan, and adversarial bad calls) and then checks the invariants
-of hmacore.invariants. Bad calls must raise a clear error and leave the tracker unchanged."""
+of invariants. Bad calls must raise a clear error and leave the tracker unchanged."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +12,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hmacore.errors import BlockTableError, HmacoreError
-from hmacore.invariants import BlockPool, CheckedStore, InvariantChecker, InvariantError, null_ranges
+from invariants import BlockPool, CheckedStore, InvariantChecker, InvariantError, null_ranges
 from hmacore.plan import TransferPlan
 from hmacore.spec import GroupKind, GroupSpec, KVLayout
 from hmacore.tables import TrackerSet

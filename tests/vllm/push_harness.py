@@ -17,8 +17,8 @@ import numpy as np
 import harness as H
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
-from hmacore.paged import _write_pages, allocate_paged_kv, expected_pages, read_pages
+from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
+from hmacore.demo.paged_memory import _write_pages, allocate_paged_kv, expected_pages, read_pages
 from hmacore.plan import layer_sort_key
 
 JUNK = 0xAA

@@ -11,8 +11,8 @@ from vllm.v1.request import RequestStatus
 
 from hmacore import GroupKind, GroupSpec, KVLayout
 from hmacore.integrations.vllm._clip import clip_table
-from hmacore.integrations.vllm.metadata import HmaNixlWorkerMeta
-from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
+from hmacore.integrations.vllm.nixl.metadata import HmaNixlWorkerMeta
+from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
 
 
 def test_clip_golden_vectors():
@@ -230,7 +230,7 @@ def test_worker_side_refuses_more_than_one_worker_per_engine(tp, pp):
 
 
 def test_push_worker_meta_aggregates_registering_ranks():
-    from hmacore.integrations.vllm.push_metadata import HmaPushWorkerMeta
+    from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
     ids = [[1, 2], [3]]
     a = HmaPushWorkerMeta(registered={"x": ids}, registered_by={"x": [0]})
     b = HmaPushWorkerMeta(registered={"x": ids, "y": ids}, registered_by={"x": [1], "y": [1]})
@@ -246,7 +246,7 @@ def test_push_scheduler_starts_only_when_every_prefill_rank_reported():
     rank in different steps accumulate; a report without ranks counts as rank 0's."""
     from types import SimpleNamespace
 
-    from hmacore.integrations.vllm.push_metadata import HmaPushWorkerMeta
+    from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
     vc = H.vllm_config(extra={"transfer_mode": "push"}, tp=2)
     sched = HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.gemma_like()).scheduler
     G = sched.layout.num_groups

@@ -8,12 +8,12 @@ import pytest
 
 import harness as H
 
-from hmacore.integrations.vllm._tp import WorkerTp
+from hmacore.integrations.vllm.nixl._tp import WorkerTp
 from hmacore.integrations.vllm.layout import layout_from_kv_cache_config
-from hmacore.integrations.vllm.metadata import (HmaNixlConnectorMetadata, RecvRequest,
+from hmacore.integrations.vllm.nixl.metadata import (HmaNixlConnectorMetadata, RecvRequest,
                                                 RemotePeer)
-from hmacore.integrations.vllm.nixl_worker import HmaNixlWorker, done_message, parse_done
-from hmacore.paged import allocate_paged_kv
+from hmacore.integrations.vllm.nixl.worker import HmaNixlWorker, done_message, parse_done
+from hmacore.demo.paged_memory import allocate_paged_kv
 from hmacore.tp import GroupSharding
 
 pytestmark = pytest.mark.nixl

@@ -11,8 +11,8 @@ import pytest
 import harness as H
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
-from hmacore.paged import allocate_paged_kv, fill_pattern, read_pages, verify_pattern
+from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
+from hmacore.demo.paged_memory import allocate_paged_kv, fill_pattern, read_pages, verify_pattern
 from hmacore.windows import trim_remote_to_local
 
 pytestmark = pytest.mark.nixl

@@ -11,7 +11,7 @@ import harness as H
 import push_harness as PH
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
+from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
 
 pytestmark = pytest.mark.nixl
 

@@ -8,8 +8,8 @@ import harness as H
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.request import RequestStatus
 
-from hmacore.integrations.vllm.metadata import HmaNixlWorkerMeta
-from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
+from hmacore.integrations.vllm.nixl.metadata import HmaNixlWorkerMeta
+from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
 
 CASES = {
     # name: (vllm_config kwargs, kv cache config factory, prompt tokens)

@@ -18,8 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec
 
 from hmacore.integrations.vllm import HmaStoreConnector
-from hmacore.integrations.vllm._store_backend import drop_store, register_store
-from hmacore.integrations.vllm.metadata import HmaStoreConnectorMetadata
+from hmacore.integrations.vllm.store.backend import drop_store, register_store
+from hmacore.integrations.vllm.store.metadata import HmaStoreConnectorMetadata
 
 CASES = {
     "gemma": (dict(), lambda: H.gemma_like(num_blocks=64), 150),

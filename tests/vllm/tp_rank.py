@@ -52,7 +52,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from hmacore.integrations.vllm.nixl_connector import HmaNixlConnector
+    from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
     from hmacore.plan import layer_sort_key
     case = tp_cases.CASES[args["case"]]
     tp, rank = args["tp"], args["rank"]

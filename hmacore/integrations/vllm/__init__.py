@@ -7,7 +7,7 @@ kv_connector_module_path="hmacore.integrations.vllm")`` works through vLLM's fac
 
 Exports:
     HmaNixlConnector: P/D connector over NIXL (KVConnectorBase_V1 + SupportsHMA): pull
-        (default; HmaNixlScheduler / HmaNixlWorker) or layer-wise push, decode first
+        (default; nixl.scheduler / nixl.worker) or layer-wise push, decode first
         (``transfer_mode="push"``; HmaPushScheduler / HmaPushWorker); one worker per TP
         rank (prefill and decode TP sizes may differ), PP = 1 (PP > 1 is refused).
     HmaStoreConnector: KV offload / cross-instance prefix reuse through a hash-addressed
@@ -24,10 +24,10 @@ __all__ = ["HmaNixlConnector", "HmaStoreConnector", "layout_from_kv_cache_config
            "HmaNixlConnectorMetadata", "HmaStoreConnectorMetadata"]
 
 _LAZY = {
-    "HmaNixlConnector": ".nixl_connector",
-    "HmaNixlConnectorMetadata": ".metadata",
-    "HmaStoreConnector": ".store_connector",
-    "HmaStoreConnectorMetadata": ".metadata",
+    "HmaNixlConnector": ".nixl.connector",
+    "HmaNixlConnectorMetadata": ".nixl.metadata",
+    "HmaStoreConnector": ".store.connector",
+    "HmaStoreConnectorMetadata": ".store.metadata",
     "layout_from_kv_cache_config": ".layout",
 }
 

@@ -1,4 +1,4 @@
-"""Worker side of :class:`~hmacore.integrations.vllm.nixl_connector.HmaNixlConnector`.
+"""Worker side of :class:`~hmacore.integrations.vllm.nixl.connector.HmaNixlConnector`.
 
 Pull mode over :class:`hmacore.transport.nixl.NixlAgent`, one worker per TP rank:
 
@@ -35,14 +35,14 @@ import logging
 import time
 from typing import Any
 
-from ...errors import HandshakeError, HmacoreError, TransferError
-from ...plan import TransferPlan
-from ...spec import GroupKind
-from ...transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
-from ...transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
-from ...transport.nixl import NixlAgent, Transfer
-from ...transport.tp_peer import tp_pair_plans
-from ...windows import trim_remote_to_local
+from ....errors import HandshakeError, HmacoreError, TransferError
+from ....plan import TransferPlan
+from ....spec import GroupKind
+from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
+from ....transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
+from ....transport.nixl import NixlAgent, Transfer
+from ....transport.tp_peer import tp_pair_plans
+from ....windows import trim_remote_to_local
 from ._tp import WorkerTp, check_rank_peer
 from .metadata import HmaNixlConnectorMetadata, HmaNixlWorkerMeta, RemotePeer
 from .push_metadata import PUSH_AGENT_SUFFIX
@@ -304,5 +304,5 @@ class HmaNixlWorker:
         return meta
 
     def shutdown(self) -> None:
-        from ._roles import close_transport
+        from .._roles import close_transport
         close_transport(self)

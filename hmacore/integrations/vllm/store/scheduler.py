@@ -1,4 +1,4 @@
-"""Scheduler side of :class:`~hmacore.integrations.vllm.store_connector.HmaStoreConnector`.
+"""Scheduler side of :class:`~hmacore.integrations.vllm.store.connector.HmaStoreConnector`.
 
 Hash-addressed offload / prefix reuse: a request's KV blocks are saved under keys derived from
 vLLM's ``Request.block_hashes`` (rows at the hash block size) and any instance sharing the
@@ -29,14 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from ...hits import HitFinder
-from ...keys import KeyBuilder
-from ...spec import GroupKind
-from ...tables import RequestState, TrackerSet
-from ...transport.store import lookup_hit
-from . import _compat as C
-from ._roles import TableFollower
-from .layout import layout_from_kv_cache_config
+from ....hits import HitFinder
+from ....keys import KeyBuilder
+from ....spec import GroupKind
+from ....tables import RequestState, TrackerSet
+from ....transport.store import lookup_hit
+from .. import _compat as C
+from .._roles import TableFollower
+from ..layout import layout_from_kv_cache_config
 from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
 
 logger = logging.getLogger(__name__)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _compat as C
-from ._roles import RoleDispatch, require_single_worker
+from .. import _compat as C
+from .._roles import RoleDispatch, require_single_worker
 from ._tp import worker_tp
 from .metadata import HmaNixlConnectorMetadata
-from .nixl_scheduler import HmaNixlScheduler
+from .scheduler import HmaNixlScheduler
 from .push_scheduler import HmaPushScheduler, transfer_mode
 
 __all__ = ["HmaNixlConnector"]
@@ -65,7 +65,7 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                                             lease_s=sched.lease_s, tp=tp,
                                             progress_delay_us=sched.progress_delay_us)
             else:
-                from .nixl_worker import HmaNixlWorker  # imports the NIXL driver lazily
+                from .worker import HmaNixlWorker  # imports the NIXL driver lazily
                 self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
                                             sched.engine_id, sched.host, sched.port, tp=tp,
                                             progress_delay_us=sched.progress_delay_us)

@@ -1,4 +1,4 @@
-"""Scheduler side of :class:`~hmacore.integrations.vllm.nixl_connector.HmaNixlConnector`.
+"""Scheduler side of :class:`~hmacore.integrations.vllm.nixl.connector.HmaNixlConnector`.
 
 P/D disaggregation by pull: the prefill node (P) finishes a request, keeps its blocks under a
 lease and returns ``kv_transfer_params`` naming them per KV cache group; the decode node (D)
@@ -27,15 +27,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import BlockTableError
-from ...spec import GroupKind
-from ...tables import RequestState, TrackerSet, as_block_table, count_hashed, fill_blocks, \
+from ....errors import BlockTableError
+from ....spec import GroupKind
+from ....tables import RequestState, TrackerSet, as_block_table, count_hashed, fill_blocks, \
     from_wire
-from ...transport import DEFAULT_PROGRESS_DELAY_US
-from . import _compat as C
-from ._clip import clip_table
-from ._roles import TableFollower
-from .layout import layout_from_kv_cache_config
+from ....transport import DEFAULT_PROGRESS_DELAY_US
+from .. import _compat as C
+from .._clip import clip_table
+from .._roles import TableFollower
+from ..layout import layout_from_kv_cache_config
 from .metadata import HmaNixlConnectorMetadata, RecvRequest, RemotePeer
 
 logger = logging.getLogger(__name__)

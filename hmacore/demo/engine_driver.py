@@ -78,7 +78,7 @@ class EngineProcess:
                          TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
                          NIXL_LOG_LEVEL=os.environ.get("NIXL_LOG_LEVEL", "WARN"))
         # The child imports this package (and test connectors) the way this process does.
-        root = str(Path(__file__).resolve().parents[3])
+        root = str(Path(__file__).resolve().parents[2])
         extra_env = dict(env or {})
         paths = [extra_env.pop("PYTHONPATH", ""), root, os.getcwd(),
                  os.environ.get("PYTHONPATH", "")]
@@ -86,7 +86,7 @@ class EngineProcess:
         child_env.setdefault("VLLM_CACHE_ROOT", str(self.log_path.parent / "vllm-cache"))
         child_env.update(extra_env)
         argv = list(wrapper or []) + [
-            python or sys.executable, "-m", "hmacore.integrations.vllm.engine_run",
+            python or sys.executable, "-m", "hmacore.demo.engine_run",
             "--model", str(model), "--max-num-batched-tokens", str(max_num_batched_tokens),
             "--kv-transfer-config", json.dumps(kv_transfer_config) if kv_transfer_config else ""]
         if not prefix_caching:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...errors import HandshakeError, LayoutError
-from ...spec import GroupKind, KVLayout
-from ...tp import GroupSharding, kv_heads_of_rank
-from . import _compat as C
+from ....errors import HandshakeError, LayoutError
+from ....spec import GroupKind, KVLayout
+from ....tp import GroupSharding, kv_heads_of_rank
+from .. import _compat as C
 
 __all__ = ["WorkerTp", "worker_tp", "check_rank_peer"]
 

@@ -43,13 +43,13 @@ import time
 from collections import deque
 from typing import Any
 
-from ...errors import HandshakeError, HmacoreError
-from ...layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState
-from ...plan import TransferPlan
-from ...tp import TpMapping, TpPairPlan, consumer_ranks
-from ...transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
-from ...transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
-from ._roles import close_transport
+from ....errors import HandshakeError, HmacoreError
+from ....layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState
+from ....plan import TransferPlan
+from ....tp import TpMapping, TpPairPlan, consumer_ranks
+from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
+from ....transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
+from .._roles import close_transport
 from ._tp import check_rank_peer
 from .push_metadata import PUSH_AGENT_SUFFIX, HmaPushConnectorMetadata, HmaPushWorkerMeta, \
     PushSave
@@ -170,7 +170,7 @@ class HmaPushWorker:
 
     # -- registration -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> TransferPlan:
-        from ...transport.nixl_desc import DescAgent
+        from ....transport.nixl_desc import DescAgent
         plan = TransferPlan.from_kv_caches(self.layout, kv_caches, num_blocks=self.num_blocks)
         self.plan = plan
         self.layers = LayerPlan(plan)

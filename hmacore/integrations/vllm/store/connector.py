@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _compat as C
-from ._roles import RoleDispatch, require_single_worker
-from ._store_backend import open_store
+from .. import _compat as C
+from .._roles import RoleDispatch, require_single_worker
+from .backend import open_store
 from .metadata import HmaStoreConnectorMetadata
-from .store_scheduler import HmaStoreScheduler, key_builder
+from .scheduler import HmaStoreScheduler, key_builder
 
 __all__ = ["HmaStoreConnector"]
 
@@ -49,7 +49,7 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
             self.scheduler = sched
         else:
             require_single_worker(vllm_config, type(self).__name__)
-            from .store_worker import HmaStoreWorker
+            from .worker import HmaStoreWorker
             self.worker = HmaStoreWorker(sched.layout, int(kv_cache_config.num_blocks), store,
                                          key_builder(vllm_config, extra))
 

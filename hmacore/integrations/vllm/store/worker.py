@@ -1,4 +1,4 @@
-"""Worker side of :class:`~hmacore.integrations.vllm.store_connector.HmaStoreConnector`.
+"""Worker side of :class:`~hmacore.integrations.vllm.store.connector.HmaStoreConnector`.
 
 * ``register_kv_caches``: per group, a :class:`~hmacore.transport.store.GroupSegments` of the
   group's OWN layers only (vLLM lets layer j of every group alias one storage; listing another
@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import HmacoreError, LayoutError
-from ...hits import HitFinder, HitResult
-from ...keys import KeyBuilder
-from ...plan import _layer_parts
-from ...spec import GroupKind
-from ...transport.store import NO_SPACE, OK, GroupSegments, SaveReport, load_blocks, \
+from ....errors import HmacoreError, LayoutError
+from ....hits import HitFinder, HitResult
+from ....keys import KeyBuilder
+from ....plan import _layer_parts
+from ....spec import GroupKind
+from ....transport.store import NO_SPACE, OK, GroupSegments, SaveReport, load_blocks, \
     save_blocks, save_state
 from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
 

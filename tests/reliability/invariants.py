@@ -1,4 +1,4 @@
-"""Debug-mode invariant checker for block bookkeeping (NumPy only; never on the hot path).
+"""Test-side invariant checker for block bookkeeping (NumPy only; never on the hot path).
 
 It checks a :class:`~hmacore.tables.TrackerSet` against a :class:`BlockPool` model of the
 shared block pool (vLLM's HMA pool: ONE id namespace ``[1, num_blocks)`` shared by every
@@ -15,30 +15,23 @@ KV cache group; id 0 is the null block) and the transfer / store inputs derived 
 5. null blocks are never transferred (desc-id inputs) or stored (store puts touching a
    group's block-0 bytes).
 
-Enable the checks in library callers with ``HMACORE_DEBUG=1`` (:func:`enabled`); tests call
-the checker directly. Every violation raises :class:`InvariantError` naming the request,
+The reliability tests call the checker directly. Every violation raises :class:`InvariantError` naming the request,
 group and block id.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .errors import HmacoreError
+from hmacore.errors import HmacoreError
 
-__all__ = ["InvariantError", "BlockPool", "InvariantChecker", "CheckedStore", "enabled"]
+__all__ = ["InvariantError", "BlockPool", "InvariantChecker", "CheckedStore"]
 
 
 class InvariantError(HmacoreError, AssertionError):
     """A bookkeeping invariant is broken (a bug in hmacore or in its caller)."""
-
-
-def enabled() -> bool:
-    """True when ``HMACORE_DEBUG`` is set to a non-empty value other than ``0``."""
-    return os.environ.get("HMACORE_DEBUG", "0") not in ("", "0")
 
 
 class BlockPool:

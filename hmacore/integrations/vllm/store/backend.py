@@ -20,7 +20,7 @@ import logging
 import threading
 from typing import Any
 
-from ...transport.store import RPC_FAIL, EmbeddedStore
+from ....transport.store import RPC_FAIL, EmbeddedStore
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def open_store(extra: dict) -> Any:
             if name in _STORES:
                 return _STORES[name]
             try:
-                from ...transport.mooncake import MooncakeStore
+                from ....transport.mooncake import MooncakeStore
                 seg = int(_get(extra, "global_segment_size", 256 << 20))
                 s = MooncakeStore(str(master),
                                   local_hostname=str(_get(extra, "local_hostname", "127.0.0.1")),

@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ...spec import GroupKind
-from ...tables import RequestState
-from . import _compat as C
-from ._clip import clip_table
-from .nixl_scheduler import HmaNixlScheduler
+from ....spec import GroupKind
+from ....tables import RequestState
+from .. import _compat as C
+from .._clip import clip_table
+from .scheduler import HmaNixlScheduler
 from .push_metadata import (TRANSFER_MODES, HmaPushConnectorMetadata, PushRegistration,
                             PushSave, check_push_id)
 
