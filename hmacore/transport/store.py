@@ -308,21 +308,38 @@ class SaveReport:
         raise err
 
 
+def _offsets(block_offsets, num_groups: int) -> list[int]:
+    if block_offsets is None:
+        return [0] * num_groups
+    out = [int(x) for x in block_offsets]
+    if len(out) != num_groups or min(out, default=0) < 0:
+        raise HashInputError(f"block_offsets needs {num_groups} ints >= 0, got {block_offsets!r}")
+    return out
+
+
 def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
                 num_tokens: int, block_ids: Sequence[Sequence[int]],
-                segments: Sequence[GroupSegments | None], start_token: int = 0) -> SaveReport:
+                segments: Sequence[GroupSegments | None], start_token: int = 0, *,
+                row_offset: int = 0, block_offsets: Sequence[int] | None = None) -> SaveReport:
     """Write the blocks ``finder.store_rows`` selects for ``[start_token, num_tokens)``.
 
-    ``block_ids[g]`` is group g's block table (positional, id 0 = null, never stored);
-    ``segments[g]`` the group's own memory. Keys already present are not rewritten; NO_SPACE
-    stops the save (it is pressure, not an error); other failures are counted.
+    ``block_ids[g]`` is group g's block table (positional, id 0 = null, never stored) from
+    position ``block_offsets[g]`` on (default 0: the whole table); ``hashes`` holds the hash
+    rows from ``row_offset`` on. A saver that ships only a step's new positions and rows
+    (the vLLM connector) passes both offsets. ``segments[g]`` is the group's own memory.
+    Keys already present are not rewritten; NO_SPACE stops the save (it is pressure, not an
+    error); other failures are counted.
     """
     if len(block_ids) != finder.num_groups or len(segments) != finder.num_groups:
         raise HashInputError(f"block_ids and segments need one entry per group "
                              f"({finder.num_groups})")
     hashes = _check_hashes(hashes)
+    offs = _offsets(block_offsets, finder.num_groups)
+    if isinstance(row_offset, bool) or not isinstance(row_offset, (int, np.integer)) \
+            or row_offset < 0:
+        raise HashInputError(f"row_offset must be an int >= 0, got {row_offset!r}")
     rep = SaveReport()
-    n = hashes.shape[0]
+    n = hashes.shape[0] + int(row_offset)
     rows = finder.store_rows(n, num_tokens, start_token)
     h = finder.hash_block_size
     # every table and segment is checked before the first store call: a bad group is the
@@ -336,9 +353,13 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
         if seg is None:
             raise HashInputError(f"segments[{g}] is missing for a stored group")
         k = finder.block_sizes[g] // h
-        blocks = (rows[g] + 1) // k - 1
+        blocks = (rows[g] + 1) // k - 1 - offs[g]
+        if blocks.size and (blocks.min() < 0 or rows[g].min() - (k - 1) < row_offset):
+            raise HashInputError(f"group {g}: the save starts at block {offs[g]} / hash row "
+                                 f"{row_offset} but [{start_token}, {num_tokens}) needs earlier "
+                                 "ones")
         keep = blocks < table.size
-        blocks, grow = blocks[keep], rows[g][keep]
+        blocks, grow = blocks[keep], rows[g][keep] - row_offset
         ids = table[blocks] if blocks.size else blocks
         real = ids != 0
         ids, grow = ids[real], grow[real]
@@ -382,13 +403,15 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
 
 
 def save_state(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
-               num_tokens: int, group: int, block_id: int, segments: GroupSegments) -> int:
+               num_tokens: int, group: int, block_id: int, segments: GroupSegments, *,
+               row_offset: int = 0) -> int:
     """Boundary put of a Mamba (state) group: write block ``block_id`` (the state after
     ``align_length(num_tokens)`` tokens) under the key of that boundary's hash row.
 
     Align-mode Mamba tables are not append-only, so states are never saved positionally
     (``store_masks`` is all-zero for them); the caller hands the exact state block over.
-    Returns the store's code (OK, NO_SPACE, ...); 0 tokens to name writes nothing (OK).
+    ``hashes`` holds the rows from ``row_offset`` on. Returns the store's code (OK,
+    NO_SPACE, ...); 0 tokens to name writes nothing (OK).
     """
     if isinstance(block_id, (bool, np.bool_)) or not isinstance(block_id, (int, np.integer)):
         raise BlockTableError(f"block_id must be an int, got {type(block_id).__name__} {block_id!r}")
@@ -399,8 +422,10 @@ def save_state(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.n
     row = finder.boundary_row(num_tokens)
     if row < 0:
         return OK
-    if row >= hashes.shape[0]:
-        raise HashInputError(f"hashes cover {hashes.shape[0]} rows; the boundary needs row {row}")
+    row -= int(row_offset)
+    if not 0 <= row < hashes.shape[0]:
+        raise HashInputError(f"hashes cover rows [{row_offset}, {row_offset + hashes.shape[0]}); "
+                             f"the boundary needs row {row + row_offset}")
     k = keys.keys(g, finder.key_digests(hashes, g, np.array([row], dtype=np.int64)))
     parts = segments.parts([block_id])     # a bad id is the caller's error, not a store failure
     try:

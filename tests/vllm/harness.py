@@ -212,6 +212,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def assert_mirror(tracked, table, kcc: KVCacheConfig, where="") -> None:
+    """A connector's incrementally followed table against vLLM's own: same length per group,
+    equal at every position except where vLLM nulled a block in place (sliding-window blocks
+    out of the window, superseded Mamba states), never in a full-attention group."""
+    assert len(tracked) == len(table), where
+    for g, (mine, theirs, grp) in enumerate(zip(tracked, table, kcc.kv_cache_groups)):
+        mine, theirs = [int(x) for x in mine], [int(x) for x in theirs]
+        assert len(mine) == len(theirs), (where, g, len(mine), len(theirs))
+        stale = [p for p, (a, b) in enumerate(zip(mine, theirs)) if a != b]
+        assert all(theirs[p] == 0 for p in stale), (where, g, stale[:5], mine, theirs)
+        if stale:
+            assert isinstance(grp.kv_cache_spec, (SlidingWindowSpec, MambaSpec)), (where, g)
+
+
 def oracle_clip(table, kcc: KVCacheConfig) -> list[list[int]]:
     """Independent statement of the NIXL clip rule for a hybrid config (vllm-hma.md §4.2):
     sliding window keeps the last cdiv(window, bs) + 1 entries, Mamba its last entry (less
@@ -263,7 +277,7 @@ class Driver:
         self.metas.append(meta)
         mgr = self.s.kv_cache_manager
         self.table_at_meta.append({rid: mgr.get_block_ids(rid) for rid in
-                                   list(meta.reqs_to_recv) + list(meta.producer_block_ids)
+                                   list(meta.reqs_to_recv)
                                    if rid in self.s.requests
                                    and rid in mgr.coordinator.single_type_managers[0].req_to_blocks})
         trk = self.s.connector.scheduler.trackers

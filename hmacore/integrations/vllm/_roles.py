@@ -1,6 +1,6 @@
 """What both hmacore connectors share: one instance serves one role (SCHEDULER or WORKER) and
-forwards vLLM's calls to its scheduler-side or worker-side object; the scheduler objects keep
-per-request per-group tables that follow vLLM's KV cache manager."""
+forwards vLLM's calls to its scheduler-side or worker-side object; the scheduler objects that
+need per-step tables follow them incrementally from the scheduler output (TableFollower)."""
 from __future__ import annotations
 
 from typing import Any
@@ -55,10 +55,6 @@ class RoleDispatch:
         return self._layout
 
     # -- scheduler side -----------------------------------------------------------------------
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
-        self._sched().bind_kv_cache_manager(kv_cache_manager)
-
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -103,15 +99,21 @@ class RoleDispatch:
 
 
 class TableFollower:
-    """Mixin for a scheduler-side object with ``self.trackers`` (TrackerSet) and
-    ``self._kv_cache_manager``: keeps each tracked request's per-group table equal to vLLM's."""
+    """Mixin for a scheduler-side object with ``self.trackers`` (TrackerSet): follows the
+    per-group tables of the requests it tracks from what vLLM hands it, incrementally.
+
+    Per step the work is O(new blocks) of the tracked scheduled requests: a new or resumed
+    request brings its full table once (vLLM built that list anyway), a running one appends
+    ``new_block_ids``. vLLM's table is never re-read. The mirror differs from vLLM's own
+    table only where vLLM nulled a block in place (sliding-window blocks that left the window,
+    superseded Mamba states): those positions lie before the tokens any later step computes,
+    so every position a connector reads for the current step (its new blocks) equals vLLM's.
+    ``tests/vllm/test_follow_mirror.py`` checks exactly this in vLLM's real Scheduler.
+    A request is followed from the moment the connector tracks it (``_track_full``) until it
+    stops tracking it (``trackers.finish``); untracked requests cost one dict lookup.
+    """
 
     trackers: TrackerSet
-    _kv_cache_manager: Any = None
-
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        """Keep vLLM's KVCacheManager: the authoritative per-group tables."""
-        self._kv_cache_manager = kv_cache_manager
 
     def _track_full(self, rid: str, table: Any, num_prompt_tokens: int) -> None:
         """A full per-group table: new request, resumed request (replace) or a repeat (suffix)."""
@@ -122,35 +124,22 @@ class TableFollower:
         else:
             self.trackers.update_after_alloc(rid, table)
 
-    def _track_alloc(self, request: Any, blocks: Any):
-        """The shared start of ``update_state_after_alloc``: None for a request without
-        ``kv_transfer_params``; else track its full table and return ``(params, rid, table,
-        hashed)`` (per-group ids and hash flags, as :func:`_compat.table_and_hashed`)."""
-        params = request.kv_transfer_params
-        if not params:
-            return None
-        rid = request.request_id
-        table, hashed = C.table_and_hashed(blocks)
-        self._track_full(rid, table, request.num_prompt_tokens)
-        return params, rid, table, hashed
-
     def _follow_step(self, scheduler_output: Any):
-        """Apply one step's preemptions and allocations; yield the tracked scheduled ids."""
+        """Apply one step's preemptions and allocations to the tracked requests; yield the
+        tracked scheduled ids (untracked ones are skipped with one membership test)."""
+        trackers = self.trackers
+        if not len(trackers):
+            return
         for rid in C.preempted_ids(scheduler_output):
-            if rid in self.trackers:
-                self.trackers.preempt(rid)
+            if rid in trackers:
+                trackers.preempt(rid)
         for rid, ids, full in C.iter_scheduled(scheduler_output):
-            if rid not in self.trackers:
+            if rid not in trackers:
                 continue
-            if self._kv_cache_manager is not None:
-                # The manager's full table: vLLM nulls out-of-window / superseded-state blocks
-                # in place, which appended ids never show.
-                self._track_full(rid, self._kv_cache_manager.get_block_ids(rid),
-                                 self.trackers.num_prompt_tokens(rid))
-            elif full:
-                self._track_full(rid, ids, self.trackers.num_prompt_tokens(rid))
+            if full:
+                self._track_full(rid, ids, trackers.num_prompt_tokens(rid))
             elif ids is not None:
-                self.trackers.append(rid, ids)
-            if self.trackers.state(rid) != RequestState.RUNNING:
-                self.trackers.set_state(rid, RequestState.RUNNING)
+                trackers.append(rid, ids)
+            if trackers.state(rid) != RequestState.RUNNING:
+                trackers.set_state(rid, RequestState.RUNNING)
             yield rid

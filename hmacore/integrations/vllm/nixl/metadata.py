@@ -61,8 +61,6 @@ class HmaNixlConnectorMetadata(KVConnectorMetadata):
             the worker must drop them and refuse later reads).
         reqs_not_processed: P side, requests that finished abnormally (abort): nothing
             will be read, forget them.
-        producer_block_ids: P side, per scheduled producer request, its current per-group
-            table clipped to the window / state slot (what a reader will get).
         heartbeats: D side, remote engine id -> remote request ids still being waited on.
         scheduler_clock: ``time.perf_counter()`` of the scheduler when built.
     """
@@ -71,7 +69,6 @@ class HmaNixlConnectorMetadata(KVConnectorMetadata):
     reqs_to_send: dict[str, float] = dataclasses.field(default_factory=dict)
     expired: set[str] = dataclasses.field(default_factory=set)
     reqs_not_processed: set[str] = dataclasses.field(default_factory=set)
-    producer_block_ids: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)
     heartbeats: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     scheduler_clock: float = 0.0
 

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ....spec import GroupKind
-from ....tables import RequestState
 from .. import _compat as C
 from .._clip import clip_table
 from .scheduler import HmaNixlScheduler
@@ -181,13 +180,15 @@ class HmaPushScheduler(HmaNixlScheduler):
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Track the full table; D: queue the registration (first call with params)."""
-        tracked = self._track_alloc(request, blocks)
+        """P: track a push request's table (its steps push their new blocks); D: queue the
+        registration (first call with params)."""
+        tracked = self._alloc_table(request, blocks)
         if tracked is None:
             return
         params, rid, table, hashed = tracked
         if params.get("do_remote_decode"):
-            self._is_push_producer(request)
+            if self._is_push_producer(request) is not None:
+                self._track_full(rid, table, request.num_prompt_tokens)
             return
         if not params.get("do_remote_prefill"):
             return
@@ -203,7 +204,6 @@ class HmaPushScheduler(HmaNixlScheduler):
                 block_ids=ids, num_tokens=end, awaiting=awaiting)
             if awaiting:
                 self._awaiting[rid] = ("", pp["push_id"])
-                self.trackers.set_state(rid, RequestState.WAITING_FOR_REMOTE)
         params["do_remote_prefill"] = False
         params["_hma_remote_processed"] = True
 
@@ -246,13 +246,15 @@ class HmaPushScheduler(HmaNixlScheduler):
         end = min(int(request.num_computed_tokens) + scheduled, total)
         if start >= end:
             return None
-        table = self.trackers.block_ids(rid)
+        views = self.trackers.block_ids(rid, copy=False)
         local, rem = [], []
         for g, spec in enumerate(self.layout.groups):
-            mine, theirs = [int(x) for x in table[g]], remote[g]
+            # only this step's positions: the work does not grow with the prompt
             lo, hi = start // spec.block_size, -(-end // spec.block_size)
-            hi = min(hi, len(mine), len(theirs))
-            pairs = [(mine[p], theirs[p]) for p in range(lo, hi) if mine[p] and theirs[p]]
+            theirs = remote[g]
+            hi = min(hi, views[g].shape[0], len(theirs))
+            mine = views[g][lo:hi].tolist() if hi > lo else []
+            pairs = [(a, b) for a, b in zip(mine, theirs[lo:hi]) if a and b]
             local.append([a for a, _ in pairs])
             rem.append([b for _, b in pairs])
         self._push_steps[rid] = step + 1

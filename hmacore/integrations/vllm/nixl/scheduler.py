@@ -29,7 +29,7 @@ from typing import Any
 
 from ....errors import BlockTableError
 from ....spec import GroupKind
-from ....tables import RequestState, TrackerSet, as_block_table, count_hashed, fill_blocks, \
+from ....tables import TrackerSet, as_block_table, count_hashed, fill_blocks, \
     from_wire
 from ....transport import DEFAULT_PROGRESS_DELAY_US
 from .. import _compat as C
@@ -89,8 +89,9 @@ class HmaNixlScheduler(TableFollower):
         has_mamba = any(s.kind == GroupKind.MAMBA for s in self.layout.groups)
         # Tokens D recomputes itself (Mamba needs h(N-1) to derive h(N)); P stops short.
         self.backoff = max(1 if has_mamba else 0, C.prefill_lookahead_tokens(vllm_config) - 1)
+        # Pull mode follows no request per step (D reads its table at allocation, P gets its
+        # table from request_finished); push mode tracks its P-side push requests.
         self.trackers = TrackerSet(self.layout)
-        self._kv_cache_manager: Any = None
         # D side
         self._recv_pending: dict[str, RecvRequest] = {}
         self._awaiting: dict[str, tuple[str, str]] = {}   # req -> (P engine, P request id)
@@ -102,7 +103,6 @@ class HmaNixlScheduler(TableFollower):
         self._new_leases: dict[str, float] = {}
         self._expired_pending: set[str] = set()
         self._not_processed: set[str] = set()
-        self._producers: set[str] = set()
 
     # -- binding --------------------------------------------------------------------------
     # -- helpers ---------------------------------------------------------------------------
@@ -159,6 +159,16 @@ class HmaNixlScheduler(TableFollower):
             out_h.append(h)
         return tuple(out_t), tuple(out_h)
 
+    def _alloc_table(self, request: Any, blocks: Any):
+        """The shared start of ``update_state_after_alloc``: None for a request without
+        ``kv_transfer_params``; else ``(params, rid, table, hashed)`` (per-group int32 ids and
+        hash flags of the allocated table, :func:`_compat.table_and_hashed`)."""
+        params = request.kv_transfer_params
+        if not params:
+            return None
+        table, hashed = C.table_and_hashed(blocks)
+        return params, request.request_id, table, hashed
+
     def _empty(self) -> list[list[int]]:
         return [[] for _ in range(self.layout.num_groups)]
 
@@ -195,13 +205,12 @@ class HmaNixlScheduler(TableFollower):
         return (count, not self.sync_load) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Track the full table; schedule the D-side load on the first call with params."""
-        tracked = self._track_alloc(request, blocks)
+        """Schedule the D-side load on the first call with params (P: note the producer)."""
+        tracked = self._alloc_table(request, blocks)
         if tracked is None:
             return
         params, rid, table, hashed = tracked
         if params.get("do_remote_decode"):
-            self._producers.add(rid)
             return
         if not params.get("do_remote_prefill"):
             return  # second call of an async load, or a D request already handled
@@ -216,7 +225,6 @@ class HmaNixlScheduler(TableFollower):
                 local = clip_table(fill_blocks(table, hashed), self.layout)
                 if not self.sync_load:  # a sync load completes inside the step
                     self._awaiting[rid] = (remote.engine_id, remote.request_id)
-                    self.trackers.set_state(rid, RequestState.WAITING_FOR_REMOTE)
             else:  # full local prefix hit: nothing to read, only let P free its blocks
                 local = self._empty()
             self._recv_pending[rid] = RecvRequest(
@@ -231,10 +239,6 @@ class HmaNixlScheduler(TableFollower):
         """This step's metadata; resets the per-step state."""
         now = self.clock()
         meta = HmaNixlConnectorMetadata(scheduler_clock=now)
-        for rid in self._follow_step(scheduler_output):
-            if rid in self._producers:
-                meta.producer_block_ids[rid] = clip_table(self.trackers.block_ids(rid),
-                                                          self.layout)
         meta.reqs_to_recv, self._recv_pending = self._recv_pending, {}
         meta.reqs_to_send, self._new_leases = self._new_leases, {}
         meta.expired, self._expired_pending = self._expired_pending, set()
@@ -301,7 +305,6 @@ class HmaNixlScheduler(TableFollower):
         rid = request.request_id
         if rid in self.trackers:
             self.trackers.finish(rid)
-        self._producers.discard(rid)
         self._local_tokens.pop(rid, None)
         self.failed_recving.discard(rid)
         if not params:

@@ -33,8 +33,10 @@ class StoreLoad:
 class StoreSave:
     """One store save: the blocks of ``[start_token, num_tokens)`` the store mask keeps.
 
-    ``num_tokens`` is a multiple of the hit alignment; ``hashes`` covers rows
-    ``[0, num_tokens // hash_block_size)``; ``block_ids`` is the request's current table.
+    Incremental: ``block_ids[g]`` holds group g's table positions ``[block_offsets[g],
+    num_tokens // block_size_g)`` only (the positions this save may store), and ``hashes``
+    the hash rows ``[row_offset, num_tokens // hash_block_size)``. ``num_tokens`` is a
+    multiple of the hit alignment.
     """
 
     request_id: str
@@ -46,6 +48,10 @@ class StoreSave:
     #: (group, block id) of Mamba (align mode) groups whose state after exactly
     #: ``num_tokens`` tokens sits in that block: saved by a boundary put (``save_state``).
     state_blocks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    #: per group, the table position of ``block_ids[g][0]``
+    block_offsets: list[int] | None = None
+    #: the hash row of the first row in ``hashes``
+    row_offset: int = 0
 
 
 @dataclasses.dataclass

@@ -29,12 +29,15 @@ from typing import Any
 
 import numpy as np
 
+from ....errors import HashInputError
+from ....grain import cdiv
 from ....hits import HitFinder
 from ....keys import KeyBuilder
 from ....spec import GroupKind
 from ....tables import RequestState, TrackerSet
 from ....transport.store import lookup_hit
 from .. import _compat as C
+from .._clip import skipped_blocks
 from .._roles import TableFollower
 from ..layout import layout_from_kv_cache_config
 from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
@@ -44,13 +47,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["HmaStoreScheduler", "hashes_array", "key_builder"]
 
 
-def hashes_array(block_hashes: Any, limit: int | None = None) -> np.ndarray:
-    """vLLM ``Request.block_hashes`` (bytes per row) as an (N, digest) uint8 array."""
-    rows = list(block_hashes if limit is None else block_hashes[:limit])
+def hashes_array(block_hashes: Any, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Rows ``[start, stop)`` of vLLM's ``Request.block_hashes`` (``list[bytes]``, one digest
+    per hash block) as an (N, digest) uint8 array: one list slice and one ``bytes.join``,
+    both C loops, no Python object per row."""
+    rows = block_hashes[start:stop]
     if not rows:
         return np.zeros((0, 32), dtype=np.uint8)
-    w = len(rows[0])
-    return np.frombuffer(b"".join(bytes(r) for r in rows), dtype=np.uint8).reshape(-1, w)
+    raw = b"".join(rows)
+    width = len(rows[0])
+    if len(raw) != width * len(rows):
+        raise HashInputError(f"block_hashes[{start}:{stop}]: digests differ in length")
+    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width)
 
 
 def key_builder(vllm_config: Any, extra: dict) -> KeyBuilder:
@@ -108,7 +116,8 @@ class HmaStoreScheduler(TableFollower):
         if n_rows:
             try:
                 hit = lookup_hit(self.finder, self.keys, self.store,
-                                 hashes_array(request.block_hashes), int(request.num_tokens)).tokens
+                                 hashes_array(request.block_hashes),
+                                 int(request.num_tokens)).tokens
             except Exception as e:   # never let a lookup take the scheduler down
                 logger.warning("store lookup of %s failed (%s); treated as a miss", rid, e)
                 hit = 0
@@ -127,8 +136,9 @@ class HmaStoreScheduler(TableFollower):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         table = blocks.get_block_ids()
-        self._requests[rid] = request
-        self._track_full(rid, table, int(request.num_prompt_tokens))
+        if self.do_save:     # saves read each step's new blocks: follow the table
+            self._requests[rid] = request
+            self._track_full(rid, table, int(request.num_prompt_tokens))
         if num_external_tokens <= 0:
             return
         cached = self._hits.get(rid)
@@ -138,16 +148,16 @@ class HmaStoreScheduler(TableFollower):
             logger.warning("%s: %d external tokens but the store hit is %d tokens; no load",
                            rid, num_external_tokens, hit)
             return
-        rows = hit // self.finder.hash_block_size
-        h = hashes_array(request.block_hashes, rows)
+        rows = request.block_hashes[:hit // self.finder.hash_block_size]
         self._loads[rid] = StoreLoad(
             request_id=rid, hit_tokens=hit, skip_tokens=skip,
-            block_ids=[[int(b) for b in g] for g in table], hashes=h.tobytes(),
-            digest_size=int(h.shape[1]), awaiting=self.load_async)
-        # what was loaded is in the store already: saves start after it
-        self.trackers.set_saved_tokens(rid, max(self.trackers.saved_tokens(rid), hit))
-        if self.load_async:
-            self.trackers.set_state(rid, RequestState.WAITING_FOR_REMOTE)
+            block_ids=[list(g) for g in table], hashes=b"".join(rows),
+            digest_size=len(rows[0]), awaiting=self.load_async)
+        if rid in self.trackers:
+            # what was loaded is in the store already: saves start after it
+            self.trackers.set_saved_tokens(rid, max(self.trackers.saved_tokens(rid), hit))
+            if self.load_async:
+                self.trackers.set_state(rid, RequestState.WAITING_FOR_REMOTE)
         self.stats["loads"] += 1
         self.stats["hit_tokens"] += hit
 
@@ -169,34 +179,52 @@ class HmaStoreScheduler(TableFollower):
 
     def _save_for(self, rid: str, num_scheduled: int) -> StoreSave | None:
         """The save of the tokens computed once this step ran (meta is built before vLLM
-        advances ``num_computed_tokens``)."""
+        advances ``num_computed_tokens``): only the new positions of each group and the new
+        hash rows, so its cost does not grow with the request's length."""
         req = self._requests.get(rid)
         if req is None or num_scheduled <= 0:
             return None
-        h = self.finder.hash_block_size
+        finder = self.finder
+        h = finder.hash_block_size
         done = int(req.num_computed_tokens) + num_scheduled
         done = min(done, len(req.block_hashes) * h)      # keys need hash rows
-        end = self.finder.align_length(done)
+        end = finder.align_length(done)
         start = self.trackers.saved_tokens(rid)
         if end <= start:
             return None
-        table = self.trackers.block_ids(rid)
-        hs = hashes_array(req.block_hashes, end // h)
+        views = self.trackers.block_ids(rid, copy=False)
+        # the first block each group may store (store_rows' rule) and the first hash row any
+        # key of them (or a Mamba boundary put at `end`) reads
+        row0 = max(end // h - 1, 0)
+        # vLLM has nulled (and freed) the blocks before each window by now: never name them
+        processed = max(0, int(req.num_computed_tokens) - int(getattr(req, "num_in_flight_tokens", 0)))
+        ids, offsets = [], []
+        for g, view in enumerate(views):
+            bs = finder.block_sizes[g]
+            lo = min(end // bs, cdiv(start, bs))
+            group = view[lo:min(end // bs, view.shape[0])].tolist()
+            gone = min(max(skipped_blocks(self.layout.groups[g], processed) - lo, 0), len(group))
+            group[:gone] = [0] * gone
+            ids.append(group)
+            offsets.append(lo)
+            if g in finder.group_ids:
+                row0 = min(row0, lo * (bs // h))
+        raw = b"".join(req.block_hashes[row0:end // h])
         self.trackers.set_saved_tokens(rid, end)
         self.stats["saves"] += 1
         states = []
         if end == done:
             # align-mode Mamba: the state after exactly `end` tokens is in block end/bs - 1
-            for g in self.finder.group_ids:
-                spec = self.layout.groups[g]
-                bs = self.finder.block_sizes[g]
-                if spec.kind == GroupKind.MAMBA and end % bs == 0 and end // bs <= len(table[g]):
-                    b = int(table[g][end // bs - 1])
+            for g in finder.group_ids:
+                bs = finder.block_sizes[g]
+                if self.layout.groups[g].kind == GroupKind.MAMBA and end % bs == 0 \
+                        and end // bs <= views[g].shape[0]:
+                    b = int(views[g][end // bs - 1])
                     if b:
                         states.append((g, b))
-        return StoreSave(request_id=rid, start_token=start, num_tokens=end,
-                         block_ids=[g.tolist() for g in table], hashes=hs.tobytes(),
-                         digest_size=int(hs.shape[1]), state_blocks=states)
+        return StoreSave(request_id=rid, start_token=start, num_tokens=end, block_ids=ids,
+                         hashes=raw, digest_size=len(req.block_hashes[0]),
+                         state_blocks=states, block_offsets=offsets, row_offset=row0)
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.failed_recving or ():

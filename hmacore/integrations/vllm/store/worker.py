@@ -177,13 +177,13 @@ class HmaStoreWorker:
     # -- saves ------------------------------------------------------------------------------
     def _save(self, sv: StoreSave) -> SaveReport:
         try:
-            rep = save_blocks(self.finder, self.keys, self.store, _hashes(sv.hashes, sv.digest_size),
-                              sv.num_tokens, sv.block_ids, self._need_segments(),
-                              start_token=sv.start_token)
             hashes = _hashes(sv.hashes, sv.digest_size)
+            rep = save_blocks(self.finder, self.keys, self.store, hashes, sv.num_tokens,
+                              sv.block_ids, self._need_segments(), start_token=sv.start_token,
+                              row_offset=sv.row_offset, block_offsets=sv.block_offsets)
             for g, block in sv.state_blocks:
                 code = save_state(self.finder, self.keys, self.store, hashes, sv.num_tokens, g,
-                                  block, self._need_segments()[g])
+                                  block, self._need_segments()[g], row_offset=sv.row_offset)
                 if code == OK:
                     rep.written += 1
                 elif code == NO_SPACE:
