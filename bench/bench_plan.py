@@ -1,6 +1,7 @@
-"""Descriptor-id flattening per request: hmacore (Cython) next to the plain-Python oracle and a
-vectorized NumPy reference (the vLLM-style ``off[:, None] + ids[None, :]``), same inputs, results
-checked equal first. Groups ``desc_ids-<preset>-<tokens>`` put the three side by side."""
+"""Descriptor-id flattening per request: hmacore (Cython) next to the plain-Python oracle, a
+vectorized NumPy reference (the vLLM-style ``off[:, None] + ids[None, :]``, on int32 arrays)
+and vLLM 0.32's own ``_compute_desc_ids``; hmacore and vLLM start from the per-group
+``list[int]`` tables a worker receives in the connector metadata; results checked equal first. Groups ``desc_ids-<preset>-<tokens>`` put the three side by side."""
 import numpy as np
 import pytest
 
@@ -65,8 +66,10 @@ def test_desc_ids(benchmark, preset_plan, tokens, impl):
     benchmark.group = f"desc_ids-{preset}-{tokens}"
     benchmark.extra_info["descriptors"] = int(want.size)
     if impl == "hmacore":
+        # from what the worker really has: the metadata's per-group lists of Python ints
+        lists = tuple(t.tolist() for t in table)
         out = np.empty(want.size, np.int64)
-        got = benchmark(plan.desc_ids, table, out=out)
+        got = benchmark(plan.desc_ids, lists, out=out)
     elif impl == "numpy":
         got = benchmark(numpy_reference, plan, table)
     else:

@@ -138,51 +138,48 @@ class EmbeddedStore:
         with self._lock:
             return [1 if k in self._data else 0 for k in keys]
 
-    def batch_put(self, keys, parts) -> list[int]:
+    def _each(self, keys, parts, one) -> list[int]:
+        """``one(key, parts)`` for every key under the lock, after checking the arguments."""
         keys = _check_keys(keys)
         parts = _check_parts(keys, parts)
-        out = []
         with self._lock:
-            for k, p in zip(keys, parts):
-                if not all(self._inside(a, s) for a, s in p):
-                    out.append(INVALID)
-                    continue
-                value = b"".join(ctypes.string_at(a, s) for a, s in p)
-                if len(value) > self.capacity_bytes:
-                    out.append(NO_SPACE)
-                    continue
-                old = self._data.pop(k, None)
-                if old is not None:
-                    self._used -= len(old)
-                while self._used + len(value) > self.capacity_bytes:
-                    _, ev = self._data.popitem(last=False)
-                    self._used -= len(ev)
-                    self.evictions += 1
-                self._data[k] = value
-                self._used += len(value)
-                out.append(OK)
-        return out
+            return [one(k, p) for k, p in zip(keys, parts)]
+
+    def batch_put(self, keys, parts) -> list[int]:
+        return self._each(keys, parts, self._put)
+
+    def _put(self, k: str, p) -> int:
+        if not all(self._inside(a, s) for a, s in p):
+            return INVALID
+        value = b"".join(ctypes.string_at(a, s) for a, s in p)
+        if len(value) > self.capacity_bytes:
+            return NO_SPACE
+        old = self._data.pop(k, None)
+        if old is not None:
+            self._used -= len(old)
+        while self._used + len(value) > self.capacity_bytes:
+            _, ev = self._data.popitem(last=False)
+            self._used -= len(ev)
+            self.evictions += 1
+        self._data[k] = value
+        self._used += len(value)
+        return OK
 
     def batch_get(self, keys, parts) -> list[int]:
-        keys = _check_keys(keys)
-        parts = _check_parts(keys, parts)
-        out = []
-        with self._lock:
-            for k, p in zip(keys, parts):
-                value = self._data.get(k)
-                if value is None:
-                    out.append(NOT_FOUND)
-                    continue
-                if sum(s for _, s in p) != len(value) or not all(self._inside(a, s) for a, s in p):
-                    out.append(INVALID)
-                    continue
-                off = 0
-                for a, s in p:
-                    ctypes.memmove(a, value[off:off + s], s)
-                    off += s
-                self._data.move_to_end(k)
-                out.append(len(value))
-        return out
+        return self._each(keys, parts, self._get)
+
+    def _get(self, k: str, p) -> int:
+        value = self._data.get(k)
+        if value is None:
+            return NOT_FOUND
+        if sum(s for _, s in p) != len(value) or not all(self._inside(a, s) for a, s in p):
+            return INVALID
+        off = 0
+        for a, s in p:
+            ctypes.memmove(a, value[off:off + s], s)
+            off += s
+        self._data.move_to_end(k)
+        return len(value)
 
     def batch_remove(self, keys) -> list[int]:
         keys = _check_keys(keys)

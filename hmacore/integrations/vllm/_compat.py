@@ -40,20 +40,21 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 # -- KV cache spec classes (0.32 names) -------------------------------------------------------
 from vllm.v1 import kv_cache_interface as _kci  # noqa: E402
-
-KVCacheConfig = _kci.KVCacheConfig
-KVCacheGroupSpec = _kci.KVCacheGroupSpec
-KVCacheTensor = _kci.KVCacheTensor
-FullAttentionSpec = _kci.FullAttentionSpec
-MLAAttentionSpec = _kci.MLAAttentionSpec
-SlidingWindowSpec = _kci.SlidingWindowSpec
-SlidingWindowMLASpec = _kci.SlidingWindowMLASpec
-ChunkedLocalAttentionSpec = _kci.ChunkedLocalAttentionSpec
-MambaSpec = _kci.MambaSpec
-CrossAttentionSpec = _kci.CrossAttentionSpec
-EncoderOnlyAttentionSpec = _kci.EncoderOnlyAttentionSpec
-UniformTypeKVCacheSpecs = _kci.UniformTypeKVCacheSpecs
-AttentionSpec = _kci.AttentionSpec
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 
 #: Spec classes that are a FullAttentionSpec subclass but do NOT behave like plain full
 #: attention in vLLM's managers (gap freeing, sinks, hidden-state caches). Refused.
