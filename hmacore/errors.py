@@ -17,7 +17,9 @@ existing ``except ValueError`` (``TypeError``, ``KeyError``, ``OSError``, ``Over
     ├── TrackerStateError (RuntimeError)      a tracker call not allowed in the request's state
     ├── TransferError (RuntimeError)          a block transfer failed (request, group, block)
     ├── HandshakeError (RuntimeError)         peers disagree on layout, plan or protocol
-    └── StoreError (RuntimeError)             a KV store backend cannot be set up or used
+    ├── StoreError (RuntimeError)             a KV store backend cannot be set up or used
+    ├── PeerProcessError (RuntimeError)       a helper process (the demo's prefill side) failed
+    └── DependencyError (ImportError)         an optional dependency (NIXL, vLLM) is missing
 
 ``hmacore``'s command line prints any :class:`HmacoreError` as one ``hmacore: error: ...``
 line (exit code 2 for :class:`ConfigError` and the argument errors, 1 for the runtime ones).
@@ -27,6 +29,7 @@ __all__ = [
     "HmacoreError", "ConfigError", "LayoutError", "LayoutKeyError", "ConfigFileError",
     "ArgumentValueError", "ArgumentTypeError", "ArgumentOverflowError", "BlockTableError",
     "HashInputError", "TrackerStateError", "TransferError", "HandshakeError", "StoreError",
+    "PeerProcessError", "DependencyError",
 ]
 
 
@@ -96,3 +99,12 @@ class HashInputError(HmacoreError, ValueError):
 
 class StoreError(HmacoreError, RuntimeError):
     """A KV store backend could not be set up or used (never raised for a plain miss)."""
+
+
+class PeerProcessError(HmacoreError, RuntimeError):
+    """A helper process hmacore started (the demo's prefill side) failed or went silent;
+    the message carries its last error line, not its traceback."""
+
+
+class DependencyError(HmacoreError, ImportError):
+    """An optional dependency a command needs (NIXL, vLLM, Mooncake) cannot be imported."""

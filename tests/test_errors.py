@@ -21,6 +21,8 @@ TAXONOMY = {
     "TransferError": (RuntimeError,),
     "HandshakeError": (RuntimeError,),
     "StoreError": (RuntimeError,),
+    "PeerProcessError": (RuntimeError,),
+    "DependencyError": (ImportError,),
 }
 
 
