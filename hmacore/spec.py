@@ -570,7 +570,9 @@ class KVLayout:
             raise LayoutError(f"{where}: JSON object repeats key {e.args[0]!r}") from None
         except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError
             fmt = "TOML" if is_toml else "JSON"
-            raise LayoutError(f"{where}: {fmt} syntax error: {e}") from None
+            hint = "" if is_toml or p.lower().endswith(".json") else \
+                " (files not named *.toml are read as JSON)"
+            raise LayoutError(f"{where}: {fmt} syntax error: {e}{hint}") from None
         try:
             return cls.from_dict(doc)
         except LayoutError as e:

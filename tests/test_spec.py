@@ -392,6 +392,7 @@ BAD_FILES = [
     ("l.json", '{"groups": [{"kind": "full", "block_size": 16, "block_size": 32}]}',
      "JSON object repeats key 'block_size'"),
     ("l.json", b'\xff\xfe\x00garbage', "not UTF-8 text"),
+    ("l.yaml", 'groups:\n  - kind: full\n', "JSON syntax error: .* \\(files not named \\*.toml are read as JSON\\)"),
     ("l.toml", 'num_block = 10\n[[groups]]\nkind = "full"\nblock_size = 16\n',
      "l.toml': unknown layout keys: \\['num_block' \\(did you mean 'num_blocks'\\?\\)\\]"),
     ("l.toml", '[[groups]]\nkind = "full"\n', "l.toml': group 0: group is missing required key 'block_size'"),
