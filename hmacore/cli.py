@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text
+    """The message on one line (newlines and indentation collapsed); the type if empty."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def report_error(e: BaseException) -> int:

@@ -205,6 +205,9 @@ class GroupSpec:
 
         for field in ("eagle", "mla", "transfer"):
             flag(field)
+        if self.mla and kind == GroupKind.MAMBA:
+            raise LayoutError(f"GroupSpec.mla is only valid for attention groups (FULL, "
+                              f"SLIDING_WINDOW, CHUNKED_LOCAL), got True for {label}")
 
         if self.kernel_block_size is not None:
             k = integer("kernel_block_size", 1)

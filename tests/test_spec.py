@@ -278,6 +278,7 @@ BAD_SPECS = [
     (dict(kind=FULL, block_size=16, eagle=1), "GroupSpec.eagle must be a bool"),
     (dict(kind=FULL, block_size=16, mla="yes"), "GroupSpec.mla must be a bool"),
     (dict(kind=FULL, block_size=16, transfer=0), "GroupSpec.transfer must be a bool"),
+    (dict(kind=MAMBA, block_size=16, mla=True), "GroupSpec.mla is only valid for attention groups"),
     (dict(kind=MAMBA, block_size=16, mamba_mode="fast"), "GroupSpec.mamba_mode must be one of none/all/align"),
     (dict(kind=FULL, block_size=16, mamba_mode="all"),
      "GroupSpec.mamba_mode is only valid for MAMBA groups .* got 'all' for a FULL group"),
