@@ -3,7 +3,9 @@
 The core (everything importable from here) needs numpy only. Transports live in
 ``hmacore.transport`` (NIXL, stores) and the vLLM connectors in ``hmacore.integrations.vllm``.
 """
-from .errors import (BlockTableError, HandshakeError, HashInputError, HmacoreError, LayoutError,
+from .errors import (ArgumentOverflowError, ArgumentTypeError, ArgumentValueError, BlockTableError,
+                     ConfigError, ConfigFileError, DependencyError, HandshakeError,
+                     HashInputError, HmacoreError, LayoutError, LayoutKeyError, PeerProcessError,
                      StoreError, TrackerStateError, TransferError)
 from .grain import blocks_covering, cdiv, coarse_block_count, complete_blocks, grain_slice
 from .hits import ExistenceSet, ExternalBlockPool, HitFinder, HitResult

@@ -1,11 +1,20 @@
-"""Command line: ``hmacore plan`` (layout and transfer plan) and ``hmacore demo`` (the main job)."""
+"""Command line: ``hmacore plan`` (layout and transfer plan) and ``hmacore demo`` (the main job).
+
+Errors never reach the user as a traceback: every failure prints one ``hmacore: error: ...``
+line on stderr and exits with 2 (usage or configuration: bad arguments, a layout file that is
+missing, malformed or breaks a rule, an unknown preset) or 1 (runtime: a transfer, a peer
+process, a missing dependency, anything unexpected). ``--debug`` (or ``HMACORE_DEBUG=1``)
+re-raises with the traceback instead, and lets the demo's prefill process print its own.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from .errors import HmacoreError
+from .errors import (ArgumentOverflowError, ArgumentTypeError, ArgumentValueError, ConfigError,
+                     HmacoreError)
 from .presets import DEFAULT_PRESET, get_preset, preset_names
 from .spec import GroupKind, KVLayout
 
@@ -75,39 +84,120 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+EXIT_RUNTIME = 1   # a transfer, a peer process, a dependency, an unexpected failure
+EXIT_USAGE = 2     # bad arguments or configuration (layout file, preset, option values)
+_USAGE_ERRORS = (ConfigError, ArgumentValueError, ArgumentTypeError, ArgumentOverflowError)
+_DEBUG_ENV = "HMACORE_DEBUG"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``hmacore: error: plan: argument --tokens: ...``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        where = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
+        sys.stderr.write(f"hmacore: error: {where}{message} (see '{self.prog} --help')\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def int_at_least(minimum: int, what: str = ""):
+    """argparse ``type=``: a decimal int >= ``minimum`` (``"8.5"``, ``"1e3"``, ``"-1"`` refused).
+    ``what`` names the quantity in the message."""
+    rule = f"must be an int >= {minimum}" + (f" ({what})" if what else "")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{rule}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{rule}, got {value}")
+        return value
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def debug_requested(args: argparse.Namespace | None = None) -> bool:
+    """``--debug`` given, or ``HMACORE_DEBUG`` is exactly one of 1/true/yes/on (any case)."""
+    if args is not None and getattr(args, "debug", False):
+        return True
+    return os.environ.get(_DEBUG_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hmacore", description=__doc__)
-    sub = p.add_subparsers(dest="cmd")
-    pl = sub.add_parser("plan", help="print a layout and its transfer plan for one request")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=f"show tracebacks instead of one-line errors (or {_DEBUG_ENV}=1)")
+    p = _Parser(prog="hmacore", description=__doc__.split("\n\n")[0], parents=[common])
+    sub = p.add_subparsers(dest="cmd", metavar="{plan,presets,demo}")
+    pl = sub.add_parser("plan", parents=[common],
+                        help="print a layout and its transfer plan for one request")
     pl.add_argument("--preset", default=None, help=f"one of {preset_names()} (default {DEFAULT_PRESET})")
     pl.add_argument("--layout", default=None, help="a JSON/TOML layout file (overrides --preset)")
-    pl.add_argument("--tokens", type=int, default=32768, help="request length in tokens")
+    pl.add_argument("--tokens", type=int_at_least(0), default=32768, help="request length in tokens")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=cmd_plan)
-    ls = sub.add_parser("presets", help="list the preset layouts")
+    ls = sub.add_parser("presets", parents=[common], help="list the preset layouts")
     ls.set_defaults(func=lambda a: print("\n".join(preset_names())) or 0)
     try:
         from .demo import add_demo_arguments
     except ImportError:
         add_demo_arguments = None
     if add_demo_arguments is not None:
-        dm = sub.add_parser("demo", help="P/D hand-off of a hybrid model over real NIXL")
+        dm = sub.add_parser("demo", parents=[common],
+                            help="P/D hand-off of a hybrid model over real NIXL")
         add_demo_arguments(dm)
         dm.set_defaults(func=cmd_demo)
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    """The message on one line (newlines and indentation collapsed); the type if empty."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def report_error(e: BaseException) -> int:
+    """Print ``e`` as one ``hmacore: error:`` line; return the exit code it maps to."""
+    if isinstance(e, _USAGE_ERRORS):
+        code, text = EXIT_USAGE, _one_line(e)
+    elif isinstance(e, HmacoreError):
+        code, text = EXIT_RUNTIME, _one_line(e)
+    elif isinstance(e, ImportError):
+        code, text = EXIT_RUNTIME, f"a module this command needs cannot be imported: {_one_line(e)}"
+    else:
+        code, text = EXIT_RUNTIME, (f"unexpected {type(e).__name__}: {_one_line(e)} (rerun with "
+                                    f"--debug or {_DEBUG_ENV}=1 for the traceback)")
+    print(f"hmacore: error: {text}", file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit code (0 ok, 1 runtime error, 2 usage/config)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (already printed as one line)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
     if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+        try:
+            parser.error("a command is required: plan, presets or demo")
+        except SystemExit as e:
+            return int(e.code)
+    debug = debug_requested(args)
     try:
         return int(args.func(args) or 0)
-    except HmacoreError as e:
-        print(f"hmacore: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:   # `hmacore plan | head`: the reader left; not an error
-        sys.stderr.close()
+        try:  # Python flushes stdout at exit: point it at /dev/null so that cannot fail
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
         return 0
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("hmacore: error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place every failure becomes one line
+        if debug:
+            raise
+        return report_error(e)

@@ -7,35 +7,53 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from .errors import ArgumentTypeError, ArgumentValueError
+
 __all__ = [
     "cdiv", "blocks_covering", "complete_blocks", "grain_slice", "coarse_block_count",
 ]
 
 
-def _check_nonneg(name: str, value: int) -> int:
+def _as_int(name: str, value) -> int:
+    """``value`` as a Python int: ints and numpy integers; never bools, floats or strings
+    (a float would be truncated silently)."""
+    if type(value) is int:
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         try:
             import numpy as np
-            if isinstance(value, np.integer):
-                value = int(value)
-            else:
-                raise TypeError
-        except TypeError:
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+        except ImportError:  # pragma: no cover - numpy is a dependency
+            np = None
+        if np is not None and isinstance(value, np.integer):
+            return int(value)
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check_nonneg(name: str, value: int) -> int:
+    value = _as_int(name, value)
     if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+        raise ArgumentValueError(f"{name} must be >= 0, got {value}")
     return value
 
 
 def _check_pos(name: str, value: int) -> int:
     value = _check_nonneg(name, value)
     if value == 0:
-        raise ValueError(f"{name} must be > 0, got 0")
+        raise ArgumentValueError(f"{name} must be > 0, got 0")
     return value
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative ``a`` and positive ``b``."""
+    """Ceiling division for non-negative ``a`` and positive ``b`` (ints or numpy integers).
+
+    Raises ArgumentTypeError (a TypeError) for floats and bools, ArgumentValueError (a
+    ValueError) for ``a < 0`` or ``b <= 0``.
+    """
+    if type(a) is int and type(b) is int and a >= 0 and b > 0:  # the common case, fast
+        return -(-a // b)
+    a = _check_nonneg("a", a)
+    b = _check_pos("b", b)
     return -(-a // b)
 
 
@@ -71,14 +89,14 @@ def grain_slice(start: int, end: int, grain: int, block_size: int) -> tuple[int,
     grain = _check_pos("grain", grain)
     block_size = _check_pos("block_size", block_size)
     if end < start:
-        raise ValueError(f"end ({end}) must be >= start ({start})")
+        raise ArgumentValueError(f"end ({end}) must be >= start ({start})")
     if block_size >= grain:
         if block_size % grain:
-            raise ValueError(f"block_size ({block_size}) must be a multiple of grain ({grain})")
+            raise ArgumentValueError(f"block_size ({block_size}) must be a multiple of grain ({grain})")
         ratio = block_size // grain
         return start // ratio, end // ratio
     if grain % block_size:
-        raise ValueError(f"grain ({grain}) must be a multiple of block_size ({block_size})")
+        raise ArgumentValueError(f"grain ({grain}) must be a multiple of block_size ({block_size})")
     ratio = grain // block_size
     return start * ratio, end * ratio
 
@@ -92,17 +110,28 @@ def coarse_block_count(lengths: Mapping[int, int] | Sequence[int],
     (the PR 42437 review bug: skipping absent groups over-counts). Returns grain units.
     """
     grain = _check_pos("grain", grain)
-    if not block_sizes:
+    if isinstance(block_sizes, (str, bytes, Mapping)) or not hasattr(block_sizes, "__len__"):
+        raise ArgumentTypeError(f"block_sizes must be a sequence of ints, got "
+                                f"{type(block_sizes).__name__}")
+    sizes = [_check_pos(f"block_sizes[{g}]", bs) for g, bs in enumerate(block_sizes)]
+    if isinstance(lengths, Mapping):
+        for g in lengths:
+            if isinstance(g, bool) or not hasattr(g, "__index__") or not 0 <= g < len(sizes):
+                raise ArgumentValueError(f"lengths has group {g!r}, block_sizes has "
+                                         f"{len(sizes)} groups (ids 0..{len(sizes) - 1})")
+        counts = [lengths.get(g, 0) for g in range(len(sizes))]
+    elif isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
+        raise ArgumentTypeError(f"lengths must be a sequence or a mapping of ints, got "
+                                f"{type(lengths).__name__}")
+    else:
+        if len(lengths) != len(sizes):
+            raise ArgumentValueError(f"lengths has {len(lengths)} groups, block_sizes has "
+                                     f"{len(sizes)}")
+        counts = [lengths[g] for g in range(len(sizes))]
+    if not sizes:
         return 0
     best = None
-    for g, bs in enumerate(block_sizes):
-        bs = _check_pos(f"block_sizes[{g}]", bs)
-        if isinstance(lengths, Mapping):
-            n = lengths.get(g, 0)
-        else:
-            if len(lengths) != len(block_sizes):
-                raise ValueError(f"lengths has {len(lengths)} groups, block_sizes has {len(block_sizes)}")
-            n = lengths[g]
+    for g, (n, bs) in enumerate(zip(counts, sizes)):
         n = _check_nonneg(f"lengths[{g}]", n)
         units = n * bs // grain
         best = units if best is None else min(best, units)

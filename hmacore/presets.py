@@ -4,6 +4,7 @@ per preset. ``page_bytes`` is bytes of one block of one layer at TP=1 in bf16 un
 """
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 
 from .errors import LayoutError
@@ -111,7 +112,12 @@ def preset_names() -> list[str]:
 
 def get_preset(name: str, num_blocks: int | None = None) -> KVLayout:
     """The layout of a named model (aliases: gpt-oss, gemma-3, qwen3-next, dsv4, llama)."""
+    if not isinstance(name, str):
+        raise LayoutError(f"preset must be a str, got {type(name).__name__} {name!r}")
     key = ALIASES.get(name, name)
     if key not in PRESETS:
-        raise LayoutError(f"preset must be one of {sorted(PRESETS) + sorted(ALIASES)}, got {name!r}")
+        choices = sorted(PRESETS) + sorted(ALIASES)
+        near = difflib.get_close_matches(name, choices, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise LayoutError(f"preset must be one of {choices}, got {name!r}{hint}")
     return PRESETS[key]() if num_blocks is None else PRESETS[key](num_blocks=num_blocks)

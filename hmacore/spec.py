@@ -7,14 +7,16 @@ the group they belong to.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import hashlib
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .errors import LayoutError
+from .errors import ArgumentTypeError, ConfigError, ConfigFileError, LayoutError, LayoutKeyError
 from .grain import cdiv
 
 __all__ = ["GroupKind", "MambaMode", "GroupSpec", "KVLayout"]
@@ -42,10 +44,44 @@ class MambaMode(str, enum.Enum):
     ALIGN = "align"
 
 
-def _pos_int(group: int, field: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise LayoutError(f"group {group}: {field} must be a positive int, got {value!r}")
-    return value
+def _is_int(value: Any) -> bool:
+    """A real int: bools (and floats, numpy scalars, strings) are not."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _spec_error(field: str, rule: str, value: Any) -> LayoutError:
+    return LayoutError(f"GroupSpec.{field} must be {rule}, got {value!r}")
+
+
+def _resolve_kind(kind: Any) -> GroupKind:
+    """A supported :class:`GroupKind` from a GroupKind or its int value (bools/floats refused)."""
+    names = ", ".join(k.name for k in GroupKind if k in SUPPORTED_KINDS)
+    if isinstance(kind, GroupKind):
+        resolved = kind
+    elif _is_int(kind) and kind in GroupKind._value2member_map_:
+        resolved = GroupKind(kind)
+    else:
+        raise LayoutError(f"GroupSpec.kind must be one of {names} (a GroupKind or its int "
+                          f"value), got {kind!r}")
+    if resolved == GroupKind.CROSS_ATTENTION:
+        raise LayoutError("GroupSpec.kind: cross-attention is not supported (its blocks are sized "
+                          "by encoder length and are never prefix-cached or transferred)")
+    if resolved not in SUPPORTED_KINDS:  # pragma: no cover - every other kind is supported
+        raise LayoutError(f"GroupSpec.kind must be one of {names}, got {kind!r}")
+    return resolved
+
+
+def _unknown_keys(what: str, keys: Iterable[Any], allowed: Iterable[str]) -> None:
+    """Raise LayoutError listing the keys not in ``allowed``, each with a "did you mean"."""
+    allowed = sorted(allowed)
+    unknown = sorted((k for k in keys if k not in allowed), key=str)
+    if not unknown:
+        return
+    parts = []
+    for k in unknown:
+        near = difflib.get_close_matches(str(k), allowed, n=1, cutoff=0.6)
+        parts.append(f"{k!r} (did you mean {near[0]!r}?)" if near else repr(k))
+    raise LayoutError(f"unknown {what}: [{', '.join(parts)}]; allowed: {', '.join(allowed)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +103,15 @@ class GroupSpec:
         page_bytes: bytes of one block of one layer (0 = unknown; plans need it).
         transfer: vLLM ``enable_kv_transfer``; groups with False are never moved.
         name: a label for printing.
+
+    Every field is checked on construction (and by ``dataclasses.replace``); a broken rule
+    raises :class:`~hmacore.errors.LayoutError` naming the field and the rule, e.g.
+    ``GroupSpec.block_size must be an int >= 1, got -5``. Int fields take real ints only
+    (bools, floats and strings are refused, never truncated); ``eagle``/``mla``/``transfer``
+    take real bools only (``"no"`` is refused, not truthy); ``layer_names`` is a sequence of
+    distinct non-empty strings (a plain string is refused, not split into characters);
+    ``sliding_window`` / ``chunk_size`` / ``extra_retained_tokens`` / ``num_speculative_blocks``
+    / a non-``align`` ``mamba_mode`` are only valid on their kinds.
     """
 
     kind: GroupKind
@@ -85,17 +130,104 @@ class GroupSpec:
     name: str = ""
 
     def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        """Check every field (type, range, kind-specific rules) and normalise enums and int
+        subclasses; raise LayoutError naming the field and the rule."""
+        put = object.__setattr__
+        kind = _resolve_kind(self.kind)
+        put(self, "kind", kind)
+        label = f"a {kind.name} group"
+
+        def integer(field: str, lo: int) -> int:
+            v = getattr(self, field)
+            if not _is_int(v) or v < lo:
+                raise _spec_error(field, f"an int >= {lo}", v)
+            put(self, field, int(v))
+            return int(v)
+
+        def flag(field: str) -> None:
+            v = getattr(self, field)
+            if not isinstance(v, bool):  # "no", 0 or numpy.bool_ are refused: real bools only
+                raise _spec_error(field, "a bool (True or False)", v)
+
+        def only_for(field: str, want: GroupKind, value: Any, unset: Any) -> None:
+            if kind != want and value != unset:
+                raise LayoutError(f"GroupSpec.{field} is only valid for {want.name} groups, got "
+                                  f"{value!r} for {label}")
+
+        bs = integer("block_size", 1)
+
+        names = self.layer_names
+        if isinstance(names, (str, bytes, Mapping, set, frozenset)) \
+                or not isinstance(names, Iterable):
+            hint = f" (one layer: layer_names=({names!r},))" if isinstance(names, str) else ""
+            raise LayoutError(f"GroupSpec.layer_names must be a sequence of layer-name strings, "
+                              f"got {type(names).__name__} {names!r}{hint}")
+        names = tuple(names)
+        for i, n in enumerate(names):
+            if not isinstance(n, str) or not n:
+                raise LayoutError(f"GroupSpec.layer_names[{i}] must be a non-empty str, got {n!r}")
+        if len(set(names)) != len(names):
+            dup = next(n for i, n in enumerate(names) if n in names[:i])
+            raise LayoutError(f"GroupSpec.layer_names lists layer {dup!r} twice")
+        put(self, "layer_names", names)
+
+        if kind == GroupKind.SLIDING_WINDOW:
+            if not _is_int(self.sliding_window) or self.sliding_window < 1:
+                raise _spec_error("sliding_window", "an int >= 1 (tokens) for a SLIDING_WINDOW "
+                                  "group", self.sliding_window)
+            put(self, "sliding_window", int(self.sliding_window))
+        else:
+            only_for("sliding_window", GroupKind.SLIDING_WINDOW, self.sliding_window, None)
+        if kind == GroupKind.CHUNKED_LOCAL:
+            if not _is_int(self.chunk_size) or self.chunk_size < 1:
+                raise _spec_error("chunk_size", "an int >= 1 (tokens) for a CHUNKED_LOCAL group",
+                                  self.chunk_size)
+            put(self, "chunk_size", int(self.chunk_size))
+        else:
+            only_for("chunk_size", GroupKind.CHUNKED_LOCAL, self.chunk_size, None)
+
+        only_for("extra_retained_tokens", GroupKind.SLIDING_WINDOW,
+                 integer("extra_retained_tokens", 0), 0)
+        only_for("num_speculative_blocks", GroupKind.MAMBA, integer("num_speculative_blocks", 0), 0)
+
+        mode = self.mamba_mode
         try:
-            kind = GroupKind(self.kind)
+            mode = MambaMode(mode)
         except ValueError:
-            raise LayoutError(f"kind must be one of {[k.name for k in GroupKind]}, "
-                              f"got {self.kind!r}") from None
-        object.__setattr__(self, "kind", kind)
-        try:
-            object.__setattr__(self, "mamba_mode", MambaMode(self.mamba_mode))
-        except ValueError:
-            raise LayoutError(f"mamba_mode must be one of none/all/align, got {self.mamba_mode!r}") from None
-        object.__setattr__(self, "layer_names", tuple(self.layer_names))
+            raise _spec_error("mamba_mode", "one of none/all/align", mode) from None
+        put(self, "mamba_mode", mode)
+        if kind != GroupKind.MAMBA and mode != MambaMode.ALIGN:
+            raise LayoutError(f"GroupSpec.mamba_mode is only valid for MAMBA groups (leave the "
+                              f"default 'align'), got {mode.value!r} for {label}")
+
+        for field in ("eagle", "mla", "transfer"):
+            flag(field)
+        if self.mla and kind == GroupKind.MAMBA:
+            raise LayoutError(f"GroupSpec.mla is only valid for attention groups (FULL, "
+                              f"SLIDING_WINDOW, CHUNKED_LOCAL), got True for {label}")
+
+        if self.kernel_block_size is not None:
+            k = integer("kernel_block_size", 1)
+            if bs % k:
+                raise LayoutError(f"GroupSpec.kernel_block_size {k} does not divide block_size "
+                                  f"{bs} (the kernel block must divide the logical block)")
+        integer("page_bytes", 0)
+        if not isinstance(self.name, str):
+            raise _spec_error("name", "a str", self.name)
+
+    def __repr__(self) -> str:
+        """Non-default fields only, enums by name: ``eval``-able with hmacore's names."""
+        parts = [f"kind=GroupKind.{self.kind.name}", f"block_size={self.block_size}"]
+        for f in dataclasses.fields(self)[2:]:
+            v = getattr(self, f.name)
+            if v == f.default and type(v) is type(f.default):
+                continue
+            parts.append(f"{f.name}=" + (f"MambaMode.{v.name}" if isinstance(v, MambaMode)
+                                          else repr(v)))
+        return f"GroupSpec({', '.join(parts)})"
 
     # -- derived quantities -------------------------------------------------------------
     @property
@@ -152,25 +284,57 @@ class GroupSpec:
         d["layer_names"] = list(self.layer_names)
         return d
 
+    #: keys a group document may hold: every field, plus ``num_layers`` (names the layers
+    #: ``"{name or kind}.{i}"`` when ``layer_names`` is not given).
+    DOCUMENT_KEYS = ("kind", "block_size", "layer_names", "num_layers", "sliding_window",
+                     "chunk_size", "extra_retained_tokens", "eagle", "mamba_mode",
+                     "num_speculative_blocks", "mla", "kernel_block_size", "page_bytes",
+                     "transfer", "name")
+    REQUIRED_KEYS = ("kind", "block_size")
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GroupSpec:
+        """A group from a document (JSON object / TOML table), as :meth:`to_dict` writes it.
+
+        ``kind`` may be a name (any case) or the int value; booleans must be real booleans
+        (JSON/TOML ``true``/``false``: the string ``"false"`` is refused, not truthy).
+        Unknown keys are refused with a "did you mean"; missing required keys raise
+        :class:`~hmacore.errors.LayoutKeyError` naming the key.
+        """
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"a group must be a table/object of GroupSpec fields, got "
+                              f"{type(d).__name__} {d!r}")
         d = dict(d)
+        _unknown_keys("group fields", d, cls.DOCUMENT_KEYS)
+        for key in cls.REQUIRED_KEYS:
+            if key not in d:
+                raise LayoutKeyError(f"group is missing required key {key!r} (every group needs "
+                                     f"{' and '.join(cls.REQUIRED_KEYS)})")
         kind = d.pop("kind")
         if isinstance(kind, str):
             try:
                 kind = GroupKind[kind.upper()]
             except KeyError:
-                raise LayoutError(f"kind must be one of {[k.name for k in GroupKind]}, "
-                                  f"got {kind!r}") from None
-        layers = d.pop("layer_names", ())
+                names = [k.name.lower() for k in GroupKind if k in SUPPORTED_KINDS]
+                near = difflib.get_close_matches(kind.lower(), names, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise LayoutError(f"GroupSpec.kind must be one of {', '.join(names)}, got "
+                                  f"{kind!r}{hint}") from None
+        kind = _resolve_kind(kind)
+        layers = d.pop("layer_names", None)
         num_layers = d.pop("num_layers", None)
-        if num_layers is not None and not layers:
-            prefix = d.get("name") or f"{GroupKind(kind).name.lower()}"
-            layers = tuple(f"{prefix}.{i}" for i in range(int(num_layers)))
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise LayoutError(f"unknown group fields: {sorted(unknown)}")
-        return cls(kind=kind, layer_names=tuple(layers), **d)
+        if num_layers is not None:
+            if not _is_int(num_layers) or num_layers < 1:
+                raise LayoutError(f"num_layers must be an int >= 1, got {num_layers!r}")
+            if layers is None:
+                prefix = d.get("name") or kind.name.lower()
+                layers = tuple(f"{prefix}.{i}" for i in range(num_layers))
+            elif isinstance(layers, (list, tuple)) and len(layers) != num_layers:
+                raise LayoutError(f"num_layers is {num_layers} but layer_names lists "
+                                  f"{len(layers)} layers (give one of them, or agree)")
+        if isinstance(layers, list):
+            layers = tuple(layers)
+        return cls(kind=kind, layer_names=() if layers is None else layers, **d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +356,14 @@ class KVLayout:
     prefix_match_unit: int | None = None
 
     def __post_init__(self) -> None:
-        groups = tuple(self.groups)
+        groups = self.groups
+        if isinstance(groups, GroupSpec):
+            raise LayoutError("groups must be a sequence of GroupSpec, got one GroupSpec "
+                              "(wrap it: groups=(spec,))")
+        if isinstance(groups, (str, bytes, Mapping)) or not isinstance(groups, Iterable):
+            raise LayoutError(f"groups must be a sequence of GroupSpec, got "
+                              f"{type(groups).__name__}")
+        groups = tuple(groups)
         object.__setattr__(self, "groups", groups)
         if not groups:
             raise LayoutError("groups: a layout needs at least one group")
@@ -229,37 +400,21 @@ class KVLayout:
 
     @staticmethod
     def _validate_group(g: int, spec: GroupSpec) -> None:
-        if spec.kind == GroupKind.CROSS_ATTENTION:
-            raise LayoutError(f"group {g}: cross-attention is not supported (its blocks are sized "
-                              "by encoder length and are never prefix-cached or transferred)")
-        if spec.kind not in SUPPORTED_KINDS:
-            raise LayoutError(f"group {g}: kind {spec.kind!r} is not supported")
-        _pos_int(g, "block_size", spec.block_size)
-        if spec.kind == GroupKind.SLIDING_WINDOW:
-            _pos_int(g, "sliding_window", spec.sliding_window)
-        elif spec.sliding_window is not None:
-            raise LayoutError(f"group {g}: sliding_window is only valid for SLIDING_WINDOW groups")
-        if spec.kind == GroupKind.CHUNKED_LOCAL:
-            _pos_int(g, "chunk_size", spec.chunk_size)
-        elif spec.chunk_size is not None:
-            raise LayoutError(f"group {g}: chunk_size is only valid for CHUNKED_LOCAL groups")
-        if isinstance(spec.extra_retained_tokens, bool) or not isinstance(spec.extra_retained_tokens, int) \
-                or spec.extra_retained_tokens < 0:
-            raise LayoutError(f"group {g}: extra_retained_tokens must be an int >= 0")
-        if spec.extra_retained_tokens and spec.kind != GroupKind.SLIDING_WINDOW:
-            raise LayoutError(f"group {g}: extra_retained_tokens is only valid for SLIDING_WINDOW groups")
-        if isinstance(spec.num_speculative_blocks, bool) or not isinstance(spec.num_speculative_blocks, int) \
-                or spec.num_speculative_blocks < 0:
-            raise LayoutError(f"group {g}: num_speculative_blocks must be an int >= 0")
-        if spec.num_speculative_blocks and spec.kind != GroupKind.MAMBA:
-            raise LayoutError(f"group {g}: num_speculative_blocks is only valid for MAMBA groups")
-        if spec.kernel_block_size is not None:
-            k = _pos_int(g, "kernel_block_size", spec.kernel_block_size)
-            if spec.block_size % k:
-                raise LayoutError(f"group {g}: kernel_block_size {k} does not divide block_size "
-                                  f"{spec.block_size}")
-        if isinstance(spec.page_bytes, bool) or not isinstance(spec.page_bytes, int) or spec.page_bytes < 0:
-            raise LayoutError(f"group {g}: page_bytes must be an int >= 0")
+        # A GroupSpec validates itself when built; check again for ones that were not built
+        # (unpickled, copied with object.__setattr__), naming the group.
+        try:
+            spec._validate()
+        except LayoutError as e:
+            raise type(e)(f"group {g}: {e}").with_traceback(e.__traceback__) from None
+
+    def __repr__(self) -> str:
+        """Groups and non-default fields: ``eval``-able with hmacore's names."""
+        parts = [f"groups=({', '.join(repr(s) for s in self.groups)},)"]
+        for f in dataclasses.fields(self)[1:]:
+            v = getattr(self, f.name)
+            if v != f.default:
+                parts.append(f"{f.name}={v!r}")
+        return f"KVLayout({', '.join(parts)})"
 
     # -- derived quantities -------------------------------------------------------------
     @property
@@ -355,30 +510,104 @@ class KVLayout:
                 "context_parallel": self.context_parallel,
                 "prefix_match_unit": self.prefix_match_unit}
 
+    #: keys a layout document may hold (``groups`` is required).
+    DOCUMENT_KEYS = ("groups", "num_blocks", "context_parallel", "prefix_match_unit")
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> KVLayout:
+        """A layout from a document (JSON object / TOML table), as :meth:`to_dict` writes it.
+
+        Unknown keys (top level or in a group) are refused with a "did you mean"; a missing
+        ``groups`` (or a group's ``kind``/``block_size``) raises
+        :class:`~hmacore.errors.LayoutKeyError`. Group errors are prefixed with ``group {i}:``.
+        """
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"a layout document must be a table/object with a 'groups' list, "
+                              f"got {type(d).__name__}")
+        _unknown_keys("layout keys", d, cls.DOCUMENT_KEYS)
         if "groups" not in d:
-            raise LayoutError("layout document needs a 'groups' list")
+            raise LayoutKeyError("layout document needs a 'groups' list (missing key 'groups')")
         groups = d["groups"]
         if not isinstance(groups, (list, tuple)):
-            raise LayoutError("'groups' must be a list of group tables")
-        return cls(groups=tuple(GroupSpec.from_dict(g) for g in groups),
-                   num_blocks=d.get("num_blocks"),
+            raise LayoutError(f"'groups' must be a list of group tables, got "
+                              f"{type(groups).__name__}")
+        specs = []
+        for i, g in enumerate(groups):
+            try:
+                specs.append(GroupSpec.from_dict(g))
+            except LayoutError as e:
+                raise type(e)(f"group {i}: {e}").with_traceback(e.__traceback__) from None
+        return cls(groups=tuple(specs), num_blocks=d.get("num_blocks"),
                    context_parallel=d.get("context_parallel", 1),
                    prefix_match_unit=d.get("prefix_match_unit"))
 
     @classmethod
-    def from_file(cls, path: str) -> KVLayout:
-        """Load a layout from a ``.json`` or ``.toml`` file (see docs/embedding.md)."""
-        if str(path).endswith(".toml"):
-            import tomllib
-            with open(path, "rb") as f:
-                return cls.from_dict(tomllib.load(f))
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+    def from_file(cls, path: str | os.PathLike) -> KVLayout:
+        """Load a layout from a ``.toml`` file, or JSON (any other name; see docs/embedding.md).
+
+        Raises :class:`~hmacore.errors.ConfigFileError` (an OSError) when the file cannot be
+        read, :class:`~hmacore.errors.LayoutError` for a syntax error (with line and column)
+        or a rule the layout breaks; every message starts with ``layout file '<path>':``.
+        """
+        try:
+            p = os.fspath(path)
+        except TypeError:
+            raise ArgumentTypeError(f"path must be a str or os.PathLike, got "
+                                    f"{type(path).__name__}") from None
+        if isinstance(p, bytes):
+            p = os.fsdecode(p)
+        where = f"layout file {p!r}"
+        is_toml = p.lower().endswith(".toml")
+        try:
+            with open(p, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ConfigFileError(f"{where}: cannot read it ({e.strerror or e})") from e
+        try:
+            text = data.decode("utf-8-sig")
+            doc = _load_toml(text) if is_toml else json.loads(
+                text, object_pairs_hook=_no_duplicate_keys)
+        except UnicodeDecodeError as e:
+            raise LayoutError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except _DuplicateKey as e:
+            raise LayoutError(f"{where}: JSON object repeats key {e.args[0]!r}") from None
+        except ValueError as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError
+            fmt = "TOML" if is_toml else "JSON"
+            hint = "" if is_toml or p.lower().endswith(".json") else \
+                " (files not named *.toml are read as JSON)"
+            raise LayoutError(f"{where}: {fmt} syntax error: {e}{hint}") from None
+        try:
+            return cls.from_dict(doc)
+        except LayoutError as e:
+            raise type(e)(f"{where}: {e}").with_traceback(e.__traceback__) from None
 
     def with_num_blocks(self, num_blocks: int) -> KVLayout:
         return dataclasses.replace(self, num_blocks=num_blocks)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _load_toml(text: str) -> Any:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ConfigError("TOML layout files need Python >= 3.11 (tomllib) or the tomli "
+                              "package; or write the layout as JSON") from None
+    return tomllib.loads(text)
 
 
 def layer_names(prefix: str, indices: Iterable[int]) -> tuple[str, ...]:

@@ -112,3 +112,40 @@ def test_coarse_block_count_is_min_over_groups(groups, grain):
     assert coarse_block_count(lengths, sizes, grain) == want
     # Every group covers at least that many grain units of tokens.
     assert all(n * bs >= want * grain for n, bs in groups)
+
+
+# -- the library's error classes (still the builtins), floats and bools refused ------------
+from hmacore.errors import ArgumentTypeError, ArgumentValueError, HmacoreError  # noqa: E402
+
+
+@pytest.mark.parametrize("call,exc,msg", [
+    (lambda: cdiv(1.5, 16), ArgumentTypeError, "a must be an int, got float 1.5"),
+    (lambda: cdiv(16, 4.0), ArgumentTypeError, "b must be an int, got float 4.0"),
+    (lambda: cdiv(True, 16), ArgumentTypeError, "a must be an int, got bool"),
+    (lambda: cdiv(16, np.float64(4)), ArgumentTypeError, "b must be an int"),
+    (lambda: cdiv(16, 0), ArgumentValueError, "b must be > 0, got 0"),
+    (lambda: cdiv(-1, 16), ArgumentValueError, "a must be >= 0, got -1"),
+    (lambda: blocks_covering(16, 2.5), ArgumentTypeError, "block_size must be an int"),
+    (lambda: complete_blocks(-1, 16), ArgumentValueError, "tokens must be >= 0"),
+    (lambda: grain_slice(0, 4.0, 4, 4), ArgumentTypeError, "end must be an int"),
+    (lambda: grain_slice(0, 4, 4, 6), ArgumentValueError, "must be a multiple of grain"),
+    (lambda: grain_slice(5, 4, 4, 4), ArgumentValueError, "end \\(4\\) must be >= start"),
+    (lambda: coarse_block_count([1.0], [16], 16), ArgumentTypeError, "lengths\\[0\\] must be an int"),
+    (lambda: coarse_block_count([1], [16.0], 16), ArgumentTypeError, "block_sizes\\[0\\] must be an int"),
+    (lambda: coarse_block_count([1], [16], 16.0), ArgumentTypeError, "grain must be an int"),
+    (lambda: coarse_block_count([1, 2], [16], 16), ArgumentValueError, "lengths has 2 groups"),
+    (lambda: coarse_block_count({0: 1, 5: 2}, [16, 16], 16), ArgumentValueError,
+     "lengths has group 5, block_sizes has 2 groups"),
+    (lambda: coarse_block_count(3, [16], 16), ArgumentTypeError, "lengths must be a sequence"),
+    (lambda: coarse_block_count([1], 16, 16), ArgumentTypeError, "block_sizes must be a sequence"),
+])
+def test_grain_errors_are_library_errors_naming_the_argument(call, exc, msg):
+    with pytest.raises(exc, match=msg) as info:
+        call()
+    assert isinstance(info.value, HmacoreError)
+    assert isinstance(info.value, TypeError if exc is ArgumentTypeError else ValueError)
+
+
+def test_cdiv_takes_numpy_integers_and_arrays_of_sizes():
+    assert cdiv(np.int64(17), np.int32(16)) == 2 and type(cdiv(np.int64(17), 16)) is int
+    assert coarse_block_count(np.array([16, 64]), np.array([256, 64]), 4) == 1024

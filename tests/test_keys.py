@@ -112,3 +112,99 @@ def test_lookup_plan_keys_and_fold():
     assert es.contains_many(1, hs).tolist() == [1] * 7 + [0]
     assert len(plan.fold(res[:-1], hs, kb)) == 0            # wrong answer count: all misses
     assert finder.lookup_keys(hs, 10, kb).keys == []       # below one aligned block: nothing
+
+
+# -- injectivity: separators cannot hide inside a field ------------------------------------
+from hypothesis import given, strategies as st  # noqa: E402
+
+from hmacore.keys import KeyParts, parse_key  # noqa: E402
+
+_free = st.text(st.characters(blacklist_characters="@:", blacklist_categories=("Cs",)),
+                min_size=1, max_size=12)
+_fields = st.tuples(
+    st.one_of(st.just(""), _free),                                       # cache_prefix
+    _free,                                                               # model
+    st.lists(st.tuples(_free, _free), max_size=3).map(                   # store_namespace
+        lambda segs: "".join(f"@{k}:{v}" for k, v in segs)),
+    st.builds(RankNamespace, *(st.integers(0, 10**6) for _ in range(4))),
+    st.integers(0, 2**31 - 1),                                           # group
+    st.integers(1, 2).flatmap(lambda n: st.binary(min_size=16 * n, max_size=16 * n)))
+
+
+def _key(f):
+    prefix, model, ns, rank, group, digest = f
+    kb = KeyBuilder(model, rank, cache_prefix=prefix, store_namespace=ns)
+    return kb.keys(group, np.frombuffer(digest, dtype=np.uint8).reshape(1, -1))[0]
+
+
+@given(_fields)
+def test_parse_key_inverts_keys(f):
+    assert parse_key(_key(f)) == KeyParts(*f)     # an inverse exists: keys are injective
+
+
+@given(_fields, _fields)
+def test_different_fields_never_build_the_same_key(a, b):
+    assert (_key(a) == _key(b)) == (a == b)
+
+
+@pytest.mark.parametrize("a,b", [
+    # (cache_prefix, model, store_namespace) pairs that collided before separators were refused
+    (("a@b", "c", ""), ("a", "b@c", "")),
+    (("a", "b:1", ""), ("", "a", "@b:1")),
+    (("", "m", "@x"), ("", "m@x", "")),
+    (("p", "m", "@tp_rank:0@pcp0"), ("p", "m", "")),
+])
+def test_ambiguous_fields_are_refused(a, b):
+    with pytest.raises(HashInputError):
+        for prefix, model, ns in (a, b):
+            KeyBuilder(model, cache_prefix=prefix, store_namespace=ns)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(model="a:b"), "model must be a non-empty str without the key separators '@' and ':'"),
+    (dict(model="a@b"), "model must be a non-empty str without the key separators"),
+    (dict(model=""), "model must be a non-empty str"),
+    (dict(model=3), "model must be a str, got int"),
+    (dict(model="m", cache_prefix="dep@1"), "cache_prefix must be a str without the key separators"),
+    (dict(model="m", cache_prefix="dep:1"), "cache_prefix must be a str without the key separators"),
+    (dict(model="m", store_namespace="store_tp:2"), "store_namespace must be '' or '@name:value' segments"),
+    (dict(model="m", store_namespace="@store_tp"), "store_namespace must be '' or '@name:value'"),
+    (dict(model="m", store_namespace="@a:b:c"), "store_namespace must be '' or '@name:value'"),
+    (dict(model="m", store_namespace="@a:"), "store_namespace must be '' or '@name:value'"),
+    (dict(model="m", store_namespace=None), "store_namespace must be a str, got NoneType"),
+    (dict(model="m", rank=(0, 0, 0, 0)), "rank must be a RankNamespace, got tuple"),
+    (dict(model="m", lookup_namespaces=[RankNamespace()]), "lookup_namespaces must be a mapping"),
+    (dict(model="m", lookup_namespaces={0: RankNamespace()}),
+     "lookup_namespaces\\[0\\] must be a non-empty list of RankNamespace"),
+])
+def test_fields_with_separators_are_refused(kw, msg):
+    model = kw.pop("model")
+    with pytest.raises(HashInputError, match=msg):
+        KeyBuilder(model, **kw)
+
+
+def test_digests_and_answers_refuse_floats():
+    kb = KeyBuilder("m")
+    with pytest.raises(HashInputError, match="uint8"):
+        kb.keys(0, np.zeros((1, 16), dtype=np.float64))
+    with pytest.raises(HashInputError, match="uint8"):
+        kb.lookup_keys(0, np.zeros((1, 16), dtype=np.float32))
+    with pytest.raises(HashInputError, match="group must be an int group id"):
+        kb.keys(1.0, np.zeros((1, 16), dtype=np.uint8))
+    with pytest.raises(HashInputError, match="results must be ints .* got dtype float64"):
+        kb.fold_presence(0, [1.7, 0.2], 2)          # would truncate to [1, 0]
+    with pytest.raises(HashInputError, match="num_rows must be an int >= 0, got 2.0"):
+        kb.fold_presence(0, [1, 1], 2.0)
+    with pytest.raises(HashInputError, match="num_rows must be an int >= 0"):
+        kb.fold_presence(0, [1], True)
+    assert kb.fold_presence(0, np.array([1, 0], dtype=np.int32), 2).tolist() == [1, 0]
+    assert kb.fold_presence(0, [True, False], 2).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("key", ["m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0", "x",
+                                 "m@tp_rank:01@pcp0@dcp0@pp_rank:0@group:0@" + "00" * 16,
+                                 "@m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" + "00" * 16,
+                                 "m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" + "0" * 30])
+def test_parse_key_refuses_foreign_keys(key):
+    with pytest.raises(HashInputError):
+        parse_key(key)

@@ -46,15 +46,16 @@ BAD_LAYOUTS = [
     (lambda: lay(full(16), prefix_match_unit=32),
      "group 0: block_size 16 is not a multiple of prefix_match_unit 32"),
     (lambda: lay(GroupSpec(GroupKind.CROSS_ATTENTION, 16)),
-     "group 0: cross-attention is not supported"),
-    (lambda: lay(full(0)), "group 0: block_size must be a positive int"),
-    (lambda: lay(full(-16)), "block_size must be a positive int"),
-    (lambda: lay(full(True)), "block_size must be a positive int"),
-    (lambda: lay(full(16.0)), "block_size must be a positive int"),
-    (lambda: lay(full(), GroupSpec(SW, 16)), "group 1: sliding_window must be a positive int"),
-    (lambda: lay(sw(window=0)), "sliding_window must be a positive int"),
+     "GroupSpec.kind: cross-attention is not supported"),
+    (lambda: lay(full(0)), "GroupSpec.block_size must be an int >= 1, got 0"),
+    (lambda: lay(full(-16)), "GroupSpec.block_size must be an int >= 1, got -16"),
+    (lambda: lay(full(True)), "GroupSpec.block_size must be an int >= 1, got True"),
+    (lambda: lay(full(16.0)), "GroupSpec.block_size must be an int >= 1, got 16.0"),
+    (lambda: lay(full(), GroupSpec(SW, 16)),
+     "GroupSpec.sliding_window must be an int >= 1 \\(tokens\\) for a SLIDING_WINDOW group, got None"),
+    (lambda: lay(sw(window=0)), "GroupSpec.sliding_window must be an int >= 1"),
     (lambda: lay(full(sliding_window=128)), "sliding_window is only valid for SLIDING_WINDOW"),
-    (lambda: lay(GroupSpec(GroupKind.CHUNKED_LOCAL, 16)), "chunk_size must be a positive int"),
+    (lambda: lay(GroupSpec(GroupKind.CHUNKED_LOCAL, 16)), "GroupSpec.chunk_size must be an int >= 1"),
     (lambda: lay(full(chunk_size=64)), "chunk_size is only valid for CHUNKED_LOCAL"),
     (lambda: lay(sw(extra_retained_tokens=-1)), "extra_retained_tokens must be an int >= 0"),
     (lambda: lay(full(extra_retained_tokens=4)),
@@ -62,7 +63,7 @@ BAD_LAYOUTS = [
     (lambda: lay(GroupSpec(GroupKind.MAMBA, 16, num_speculative_blocks=-1)),
      "num_speculative_blocks must be an int >= 0"),
     (lambda: lay(full(num_speculative_blocks=2)), "num_speculative_blocks is only valid for MAMBA"),
-    (lambda: lay(full(kernel_block_size=0)), "kernel_block_size must be a positive int"),
+    (lambda: lay(full(kernel_block_size=0)), "GroupSpec.kernel_block_size must be an int >= 1"),
     (lambda: lay(full(64, kernel_block_size=48)), "kernel_block_size 48 does not divide block_size 64"),
     (lambda: lay(full(page_bytes=-1)), "page_bytes must be an int >= 0"),
     (lambda: KVLayout.from_dict({}), "needs a 'groups' list"),
@@ -208,7 +209,7 @@ def test_from_file_json_and_toml(tmp_path):
     assert KVLayout.from_file(str(t)) == j
     bad = tmp_path / "bad.toml"
     bad.write_text('[[groups]]\nkind = "full"\nblock_size = 0\n')
-    with pytest.raises(LayoutError, match="block_size must be a positive int"):
+    with pytest.raises(LayoutError, match="bad.toml': group 0: GroupSpec.block_size must be an int >= 1"):
         KVLayout.from_file(str(bad))
 
 
@@ -231,3 +232,216 @@ def test_preset_aliases_and_errors():
     assert get_preset("gpt-oss", num_blocks=123).num_blocks == 123
     with pytest.raises(LayoutError, match="preset must be one of"):
         get_preset("gpt-5")
+
+
+# -- GroupSpec validates itself (no layout needed), naming the argument and the rule --------
+MAMBA = GroupKind.MAMBA
+CL = GroupKind.CHUNKED_LOCAL
+BAD_SPECS = [
+    (dict(kind=FULL, block_size=-5), "GroupSpec.block_size must be an int >= 1, got -5"),
+    (dict(kind=FULL, block_size=0), "GroupSpec.block_size must be an int >= 1, got 0"),
+    (dict(kind=FULL, block_size=16.0), "GroupSpec.block_size must be an int >= 1, got 16.0"),
+    (dict(kind=FULL, block_size=False), "GroupSpec.block_size must be an int >= 1, got False"),
+    (dict(kind=FULL, block_size="16"), "GroupSpec.block_size must be an int >= 1, got '16'"),
+    (dict(kind=True, block_size=16), "GroupSpec.kind must be one of FULL, SLIDING_WINDOW"),
+    (dict(kind=1.0, block_size=16), "GroupSpec.kind must be one of"),
+    (dict(kind="full", block_size=16), "GroupSpec.kind must be one of"),
+    (dict(kind=4, block_size=16), "cross-attention is not supported"),
+    (dict(kind=FULL, block_size=16, layer_names="abc"),
+     "GroupSpec.layer_names must be a sequence of layer-name strings, got str 'abc' "
+     "\\(one layer: layer_names=\\('abc',\\)\\)"),
+    (dict(kind=FULL, block_size=16, layer_names=b"ab"), "GroupSpec.layer_names must be a sequence"),
+    (dict(kind=FULL, block_size=16, layer_names={"a", "b"}), "GroupSpec.layer_names must be a sequence"),
+    (dict(kind=FULL, block_size=16, layer_names=5), "GroupSpec.layer_names must be a sequence"),
+    (dict(kind=FULL, block_size=16, layer_names=("a", 3)),
+     "GroupSpec.layer_names\\[1\\] must be a non-empty str, got 3"),
+    (dict(kind=FULL, block_size=16, layer_names=("a", "")), "layer_names\\[1\\] must be a non-empty str"),
+    (dict(kind=FULL, block_size=16, layer_names=("a", "b", "a")),
+     "GroupSpec.layer_names lists layer 'a' twice"),
+    (dict(kind=SW, block_size=16), "GroupSpec.sliding_window must be an int >= 1 .* got None"),
+    (dict(kind=SW, block_size=16, sliding_window=128.0), "sliding_window must be an int >= 1"),
+    (dict(kind=SW, block_size=16, sliding_window=True), "sliding_window must be an int >= 1"),
+    (dict(kind=FULL, block_size=16, sliding_window=128),
+     "GroupSpec.sliding_window is only valid for SLIDING_WINDOW groups, got 128 for a FULL group"),
+    (dict(kind=CL, block_size=16), "GroupSpec.chunk_size must be an int >= 1 .* got None"),
+    (dict(kind=CL, block_size=16, chunk_size=-64), "GroupSpec.chunk_size must be an int >= 1"),
+    (dict(kind=SW, block_size=16, sliding_window=64, chunk_size=64),
+     "GroupSpec.chunk_size is only valid for CHUNKED_LOCAL groups"),
+    (dict(kind=SW, block_size=16, sliding_window=64, extra_retained_tokens=-1),
+     "GroupSpec.extra_retained_tokens must be an int >= 0, got -1"),
+    (dict(kind=SW, block_size=16, sliding_window=64, extra_retained_tokens=2.5),
+     "GroupSpec.extra_retained_tokens must be an int >= 0, got 2.5"),
+    (dict(kind=FULL, block_size=16, extra_retained_tokens=4),
+     "GroupSpec.extra_retained_tokens is only valid for SLIDING_WINDOW groups"),
+    (dict(kind=FULL, block_size=16, eagle="no"), "GroupSpec.eagle must be a bool \\(True or False\\), got 'no'"),
+    (dict(kind=FULL, block_size=16, eagle="false"), "GroupSpec.eagle must be a bool"),
+    (dict(kind=FULL, block_size=16, eagle=1), "GroupSpec.eagle must be a bool"),
+    (dict(kind=FULL, block_size=16, mla="yes"), "GroupSpec.mla must be a bool"),
+    (dict(kind=FULL, block_size=16, transfer=0), "GroupSpec.transfer must be a bool"),
+    (dict(kind=MAMBA, block_size=16, mla=True), "GroupSpec.mla is only valid for attention groups"),
+    (dict(kind=MAMBA, block_size=16, mamba_mode="fast"), "GroupSpec.mamba_mode must be one of none/all/align"),
+    (dict(kind=FULL, block_size=16, mamba_mode="all"),
+     "GroupSpec.mamba_mode is only valid for MAMBA groups .* got 'all' for a FULL group"),
+    (dict(kind=MAMBA, block_size=16, num_speculative_blocks=1.0),
+     "GroupSpec.num_speculative_blocks must be an int >= 0"),
+    (dict(kind=FULL, block_size=16, num_speculative_blocks=2),
+     "GroupSpec.num_speculative_blocks is only valid for MAMBA groups"),
+    (dict(kind=FULL, block_size=64, kernel_block_size=16.0),
+     "GroupSpec.kernel_block_size must be an int >= 1, got 16.0"),
+    (dict(kind=FULL, block_size=64, kernel_block_size=48),
+     "GroupSpec.kernel_block_size 48 does not divide block_size 64"),
+    (dict(kind=FULL, block_size=16, page_bytes=-1), "GroupSpec.page_bytes must be an int >= 0, got -1"),
+    (dict(kind=FULL, block_size=16, page_bytes=1024.0), "GroupSpec.page_bytes must be an int >= 0"),
+    (dict(kind=FULL, block_size=16, name=7), "GroupSpec.name must be a str, got 7"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD_SPECS, ids=[m[:60] for _, m in BAD_SPECS])
+def test_group_spec_validates_itself(kw, msg):
+    with pytest.raises(LayoutError, match=msg):
+        GroupSpec(**kw)
+
+
+def test_group_spec_normalises_but_never_truncates():
+    g = GroupSpec(SW, 16, ["a", "b"], sliding_window=64, mamba_mode="align")
+    assert g.layer_names == ("a", "b") and g.mamba_mode is MambaMode.ALIGN
+    assert GroupSpec(1, 16, sliding_window=64).kind is SW           # the int value is a kind
+    assert GroupSpec(FULL, 16, (f"l{i}" for i in range(3))).layer_names == ("l0", "l1", "l2")
+    assert GroupSpec(MAMBA, 64, kernel_block_size=16, num_speculative_blocks=2).kernel_ratio == 1
+    import dataclasses as dc
+    with pytest.raises(LayoutError, match="block_size must be an int >= 1"):
+        dc.replace(g, block_size=-1)                                   # replace validates too
+
+
+def test_layout_revalidates_groups_it_did_not_see_built():
+    import pickle
+    g = full(16)
+    object.__setattr__(g, "block_size", -3)                            # bypasses __init__
+    with pytest.raises(LayoutError, match="group 1: GroupSpec.block_size must be an int >= 1"):
+        lay(full(), g)
+    good = pickle.loads(pickle.dumps(get_preset("qwen3-next")))
+    assert good == get_preset("qwen3-next")
+    with pytest.raises(LayoutError, match="groups must be a sequence of GroupSpec, got one GroupSpec"):
+        KVLayout(groups=full())
+    with pytest.raises(LayoutError, match="groups must be a sequence of GroupSpec, got int"):
+        KVLayout(groups=3)
+
+
+# -- documents: unknown keys with "did you mean", missing keys named ------------------------
+BAD_DOCS = [
+    ({"groups": [{"kind": "full", "block_size": 16}], "num_block": 100},
+     "unknown layout keys: \\['num_block' \\(did you mean 'num_blocks'\\?\\)\\]; allowed: "),
+    ({"groups": [{"kind": "full", "block_size": 16}], "contex_parallel": 2},
+     "did you mean 'context_parallel'"),
+    ({"groups": [{"kind": "full", "blok_size": 16}]},
+     "group 0: unknown group fields: \\['blok_size' \\(did you mean 'block_size'\\?\\)\\]"),
+    ({"groups": [{"kind": "full", "block_size": 16}, {"kind": "sliding_window", "block_size": 16,
+                                                       "slidingwindow": 128}]},
+     "group 1: unknown group fields: \\['slidingwindow' \\(did you mean 'sliding_window'\\?\\)\\]"),
+    ({"groups": [{"kind": "full"}]}, "group 0: group is missing required key 'block_size'"),
+    ({"groups": [{"block_size": 16}]}, "group 0: group is missing required key 'kind'"),
+    ({"groups": [{"kind": "ful", "block_size": 16}]},
+     "GroupSpec.kind must be one of full, sliding_window, chunked_local, mamba, got 'ful' "
+     "\\(did you mean 'full'\\?\\)"),
+    ({"groups": [{"kind": "full", "block_size": 16, "num_layers": 2.9}]},
+     "group 0: num_layers must be an int >= 1, got 2.9"),
+    ({"groups": [{"kind": "full", "block_size": 16, "num_layers": True}]}, "num_layers must be an int"),
+    ({"groups": [{"kind": "full", "block_size": 16, "num_layers": 0}]}, "num_layers must be an int >= 1"),
+    ({"groups": [{"kind": "full", "block_size": 16, "num_layers": 3, "layer_names": ["a"]}]},
+     "num_layers is 3 but layer_names lists 1 layers"),
+    ({"groups": [{"kind": "full", "block_size": 16, "layer_names": "attn"}]},
+     "group 0: GroupSpec.layer_names must be a sequence of layer-name strings, got str 'attn'"),
+    ({"groups": [{"kind": "full", "block_size": 16, "eagle": "false"}]},
+     "group 0: GroupSpec.eagle must be a bool \\(True or False\\), got 'false'"),
+    ({"groups": [{"kind": "full", "block_size": 16, "transfer": "true"}]}, "GroupSpec.transfer must be a bool"),
+    ({"groups": ["full"]}, "group 0: a group must be a table/object of GroupSpec fields, got str"),
+    ({"groups": []}, "a layout needs at least one group"),
+    ([{"kind": "full"}], "a layout document must be a table/object with a 'groups' list, got list"),
+]
+
+
+@pytest.mark.parametrize("doc,msg", BAD_DOCS, ids=[m[:50] for _, m in BAD_DOCS])
+def test_layout_documents_are_checked(doc, msg):
+    with pytest.raises(LayoutError, match=msg):
+        KVLayout.from_dict(doc)
+
+
+def test_missing_keys_are_key_errors_too():
+    from hmacore.errors import LayoutKeyError
+    for doc in ({}, {"groups": [{"kind": "full"}]}):
+        with pytest.raises(LayoutKeyError) as info:
+            KVLayout.from_dict(doc)
+        assert isinstance(info.value, KeyError) and "missing" in str(info.value)
+        assert not str(info.value).startswith('"')    # plain message, not KeyError's repr
+
+
+def test_every_field_roundtrips_through_a_document():
+    for name in preset_names():
+        layout = get_preset(name)
+        assert KVLayout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
+    g = GroupSpec(MAMBA, 64, ("s.0",), mamba_mode="all", num_speculative_blocks=2,
+                  kernel_block_size=16, eagle=True, transfer=False, page_bytes=4096, name="s")
+    assert GroupSpec.from_dict(g.to_dict()) == g
+    assert set(g.to_dict()) | {"num_layers"} == set(GroupSpec.DOCUMENT_KEYS)
+
+
+BAD_FILES = [
+    ("l.toml", '[[groups]]\nkind = "full"\nblock_size = \n', "TOML syntax error: .*line 3"),
+    ("l.toml", 'num_blocks = 10\nnum_blocks = 11\n[[groups]]\nkind = "full"\nblock_size = 16\n',
+     "TOML syntax error"),
+    ("l.json", '{"groups": [{"kind": "full", "block_size": 16,}]}', "JSON syntax error: .*line 1"),
+    ("l.json", '{"groups": [{"kind": "full", "block_size": 16, "block_size": 32}]}',
+     "JSON object repeats key 'block_size'"),
+    ("l.json", b'\xff\xfe\x00garbage', "not UTF-8 text"),
+    ("l.yaml", 'groups:\n  - kind: full\n', "JSON syntax error: .* \\(files not named \\*.toml are read as JSON\\)"),
+    ("l.toml", 'num_block = 10\n[[groups]]\nkind = "full"\nblock_size = 16\n',
+     "l.toml': unknown layout keys: \\['num_block' \\(did you mean 'num_blocks'\\?\\)\\]"),
+    ("l.toml", '[[groups]]\nkind = "full"\n', "l.toml': group 0: group is missing required key 'block_size'"),
+    ("l.toml", '[[groups]]\nkind = "full"\nblock_size = 16\nmla = "false"\n',
+     "GroupSpec.mla must be a bool \\(True or False\\), got 'false'"),
+]
+
+
+@pytest.mark.parametrize("fname,text,msg", BAD_FILES, ids=[m[:40] for _, _, m in BAD_FILES])
+def test_layout_files_report_the_file_and_the_rule(tmp_path, fname, text, msg):
+    p = tmp_path / fname
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(LayoutError, match=msg) as info:
+        KVLayout.from_file(p)                            # a Path works as well as a str
+    assert str(info.value).startswith(f"layout file {str(p)!r}: ")
+
+
+def test_unreadable_layout_file_is_a_config_file_error(tmp_path):
+    from hmacore.errors import ConfigError, ConfigFileError
+    with pytest.raises(ConfigFileError, match="layout file '.*missing.toml': cannot read it "
+                                              "\\(No such file or directory\\)") as info:
+        KVLayout.from_file(tmp_path / "missing.toml")
+    assert isinstance(info.value, OSError) and isinstance(info.value, ConfigError)
+    with pytest.raises(ConfigFileError, match="cannot read it"):
+        KVLayout.from_file(tmp_path)                     # a directory
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike, got int"):
+        KVLayout.from_file(3)
+
+
+def test_preset_errors_suggest_a_name():
+    with pytest.raises(LayoutError, match="got 'gpt-oss-12b' \\(did you mean 'gpt-oss-120b'\\?\\)"):
+        get_preset("gpt-oss-12b")
+    with pytest.raises(LayoutError, match="preset must be a str, got int"):
+        get_preset(3)
+
+
+# -- readable reprs ------------------------------------------------------------------------
+def test_reprs_are_readable_and_evaluable():
+    import hmacore
+    assert repr(full(16)) == "GroupSpec(kind=GroupKind.FULL, block_size=16)"
+    assert repr(sw(64, 128, name="swa")) == \
+        "GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=64, sliding_window=128, name='swa')"
+    assert repr(lay(full(16), num_blocks=10)) == \
+        "KVLayout(groups=(GroupSpec(kind=GroupKind.FULL, block_size=16),), num_blocks=10)"
+    ns = vars(hmacore)
+    for name in preset_names():
+        layout = get_preset(name)
+        assert eval(repr(layout), ns) == layout
+        assert "<" not in repr(layout)                  # no <GroupKind.FULL: 0> noise
+    g = GroupSpec(MAMBA, 64, mamba_mode="none", num_speculative_blocks=1)
+    assert eval(repr(g), ns) == g and "MambaMode.NONE" in repr(g)
