@@ -28,10 +28,15 @@ $(VENV)/.stamp-vllm: requirements/vllm-lean.txt scripts/install_vllm.sh $(VENV)/
 	bash scripts/install_vllm.sh $(VENV)
 	touch $@
 
+# hmacore itself, editable: the `hmacore` command in .venv/bin, imports resolve to this tree
+$(VENV)/.stamp-install: pyproject.toml setup.py $(VENV)/.stamp-base
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
 venv: $(VENV)/.stamp-base
 deps: $(VENV)/.stamp-base $(VENV)/.stamp-mooncake $(VENV)/.stamp-vllm
 
-build: $(VENV)/.stamp-base
+build: $(VENV)/.stamp-base $(VENV)/.stamp-install
 	$(PY) setup.py -q build_ext --inplace --parallel 2
 
 test: deps build
@@ -41,10 +46,10 @@ test-fast: build
 	$(PY) -m pytest -q -m "not nixl and not mooncake and not vllm and not slow"
 
 demo: $(VENV)/.stamp-base build
-	$(PY) -m hmacore demo $(DEMO_ARGS)
+	$(VENV)/bin/hmacore demo $(DEMO_ARGS)
 
 plan: build
-	$(PY) -m hmacore plan --preset deepseek-v4 --tokens 32768
+	$(VENV)/bin/hmacore plan --preset deepseek-v4 --tokens 32768
 
 BENCH_ARGS ?= --benchmark-max-time=0.25 --benchmark-min-rounds=3
 GATE_FRACTION ?= 0.5
