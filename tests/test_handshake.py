@@ -96,3 +96,23 @@ def test_refused_and_timeout_are_bounded():
             exchange_handshake("127.0.0.1", mute.getsockname()[1], p, timeout=0.3)
     finally:
         mute.close()
+
+
+@pytest.mark.parametrize("field,value", [("hma", "false"), ("hma", 1), ("num_blocks", 63.9),
+                                         ("regions.state", "false"), ("regions.block_len", 2.5)])
+def test_wire_fields_are_strictly_typed(field, value):
+    """A peer's ``"state": "false"`` is refused, never read as True (bool("false") is True);
+    floats are refused, never truncated."""
+    import json
+
+    from hmacore.plan import TransferPlan
+    from hmacore.presets import get_preset
+    from hmacore.transport.handshake import HandshakePayload
+    plan = TransferPlan.from_layout(get_preset("gpt-oss-120b", num_blocks=64))
+    d = json.loads(HandshakePayload.for_plan(plan, "a", b"m").to_bytes())
+    if field.startswith("regions."):
+        d["regions"][0][field.split(".")[1]] = value
+    else:
+        d[field] = value
+    with pytest.raises(HandshakeError, match=field.split(".")[-1]):
+        HandshakePayload.from_bytes(json.dumps(d).encode())

@@ -43,6 +43,31 @@ __all__ = ["PROTOCOL_VERSION", "HandshakePayload", "HandshakeServer", "TpDescrip
 PROTOCOL_VERSION = 2  # 2: optional TP description (heterogeneous TP)
 
 
+
+def _wire_bool(value: Any, name: str) -> bool:
+    """A boolean field of a peer's payload: JSON true/false only (``bool("false")`` is True,
+    so a string or number here would silently flip a layout rule)."""
+    if not isinstance(value, bool):
+        raise HandshakeError(f"handshake field {name} must be true or false, got {value!r}")
+    return value
+
+
+def _wire_region(r: Any) -> dict[str, Any]:
+    """One entry of a peer's region table, its typed fields checked (the plan rebuilt from it
+    and the compatibility hash read them)."""
+    r = dict(r)
+    for key in ("base", "block_len", "stride", "logical_blocks", "ratio", "group"):
+        _wire_int(r.get(key), f"regions.{key}")
+    _wire_bool(r.get("state"), "regions.state")
+    return r
+
+
+def _wire_int(value: Any, name: str) -> int:
+    """An integer field of a peer's payload: JSON integers only (no floats, no bools)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HandshakeError(f"handshake field {name} must be an integer, got {value!r}")
+    return value
+
 @dataclasses.dataclass(frozen=True)
 class TpDescription:
     """What a TP-aware peer adds to its handshake payload.
@@ -100,7 +125,8 @@ class TpDescription:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TpDescription:
         return cls(int(d["tp_size"]), int(d["tp_rank"]),
-                   tuple((int(h), int(k), bool(r)) for h, k, r in d["shardings"]),
+                   tuple((_wire_int(h, "shardings.num_heads"), _wire_int(k, "shardings.chunks"),
+                          _wire_bool(r, "shardings.replicated")) for h, k, r in d["shardings"]),
                    dict(d["layout"]), str(d["kv_dtype"]), int(d["head_dim"]),
                    str(d.get("page_layout", "HND")))
 
@@ -140,7 +166,8 @@ def _tp_unit_bytes(tp: TpDescription, regions: tuple[dict[str, Any], ...]
     out: dict[str, list[tuple[bool, fractions.Fraction]]] = {}
     for i, r in enumerate(regions):
         try:
-            blen, state, layers = int(r["block_len"]), bool(r["state"]), list(r["layers"])
+            blen, state = _wire_int(r["block_len"], "block_len"), _wire_bool(r["state"], "state")
+            layers = list(r["layers"])
         except (KeyError, TypeError, ValueError) as e:
             raise HandshakeError(f"region {i} of the region table is malformed: {e}") from None
         for name in layers:
@@ -317,9 +344,10 @@ class HandshakePayload:
             d = json.loads(data)
             tp = None if d.get("tp") is None else TpDescription.from_dict(d["tp"])
             p = cls(int(d["version"]), str(d["agent_name"]), base64.b64decode(d["agent_metadata"]),
-                    str(d["layout_fingerprint"]), bool(d["hma"]),
-                    tuple(int(b) for b in d["block_sizes"]), int(d["num_blocks"]),
-                    str(d["mem_type"]), tuple(dict(r) for r in d["regions"]), tp)
+                    str(d["layout_fingerprint"]), _wire_bool(d["hma"], "hma"),
+                    tuple(_wire_int(b, "block_sizes") for b in d["block_sizes"]),
+                    _wire_int(d["num_blocks"], "num_blocks"),
+                    str(d["mem_type"]), tuple(_wire_region(r) for r in d["regions"]), tp)
             claimed = d["compatibility_hash"]
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise HandshakeError(f"malformed handshake payload: {e}") from None

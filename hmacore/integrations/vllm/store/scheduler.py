@@ -62,13 +62,14 @@ def hashes_array(block_hashes: Any, start: int = 0, stop: int | None = None) -> 
 
 
 def key_builder(vllm_config: Any, extra: dict) -> KeyBuilder:
-    """Store keys of this engine: model name (``model_name`` or the model path, ``@``
-    replaced), ``cache_prefix`` and ``store_namespace`` from the extra config; rank 0."""
+    """Store keys of this engine: model name (``model_name`` or the model path, the key
+    separators ``@`` and ``:`` replaced by ``_``), ``cache_prefix`` and ``store_namespace``
+    from the extra config; rank 0."""
     model = extra.get("model_name")
     if not model:
         mc = getattr(vllm_config, "model_config", None)
         model = str(getattr(mc, "model", None) or "model")
-    return KeyBuilder(str(model).replace("@", "_"),
+    return KeyBuilder(str(model).replace("@", "_").replace(":", "_"),
                       cache_prefix=str(extra.get("cache_prefix") or ""),
                       store_namespace=str(extra.get("store_namespace") or ""))
 
