@@ -138,14 +138,14 @@ def test_metadata_pickles_and_worker_meta_aggregates():
 
 
 def test_lease_must_be_positive():
-    with pytest.raises(ValueError, match="kv_lease_duration must be > 0"):
+    with pytest.raises(ValueError, match="kv_lease_duration must be a number > 0"):
         connector(extra={"kv_lease_duration": 0})
 
 
 def test_progress_delay_is_read_and_must_be_non_negative():
     assert connector().scheduler.progress_delay_us == 1000
     assert connector(extra={"nixl_progress_delay_us": 5000}).scheduler.progress_delay_us == 5000
-    with pytest.raises(ValueError, match="nixl_progress_delay_us must be >= 0"):
+    with pytest.raises(ValueError, match="nixl_progress_delay_us must be an integer >= 0"):
         connector(extra={"nixl_progress_delay_us": -1})
 
 

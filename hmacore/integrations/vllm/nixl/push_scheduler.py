@@ -29,7 +29,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ....errors import ConfigError
 from ....spec import GroupKind
+from .._config import number
 from .. import _compat as C
 from .._clip import clip_table
 from .scheduler import HmaNixlScheduler
@@ -43,25 +45,13 @@ __all__ = ["HmaPushScheduler", "transfer_mode"]
 
 def transfer_mode(vllm_config: Any) -> str:
     """``kv_connector_extra_config.transfer_mode``: ``"pull"`` (default) or ``"push"``;
-    anything else raises ValueError naming the field."""
+    anything else raises ConfigError naming the field."""
     ktc = vllm_config.kv_transfer_config
     mode = "pull" if ktc is None else ktc.get_from_extra_config("transfer_mode", "pull")
     if mode not in TRANSFER_MODES:
-        raise ValueError(f"kv_connector_extra_config.transfer_mode must be one of "
-                         f"{TRANSFER_MODES}, got {mode!r}")
+        raise ConfigError(f"kv_connector_extra_config.transfer_mode must be one of "
+                          f"{TRANSFER_MODES}, got {mode!r}")
     return mode
-
-
-def _positive(ktc: Any, key: str, default: float) -> float:
-    raw = ktc.get_from_extra_config(key, default)
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"kv_connector_extra_config.{key} must be a number of seconds > 0, "
-                         f"got {raw!r}")
-    return value
 
 
 class HmaPushScheduler(HmaNixlScheduler):
@@ -80,15 +70,16 @@ class HmaPushScheduler(HmaNixlScheduler):
         super().__init__(vllm_config, kv_cache_config, clock=clock)
         ktc = vllm_config.kv_transfer_config
         if self.sync_load:
-            raise ValueError("kv_connector_extra_config.sync_load must be false with "
+            raise ConfigError("kv_connector_extra_config.sync_load must be false with "
                              "transfer_mode='push' (pushed KV arrives asynchronously)")
         if self.tp_size > 1 and any(s.kind == GroupKind.MAMBA for s in self.layout.groups):
-            raise ValueError(f"transfer_mode='push' with Mamba KV cache groups needs "
+            raise ConfigError(f"transfer_mode='push' with Mamba KV cache groups needs "
                              f"tensor_parallel_size=1 (got {self.tp_size}): how a Mamba state "
                              "is split across TP ranks is model-specific; use "
                              "transfer_mode='pull' (equal TP sizes) or TP 1")
-        self.register_timeout = _positive(ktc, "push_register_timeout", 30.0)
-        self.recv_timeout = _positive(ktc, "push_recv_timeout", 60.0)
+        extra = dict(ktc.kv_connector_extra_config or {})
+        self.register_timeout = number(extra, "push_register_timeout", 30.0, positive=True)
+        self.recv_timeout = number(extra, "push_recv_timeout", 60.0, positive=True)
         # D side
         self._regs_pending: dict[str, PushRegistration] = {}
         # P side

@@ -27,13 +27,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ....errors import BlockTableError
+from ....errors import BlockTableError, ConfigError
 from ....spec import GroupKind
 from ....tables import TrackerSet, as_block_table, count_hashed, fill_blocks, \
     from_wire
 from ....transport import DEFAULT_PROGRESS_DELAY_US
 from .. import _compat as C
 from .._clip import clip_table
+from .._config import NIXL_KEYS, check_keys, flag, number, text
 from .._roles import TableFollower
 from ..layout import layout_from_kv_cache_config
 from .metadata import HmaNixlConnectorMetadata, RecvRequest, RemotePeer
@@ -65,27 +66,28 @@ class HmaNixlScheduler(TableFollower):
                  clock: Callable[[], float] = time.perf_counter) -> None:
         ktc = vllm_config.kv_transfer_config
         if ktc is None:
-            raise ValueError("HmaNixlConnector needs vllm_config.kv_transfer_config")
+            raise ConfigError("HmaNixlConnector needs vllm_config.kv_transfer_config")
+        extra = check_keys(ktc.kv_connector_extra_config, NIXL_KEYS, "HmaNixlConnector")
         self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_config=vllm_config)
         self.kv_cache_config = kv_cache_config
         self.clock = clock
         self.engine_id = str(ktc.engine_id)
-        self.lease_s = float(ktc.get_from_extra_config("kv_lease_duration", 30))
-        if self.lease_s <= 0:
-            raise ValueError(f"kv_lease_duration must be > 0 seconds, got {self.lease_s}")
+        self.lease_s = number(extra, "kv_lease_duration", 30.0, positive=True)
         self.heartbeat_s = self.lease_s / 6
         pc = vllm_config.parallel_config
-        self.host = str(ktc.get_from_extra_config("side_channel_host", "127.0.0.1"))
-        self.port = int(ktc.get_from_extra_config(
-            "side_channel_port", 5600 + int(getattr(pc, "data_parallel_index", 0) or 0)))
+        self.host = text(extra, "side_channel_host", "127.0.0.1")
+        self.port = number(extra, "side_channel_port",
+                           5600 + int(getattr(pc, "data_parallel_index", 0) or 0),
+                           integer=True, minimum=1)
+        if self.port > 65535:
+            raise ConfigError(f"kv_connector_extra_config.side_channel_port must be a TCP port "
+                              f"in [1, 65535], got {self.port}")
         self.tp_size = int(pc.tensor_parallel_size)
-        self.sync_load = bool(ktc.get_from_extra_config("sync_load", False))
-        # the workers' NIXL progress-thread poll delay (see hmacore.transport.new_nixl_agent)
-        self.progress_delay_us = int(ktc.get_from_extra_config(
-            "nixl_progress_delay_us", DEFAULT_PROGRESS_DELAY_US))
-        if self.progress_delay_us < 0:
-            raise ValueError("nixl_progress_delay_us must be >= 0 microseconds (0: NIXL's "
-                             f"spinning progress thread), got {self.progress_delay_us}")
+        self.sync_load = flag(extra, "sync_load", False)
+        # the workers' NIXL progress-thread poll delay (see hmacore.transport.new_nixl_agent;
+        # 0: NIXL's own thread, which spins a core)
+        self.progress_delay_us = number(extra, "nixl_progress_delay_us",
+                                        DEFAULT_PROGRESS_DELAY_US, integer=True, minimum=0)
         has_mamba = any(s.kind == GroupKind.MAMBA for s in self.layout.groups)
         # Tokens D recomputes itself (Mamba needs h(N-1) to derive h(N)); P stops short.
         self.backoff = max(1 if has_mamba else 0, C.prefill_lookahead_tokens(vllm_config) - 1)

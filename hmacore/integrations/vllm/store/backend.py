@@ -20,7 +20,9 @@ import logging
 import threading
 from typing import Any
 
+from ....errors import ConfigError
 from ....transport.store import RPC_FAIL, EmbeddedStore
+from .._config import number, text
 
 logger = logging.getLogger(__name__)
 
@@ -66,27 +68,22 @@ def drop_store(name: str) -> None:
         _STORES.pop(str(name), None)
 
 
-def _get(extra: dict, key: str, default: Any) -> Any:
-    v = extra.get(key)
-    return default if v is None else v
-
-
 def open_store(extra: dict) -> Any:
     """The store named by ``extra`` (see the module docstring); never raises for an
     unreachable store (an :class:`UnavailableStore` is returned and the reason logged)."""
-    kind = str(_get(extra, "store", "embedded")).lower()
+    kind = text(extra, "store", "embedded").lower()
     if kind == "embedded":
-        name = "embedded:" + str(_get(extra, "store_name", "default"))
+        name = "embedded:" + text(extra, "store_name", "default")
         with _LOCK:
             s = _STORES.get(name)
             if s is None:
-                cap = int(_get(extra, "store_capacity_bytes", 1 << 30))
+                cap = number(extra, "store_capacity_bytes", 1 << 30, integer=True, minimum=1)
                 s = _STORES[name] = EmbeddedStore(capacity_bytes=cap)
             return s
     if kind == "mooncake":
         master = extra.get("master")
         if not master:
-            raise ValueError('kv_connector_extra_config: "store": "mooncake" needs '
+            raise ConfigError('kv_connector_extra_config: "store": "mooncake" needs '
                              '"master": "host:port"')
         name = f"mooncake:{master}"    # one client per master in a process, both roles
         with _LOCK:
@@ -94,14 +91,15 @@ def open_store(extra: dict) -> Any:
                 return _STORES[name]
             try:
                 from ....transport.mooncake import MooncakeStore
-                seg = int(_get(extra, "global_segment_size", 256 << 20))
+                seg = number(extra, "global_segment_size", 256 << 20, integer=True, minimum=1)
                 s = MooncakeStore(str(master),
-                                  local_hostname=str(_get(extra, "local_hostname", "127.0.0.1")),
+                                  local_hostname=text(extra, "local_hostname", "127.0.0.1"),
                                   global_segment_size=seg,
-                                  local_buffer_size=int(_get(extra, "local_buffer_size",
-                                                             16 << 20)),
-                                  protocol=str(_get(extra, "protocol", "tcp")),
-                                  connect_timeout_s=float(_get(extra, "connect_timeout_s", 10.0)))
+                                  local_buffer_size=number(extra, "local_buffer_size", 16 << 20,
+                                                           integer=True, minimum=1),
+                                  protocol=text(extra, "protocol", "tcp"),
+                                  connect_timeout_s=number(extra, "connect_timeout_s", 10.0,
+                                                           positive=True))
             except Exception as e:   # unreachable master, missing package: misses, no crash
                 logger.error("HmaStoreConnector: Mooncake store at %s unavailable (%s); "
                              "lookups will miss and saves are skipped", master, e)
@@ -112,6 +110,6 @@ def open_store(extra: dict) -> Any:
     with _LOCK:
         s = _STORES.get(kind)
     if s is None:
-        raise ValueError(f'kv_connector_extra_config "store": {kind!r} is not "embedded", '
+        raise ConfigError(f'kv_connector_extra_config "store": {kind!r} is not "embedded", '
                          '"mooncake" or a name given to register_store()')
     return s

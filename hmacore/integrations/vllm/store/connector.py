@@ -24,6 +24,7 @@ from typing import Any
 
 from .. import _compat as C
 from .._roles import RoleDispatch, require_single_worker
+from .._config import STORE_KEYS, check_keys
 from .backend import open_store
 from .metadata import HmaStoreConnectorMetadata
 from .scheduler import HmaStoreScheduler, key_builder
@@ -37,7 +38,8 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
-        extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+        extra = check_keys(ktc.kv_connector_extra_config if ktc is not None else None,
+                           STORE_KEYS, type(self).__name__)
         worker = role != C.KVConnectorRole.SCHEDULER
         store = open_store(extra)
         sched = HmaStoreScheduler(vllm_config, kv_cache_config, store)  # validates the config

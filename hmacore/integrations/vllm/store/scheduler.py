@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ....errors import HashInputError
+from ....errors import ConfigError, HashInputError
 from ....grain import cdiv
 from ....hits import HitFinder
 from ....keys import KeyBuilder
@@ -38,6 +38,7 @@ from ....tables import RequestState, TrackerSet
 from ....transport.store import lookup_hit
 from .. import _compat as C
 from .._clip import skipped_blocks
+from .._config import STORE_KEYS, check_keys, flag, text
 from .._roles import TableFollower
 from ..layout import layout_from_kv_cache_config
 from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
@@ -65,13 +66,13 @@ def key_builder(vllm_config: Any, extra: dict) -> KeyBuilder:
     """Store keys of this engine: model name (``model_name`` or the model path, the key
     separators ``@`` and ``:`` replaced by ``_``), ``cache_prefix`` and ``store_namespace``
     from the extra config; rank 0."""
-    model = extra.get("model_name")
+    model = text(extra, "model_name", "")
     if not model:
         mc = getattr(vllm_config, "model_config", None)
         model = str(getattr(mc, "model", None) or "model")
     return KeyBuilder(str(model).replace("@", "_").replace(":", "_"),
-                      cache_prefix=str(extra.get("cache_prefix") or ""),
-                      store_namespace=str(extra.get("store_namespace") or ""))
+                      cache_prefix=text(extra, "cache_prefix", ""),
+                      store_namespace=text(extra, "store_namespace", ""))
 
 
 class HmaStoreScheduler(TableFollower):
@@ -86,14 +87,14 @@ class HmaStoreScheduler(TableFollower):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, store: Any) -> None:
         ktc = vllm_config.kv_transfer_config
         if ktc is None:
-            raise ValueError("HmaStoreConnector needs vllm_config.kv_transfer_config")
-        extra = dict(ktc.kv_connector_extra_config or {})
+            raise ConfigError("HmaStoreConnector needs vllm_config.kv_transfer_config")
+        extra = check_keys(ktc.kv_connector_extra_config, STORE_KEYS, "HmaStoreConnector")
         self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_config=vllm_config,
                                                   for_store=True)
         self.finder = HitFinder(self.layout)
         self.keys = key_builder(vllm_config, extra)
         self.store = store
-        self.load_async = bool(extra.get("load_async", False))
+        self.load_async = flag(extra, "load_async", False)
         self.do_load = bool(ktc.is_kv_consumer)
         self.do_save = bool(ktc.is_kv_producer)
         self.trackers = TrackerSet(self.layout)
