@@ -69,7 +69,8 @@ bench-gate-short: deps build
 	$(PY) -m pytest -q bench --benchmark-only -k "4096 or 4k" --benchmark-json=bench/results/short.json \
 	  --benchmark-max-time=0.1 --benchmark-min-rounds=3
 	$(PY) bench/report.py bench/results/short.json -o bench/results/short-latest.json
-	$(PY) bench/gate.py --baseline bench/baseline.json --results bench/results/short-latest.json --fraction 0.25
+	$(PY) bench/gate.py --baseline bench/baseline.json --results bench/results/short-latest.json --fraction 0.25 \
+	  --select "(4096|4k)"
 
 sanitize: $(VENV)/.stamp-base
 	PY=$(abspath $(PY)) bash scripts/sanitize.sh full

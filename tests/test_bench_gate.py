@@ -39,11 +39,22 @@ def test_report_pairs_cases_and_prefers_vllm_baseline():
 def test_gate_fails_only_below_fraction_of_baseline():
     results = {"cases": [{"name": "a", "ratio": 10.0}, {"name": "b", "ratio": 2.0}]}
     baseline = {"ratios": {"a": 12.0, "b": 5.0, "c": 3.0}}
-    failures, lines = gate.gate(baseline, results, fraction=0.5)
+    failures, lines = gate.gate(baseline, results, fraction=0.5, require_all=False)
     assert [f.split()[1] for f in failures] == ["b"]          # 2.0 < 0.5 * 5.0
     assert any(line.startswith("MISSING c") for line in lines)
-    failures, _ = gate.gate(baseline, results, fraction=0.5, require_all=True)
+    failures, _ = gate.gate(baseline, results, fraction=0.5)  # a case that did not run fails
     assert len(failures) == 2
+    failures, _ = gate.gate(baseline, results, fraction=0.5, select="^[ab]$")
+    assert len(failures) == 1
+
+
+def test_stated_targets_are_the_floors():
+    results = {"cases": [{"name": "hit-x-32k", "ratio": 9.0}, {"name": "hit-y-4k", "ratio": 9.0}]}
+    baseline = {"ratios": {"hit-x-32k": 20.0, "hit-y-4k": 20.0}, "targets": {"hit-*-32k": 10}}
+    failures, lines = gate.gate(baseline, results, fraction=0.25)
+    # 9 >= 0.25 * 20 passes the regression floor, but the 32k case has a stated target of 10
+    assert [f.split()[1] for f in failures] == ["hit-x-32k"]
+    assert "target 10" in failures[0]
 
 
 def test_gate_cli_exit_codes(tmp_path):
