@@ -59,3 +59,23 @@ def test_good_configs_read_typed_values():
     assert (c.scheduler.lease_s, c.scheduler.port, c.scheduler.sync_load) == (12.5, 5611, True)
     s = store({"load_async": True, "store_name": "cfg-good"})
     assert s.scheduler.load_async is True
+
+
+@pytest.mark.parametrize("role,flag", [("kv_producer", "do_remote_prefill"),
+                                       ("kv_consumer", "do_remote_decode")])
+def test_roles_are_enforced(role, flag):
+    """A decode request on a producer (or a P request on a consumer) runs as a plain request:
+    no load is scheduled, no lease is taken, the engine does not stall."""
+    vc = H.vllm_config(kv_role=role)
+    s = H.make_scheduler(vc, H.gemma_like())
+    hbs = H.C.resolve_kv_cache_block_sizes(H.gemma_like(), vc)[1]
+    params = H.remote_params("r", H.gemma_like(), 40) if flag == "do_remote_prefill" else \
+        {"do_remote_decode": True}
+    req = H.make_request("r", list(range(1, 41)), hbs, max_tokens=2, params=params)
+    s.add_request(req)
+    assert not req.kv_transfer_params.get(flag)
+    d = H.Driver(s)
+    d.run()
+    assert not any(m.reqs_to_recv for m in d.metas)
+    assert d.conn.leases() == {} and not d.conn.awaiting()
+    H.assert_no_leak(s)

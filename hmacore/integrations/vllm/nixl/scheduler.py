@@ -72,6 +72,8 @@ class HmaNixlScheduler(TableFollower):
         self.kv_cache_config = kv_cache_config
         self.clock = clock
         self.engine_id = str(ktc.engine_id)
+        self.kv_role = str(ktc.kv_role)
+        self.is_producer, self.is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self.lease_s = number(extra, "kv_lease_duration", 30.0, positive=True)
         self.heartbeat_s = self.lease_s / 6
         pc = vllm_config.parallel_config
@@ -175,9 +177,25 @@ class HmaNixlScheduler(TableFollower):
         return [[] for _ in range(self.layout.num_groups)]
 
     # -- scheduler hooks ----------------------------------------------------------------------
+    def _enforce_role(self, request: Any, params: dict) -> None:
+        """A request asking this engine for a role its ``kv_role`` does not have (a decode
+        request on a ``kv_producer``, a prefill-for-decode request on a ``kv_consumer``) runs
+        as a plain request, with a warning: a mis-routed request must not hold blocks under a
+        lease nobody reads, nor wait for a load nobody serves."""
+        for flag, allowed, role in (("do_remote_prefill", self.is_consumer, "kv_consumer"),
+                                    ("do_remote_decode", self.is_producer, "kv_producer")):
+            if params.get(flag) and not allowed:
+                params[flag] = False
+                logger.warning("request %s asks for %s but this engine's kv_role is %s (not "
+                               "%s or kv_both); it runs without KV transfer",
+                               request.request_id, flag, self.kv_role, role)
+
     def on_new_request(self, request: Any) -> None:
-        """P side: drop the trailing ``backoff`` prompt tokens D will recompute (once)."""
+        """Enforce this engine's kv_role; P side: drop the trailing ``backoff`` prompt tokens
+        D will recompute (once)."""
         params = request.kv_transfer_params
+        if params:
+            self._enforce_role(request, params)
         if params and params.get("do_remote_decode") and self.backoff \
                 and not params.get("_hma_p_truncated"):
             if C.truncate_prompt(request, self.backoff):
