@@ -391,7 +391,7 @@ class TrackerSet:
     @staticmethod
     def _check_tokens(name: str, n: Any) -> int:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= _TOKEN_MAX:
-            raise TokenCountError(f"{name} must be an int in [0, 2**63) tokens, got {n!r}")
+            raise TokenCountError(f"{name} must be an int >= 0 and < 2**63 (tokens), got {n!r}")
         return int(n)
 
     # -- single-request operations ----------------------------------------------------
