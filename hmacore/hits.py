@@ -79,7 +79,9 @@ class HitResult:
             first access when the result comes from :meth:`HitFinder.longest_hit` (a caller
             that only needs ``tokens`` never pays for them).
 
-    ``HitResult(tokens, masks)`` builds one directly; results are immutable.
+    ``HitResult(tokens, masks)`` builds one directly; results are immutable (shareable
+    between threads; building the masks twice in a race is harmless). Pickling and
+    ``copy`` give an equal result with its masks built.
     """
 
     __slots__ = ("tokens", "_masks", "_spans", "_finder")
@@ -118,6 +120,9 @@ class HitResult:
 
     __hash__ = None
 
+    def __reduce__(self):
+        return HitResult, (self.tokens, self.masks)
+
     def __repr__(self) -> str:
         return f"HitResult(tokens={self.tokens}, masks={self.masks!r})"
 
@@ -148,12 +153,22 @@ class LookupPlan:
         return es
 
 
+#: vLLM KVCacheSpec fields that hmacore's GroupSpec does not carry (yet). When a spec object
+#: has them (a GroupSpec subclass, or a future GroupSpec), they are part of the merge key;
+#: without them two groups that differ only there are merged by page bytes alone.
+SPEC_HEAD_FIELDS = ("num_kv_heads", "head_size", "head_size_v", "dtype", "attn_type")
+
+
 def _merge_key(spec) -> tuple:
-    # vLLM merges groups whose KVCacheSpec objects are equal; ``eagle`` is a property of the
-    # group (is_eagle_group), not of the spec, so it is not part of the key.
+    """vLLM merges groups whose KVCacheSpec objects are equal (dataclass equality): kind,
+    block size, window / chunk, extra retained tokens, Mamba mode and speculative slots, the
+    MLA flag, and the head shape (num_kv_heads, head_size(_v), dtype, attention type). Page
+    bytes stay in the key as the stand-in for head fields a spec does not carry (equal head
+    fields give equal page bytes, so it never splits what vLLM merges). ``eagle`` is a
+    property of the group (is_eagle_group), not of the spec, so it is not part of the key."""
     return (spec.kind, spec.block_size, spec.sliding_window, spec.chunk_size,
             spec.extra_retained_tokens, spec.mamba_mode, spec.mla, spec.num_speculative_blocks,
-            spec.page_bytes)
+            spec.page_bytes, *(getattr(spec, f, None) for f in SPEC_HEAD_FIELDS))
 
 
 class HitFinder:
@@ -170,7 +185,26 @@ class HitFinder:
     Attributes: ``hash_block_size`` (tokens per hash row), ``scheduler_block_size`` (lcm,
     tokens), ``partial`` (fine-grained hits), ``alignment`` (tokens every hit is a multiple
     of: hash_block_size if partial else scheduler_block_size), ``spec_groups``.
+
+    Threads: immutable after construction (attributes cannot be rebound; the compiled
+    kernel keeps private read-only tables and no scratch buffer), so one finder may serve
+    any number of threads at once, also with a shared :class:`ExistenceSet` (thread-safe).
+    Picklable (rebuilt from ``layout``, ``coarse`` and ``eagle``); ``copy`` gives an equal,
+    independent finder.
     """
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"HitFinder is immutable (cannot set {name!r}); build a new one")
+        object.__setattr__(self, name, value)
+
+    def __reduce__(self):
+        return _finder, (self.layout, self.coarse, self._eagle)
+
+    def __repr__(self) -> str:
+        return (f"HitFinder(groups={self.group_ids}, spec_groups={len(self.spec_groups)}, "
+                f"alignment={self.alignment}, hash_block_size={self.hash_block_size}, "
+                f"partial={self.partial}, coarse={self.coarse!r})")
 
     def __init__(self, layout: KVLayout, *, coarse: str = "last", eagle: bool = False) -> None:
         if not isinstance(layout, KVLayout):
@@ -180,6 +214,7 @@ class HitFinder:
         layout.check_hash_addressable()
         self.layout = layout
         self.coarse = coarse
+        self._eagle = bool(eagle)
         cp = layout.context_parallel
         self.num_groups = layout.num_groups
         self.group_ids = tuple(layout.prefix_cacheable_group_ids)
@@ -237,14 +272,20 @@ class HitFinder:
         for sg in groups:
             start = len(members)
             members.extend(sg.group_ids)
-            rows.append([int(sg.kind), sg.block_size, sg.window, sg.chunk, int(sg.eagle),
-                         start, len(members), int(sg.kind in _FINE_KINDS)])
-        self._specs = np.ascontiguousarray(np.array(rows, dtype=np.int64).reshape(-1, 8))
+            row = {"kind": int(sg.kind), "block_size": sg.block_size, "window": sg.window,
+                   "chunk": sg.chunk, "eagle": int(sg.eagle), "member_start": start,
+                   "member_end": len(members), "fine_lookup": int(sg.kind in _FINE_KINDS)}
+            rows.append([row[c] for c in _hits.SPEC_COLUMNS])
+        ncols = len(_hits.SPEC_COLUMNS)
+        self._specs = np.ascontiguousarray(np.array(rows, dtype=np.int64).reshape(-1, ncols))
         self._specs_no_eagle = self._specs.copy()
-        self._specs_no_eagle[:, 4] = 0
-        self._members = np.array(members, dtype=np.int32)
+        self._specs_no_eagle[:, _hits.SPEC_EAGLE_COLUMN] = 0
+        self._members = np.array(members, dtype=_hits.GROUP_ID_DTYPE)
+        for a in (self._specs, self._specs_no_eagle, self._members):
+            a.flags.writeable = False
         self._kernel = _hits.HitKernel(self._specs, self._members, self.hash_block_size,
                                        self.alignment, self.partial, self.unitary)
+        self._frozen = True
 
     # -- lookups --------------------------------------------------------------------------
     def align_length(self, num_tokens: int) -> int:
@@ -438,6 +479,11 @@ class HitFinder:
                 or not 0 <= int(group) < self.num_groups:
             raise HashInputError(f"group must be a group id in [0, {self.num_groups}), got {group!r}")
         return int(group)
+
+
+def _finder(layout: KVLayout, coarse: str, eagle: bool) -> HitFinder:
+    """Unpickle a HitFinder."""
+    return HitFinder(layout, coarse=coarse, eagle=eagle)
 
 
 def _width(hashes) -> int:

@@ -30,6 +30,7 @@ __all__ = ["Region", "TransferPlan", "GroupFigures", "RequestFigures", "layer_so
            "describe_layout_plan"]
 
 SHARED = -1
+BLOCK_ID_DTYPE = _tables.BLOCK_ID_DTYPE    # tied to the kernels' C block_id_t
 
 
 def layer_sort_key(name: str) -> tuple:
@@ -163,7 +164,25 @@ class TransferPlan:
         mem_type: NIXL memory type of every region (``"DRAM"`` or ``"VRAM"``).
         group_major: False = classic HMA ordering (``for region: for group``), True = owned
             regions or state regions present (``for group: for region serving it``).
+
+    Threads: immutable after construction (attributes cannot be rebound; the compiled
+    descriptor plan keeps private read-only region arrays and no scratch buffer), so one
+    plan may be shared by any number of threads. ``desc_ids`` reads a caller's list of
+    per-group arrays through a private tuple of them, so another thread replacing list
+    elements meanwhile cannot free an array being read (the result is then the ids the list
+    held when the call started, or after). A caller-provided ``out`` buffer must not be
+    shared by two concurrent calls. Picklable.
     """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"TransferPlan is immutable (cannot set {name!r})")
+        object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        return (f"TransferPlan(groups={self.layout.num_groups}, regions={len(self.regions)}, "
+                f"descriptors={self.num_descs}, mem_type={self.mem_type!r}, "
+                f"{'group' if self.group_major else 'region'}-major)")
 
     def __init__(self, layout: KVLayout, regions: Sequence[Region], *, mem_type: str = "DRAM"):
         if mem_type not in ("DRAM", "VRAM"):
@@ -205,6 +224,10 @@ class TransferPlan:
         self._desc = _plan.DescPlan(self._offset, self._logical, self._ratio, self._rgroup,
                                     self._rstate, self._gstate, self.group_major,
                                     functools.partial(_as_tuple_n, layout.num_groups))
+        for a in (self._offset, self._logical, self._ratio, self._rgroup, self._rstate,
+                  self._gstate, self._desc_len):
+            a.flags.writeable = False
+        self._frozen = True
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -372,16 +395,30 @@ class TransferPlan:
                                     self._rstate, self._gstate, kernel_ids)
 
     def table_bytes(self, lengths: Sequence[int]) -> int:
-        """Bytes moved for a table with ``lengths[g]`` logical blocks in group g (O(G x R))."""
+        """Bytes moved for a table with ``lengths[g]`` logical blocks in group g (O(G x R)).
+        Each length must be an int >= 0 (bools, floats and negatives raise BlockTableError)."""
+        if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
+            raise BlockTableError(f"lengths must be one block count per group, got "
+                                  f"{type(lengths).__name__}")
         if len(lengths) != self.layout.num_groups:
             raise BlockTableError(f"lengths has {len(lengths)} groups, the layout has "
                                   f"{self.layout.num_groups}")
-        return sum(int(n) * b for n, b in zip(lengths, self._group_block_bytes))
+        total = 0
+        for g, (n, b) in enumerate(zip(lengths, self._group_block_bytes)):
+            if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
+                raise BlockTableError(f"lengths[{g}] must be an int >= 0 (blocks), got {n!r}")
+            total += int(n) * b
+        return total
 
     def desc_bytes(self, desc_ids: np.ndarray) -> int:
-        """Total bytes the given descriptor ids cover."""
-        d = np.asarray(desc_ids, dtype=np.int64)
-        if d.size and (d.min() < 0 or d.max() >= self.num_descs):
+        """Total bytes the given descriptor ids cover (integer ids in ``[0, num_descs)``;
+        floats and bools raise BlockTableError, never truncated)."""
+        d = np.asarray(desc_ids)
+        if d.size == 0:
+            return 0
+        if d.dtype.kind not in "iu":
+            raise BlockTableError(f"desc_ids must be integers, got dtype {d.dtype}")
+        if d.min() < 0 or d.max() >= self.num_descs:
             raise BlockTableError(f"desc_ids must lie in [0, {self.num_descs})")
         r = np.searchsorted(self._offset, d, side="right") - 1
         return int(self._desc_len[r].sum())
@@ -550,7 +587,7 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
         if not x.flags.c_contiguous:
             raise BlockTableError(f"block_ids[{g}] must be C-contiguous (use np.ascontiguousarray)")
         if x.size == 0:  # an empty group is empty whatever its dtype (np.array([]) is float)
-            return np.empty(0, dtype=np.int32)
+            return np.empty(0, dtype=BLOCK_ID_DTYPE)
         a = x
     else:
         if not isinstance(x, (list, tuple)):
@@ -563,6 +600,9 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
         out, status, i = _tables.seq_to_int32(x, 0)
         if status == _tables.STATUS_OK:
             return out
+        if status == _tables.STATUS_CHANGED:
+            raise BlockTableError(f"block_ids[{g}] changed size while being converted (at "
+                                  f"index {i}); pass ids nothing else mutates")
         if isinstance(x[i], (bool, np.bool_)):
             err = BlockTableError(f"block_ids[{g}][{i}]: block ids must be integers, not bools "
                                   f"(got {x[i]!r})")
@@ -573,13 +613,13 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
         except (TypeError, ValueError):
             raise BlockTableError(f"block_ids[{g}] must be a sequence of ints") from None
         if a.size == 0:
-            return np.empty(0, dtype=np.int32)
+            return np.empty(0, dtype=BLOCK_ID_DTYPE)
         if a.ndim != 1:
             raise BlockTableError(f"block_ids[{g}] must be a flat list of ints, got shape {a.shape}")
     if a.dtype.kind not in "iu":
         raise BlockTableError(f"block_ids[{g}] must hold integers, got dtype {a.dtype}")
-    if a.dtype == np.int32:
+    if a.dtype == BLOCK_ID_DTYPE:
         return a
     if a.size and (int(a.min()) < _INT32_MIN or int(a.max()) > _INT32_MAX):
         raise BlockTableError(f"block_ids[{g}] has ids outside int32 (block ids are int32)")
-    return a.astype(np.int32)
+    return a.astype(BLOCK_ID_DTYPE)

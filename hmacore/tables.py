@@ -6,7 +6,9 @@ tokens). Id 0 is the null block (placeholder for freed / skipped positions). Ids
 """
 from __future__ import annotations
 
+import copy as _copy
 import enum
+from _thread import get_ident as _get_ident
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Hashable, Union
 
@@ -18,15 +20,27 @@ from .spec import KVLayout
 
 __all__ = [
     "BlockTable", "as_block_table", "to_wire", "from_wire", "to_tuple", "fill_blocks",
-    "count_hashed", "RequestState", "TrackerSet",
+    "count_hashed", "RequestState", "TrackerSet", "BLOCK_ID_DTYPE", "TokenCountError",
+    "TrackerThreadError",
 ]
 
 BlockTable = tuple  # tuple[np.ndarray[int32], ...], one entry per group
 BlockTableLike = Union[Sequence[Any], np.ndarray]
 
+#: NumPy dtype of block ids, tied to the kernels' C ``block_id_t`` (hmacore/_fast/_types.pxd).
+BLOCK_ID_DTYPE = _k.BLOCK_ID_DTYPE
 _INT32_MAX = 2**31 - 1
-_EMPTY = np.empty(0, dtype=np.int32)
+_TOKEN_MAX = 2**63 - 1          # token counts are int64 in the store
+_EMPTY = np.empty(0, dtype=BLOCK_ID_DTYPE)
 _EMPTY.flags.writeable = False
+
+
+class TokenCountError(TrackerStateError, ValueError):
+    """A token count (watermark, prompt length) is not an int in ``[0, 2**63)``."""
+
+
+class TrackerThreadError(TrackerStateError):
+    """A TrackerSet was used from a thread other than its owner (see TrackerSet)."""
 
 
 # -- conversion / validation ------------------------------------------------------------
@@ -75,6 +89,9 @@ def _split_groups(block_ids: Any, num_groups: int, name: str) -> Sequence[Any]:
 def _raise_status(name: str, g: int, i: int, status: int, value: Any, hi: int,
                   offset: int = 0) -> None:
     where = f"{name}: group {g}, index {i + offset}"
+    if status == _k.STATUS_CHANGED:
+        raise BlockTableError(f"{name}: group {g} changed size while being converted (at "
+                              f"index {i + offset}); pass a table nothing else mutates")
     if status == _k.STATUS_NOT_INT:
         raise BlockTableError(f"{where}: block ids must be integers, got "
                               f"{type(value).__name__} {value!r}")
@@ -96,7 +113,7 @@ def _as_group(x: Any, g: int, hi: int, name: str, offset: int = 0) -> np.ndarray
             x = x.tolist()
         elif kind not in "iu":
             raise BlockTableError(f"{name}: group {g} must hold integers, got dtype {x.dtype}")
-        elif x.dtype == np.int32:
+        elif x.dtype == BLOCK_ID_DTYPE:
             x = np.ascontiguousarray(x)
             status, i = _k.scan_int32(x, hi)
             if status != _k.STATUS_OK:
@@ -114,11 +131,11 @@ def _as_group(x: Any, g: int, hi: int, name: str, offset: int = 0) -> np.ndarray
                 status = (_k.STATUS_NEGATIVE if v < 0 else
                           _k.STATUS_PAST_INT32 if v > _INT32_MAX else _k.STATUS_PAST_POOL)
                 _raise_status(name, g, i, status, v, hi, offset)
-            return x.astype(np.int32)
+            return x.astype(BLOCK_ID_DTYPE)
     if isinstance(x, (list, tuple)):
         out, status, i = _k.seq_to_int32(x, hi)
         if status != _k.STATUS_OK:
-            _raise_status(name, g, i, status, x[i], hi, offset)
+            _raise_status(name, g, i, status, x[i] if 0 <= i < len(x) else None, hi, offset)
         return out
     if x is None:
         raise BlockTableError(f"{name}: group {g} is None (use an empty list for no blocks)")
@@ -146,9 +163,15 @@ def as_block_table(block_ids: BlockTableLike, num_groups: int, *, num_blocks: in
 
 
 def to_wire(table: Sequence[Any]) -> list[list[int]]:
-    """Per-group lists of Python ints (JSON/msgpack friendly)."""
-    return [np.asarray(t).tolist() if isinstance(t, np.ndarray) else [int(b) for b in t]
-            for t in table]
+    """Per-group lists of Python ints (JSON/msgpack friendly).
+
+    Every entry must be a block id (an int, NumPy integer or integer array element in
+    ``[0, 2**31)``): floats, bools and negative ids raise BlockTableError (never truncated).
+    """
+    if isinstance(table, np.ndarray) or not isinstance(table, (list, tuple)):
+        raise BlockTableError(f"table must be a tuple/list with one id sequence per group, "
+                              f"got {type(table).__name__}")
+    return [_as_group(t, g, 0, "table").tolist() for g, t in enumerate(table)]
 
 
 def from_wire(obj: Any, num_groups: int, *, num_blocks: int | None = None,
@@ -202,7 +225,7 @@ def fill_blocks(table: BlockTableLike, hashed: Sequence[Any]) -> tuple[np.ndarra
     masks = _as_masks(hashed, t)
     out = []
     for ids, m in zip(t, masks):
-        buf = np.empty(ids.shape[0], dtype=np.int32)
+        buf = np.empty(ids.shape[0], dtype=BLOCK_ID_DTYPE)
         n = _k.select_unhashed(ids, m, buf)
         out.append(buf[:n])
     return tuple(out)
@@ -258,18 +281,71 @@ class TrackerSet:
     validates all of its input before changing anything: on any exception the set is
     unchanged.
 
-    Units: tables in blocks of each group; watermarks in tokens.
+    Units: tables in blocks of each group; watermarks in tokens (ints in ``[0, 2**63)``).
+
+    Views: ``block_ids(copy=False)`` and :func:`hmacore.windows.clip_tracked` return
+    read-only *snapshots*: a view shows the table as it was when it was taken and never
+    changes afterwards (no later appends, no later in-place nulling, never another
+    request's ids after a preempt/replace or a finish). The set copies a group before it
+    rewrites a position that a live view can see, so keeping views is always safe; drop
+    them promptly all the same (each live view keeps its buffer alive, and a rewrite under
+    a live view costs a copy of that group).
+
+    Threads: a TrackerSet is **not** thread-safe and has one owner thread: the first thread
+    that reads or writes request data through it (construction does not bind). A call
+    from any other thread raises :class:`TrackerThreadError` (a TrackerStateError) before
+    anything is read or changed. To hand the set to another thread, call
+    :meth:`bind_to_current_thread` from the new owner once the old one has stopped using it.
+    ``len()``, ``in``, iteration and ``repr`` are not checked. Share TransferPlan /
+    HitFinder objects freely instead (immutable); give each thread its own TrackerSet.
+
+    Pickling and ``copy.copy`` / ``copy.deepcopy`` give an independent set with the same
+    requests, tables, states and watermarks (the copy has no owner thread yet).
     """
 
     def __init__(self, layout: KVLayout) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        self._adopt(layout, _k.TableStore(layout.num_groups))
+
+    def _adopt(self, layout: KVLayout, store: Any) -> None:
         self.layout = layout
         self.num_groups = layout.num_groups
         self._num_blocks = layout.num_blocks
         self._nb = self._num_blocks or 0   # kernels: 0 = pool size unknown
-        self._store = _k.TableStore(self.num_groups)
+        self._store = store
         self._reqs: dict[Hashable, int] = self._store.index   # req_id -> slot (read-only here)
+        self._owner: int | None = None     # thread ident of the owner (None: not bound yet)
+
+    # -- threads, pickling, copies ------------------------------------------------------
+    def _claim(self) -> None:
+        """Bind the set to the calling thread, or raise if another thread owns it."""
+        me = _get_ident()
+        if self._owner is None:
+            self._owner = me
+        elif self._owner != me:
+            raise TrackerThreadError(
+                "TrackerSet used from a thread that does not own it (owner thread ident "
+                f"{self._owner}, this thread {me}): a TrackerSet belongs to one thread; give "
+                "each thread its own, or hand it over with bind_to_current_thread()")
+
+    def bind_to_current_thread(self) -> None:
+        """Make the calling thread the owner (a hand-off: the previous owner must have
+        stopped using the set; nothing synchronises the two)."""
+        self._owner = _get_ident()
+
+    def __reduce__(self):
+        return _tracker_from_store, (self.layout, self._store)
+
+    def __copy__(self) -> TrackerSet:
+        return _tracker_from_store(self.layout, _copy.copy(self._store))
+
+    def __deepcopy__(self, memo: dict) -> TrackerSet:
+        return _tracker_from_store(_copy.deepcopy(self.layout, memo), _copy.copy(self._store))
+
+    def __repr__(self) -> str:
+        return (f"TrackerSet(groups={self.num_groups}, requests={len(self._reqs)}, "
+                f"num_blocks={self._num_blocks})")
 
     # -- helpers ----------------------------------------------------------------------
     def _table(self, block_ids: Any, name: str) -> tuple[np.ndarray, ...]:
@@ -277,7 +353,9 @@ class TrackerSet:
                               name=name)
 
     def _get(self, req_id: Hashable) -> int:
-        """The request's slot in the store."""
+        """The request's slot in the store (the owner-thread check first)."""
+        if self._owner != _get_ident():
+            self._claim()
         try:
             return self._reqs[req_id]
         except KeyError:
@@ -312,17 +390,22 @@ class TrackerSet:
 
     @staticmethod
     def _check_tokens(name: str, n: Any) -> int:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise TrackerStateError(f"{name} must be an int >= 0, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= _TOKEN_MAX:
+            raise TokenCountError(f"{name} must be an int >= 0 and < 2**63 (tokens), got {n!r}")
         return int(n)
 
     # -- single-request operations ----------------------------------------------------
     def add(self, req_id: Hashable, block_ids: BlockTableLike, *, num_prompt_tokens: int = 0) -> None:
-        """Track a new request with a copy of its full table (blocks per group)."""
+        """Track a new request with a copy of its full table (blocks per group).
+
+        Everything (table, ``num_prompt_tokens`` in ``[0, 2**63)``) is validated before the
+        request is stored: on any exception nothing is tracked."""
+        if self._owner != _get_ident():
+            self._claim()
         if req_id in self:
             raise TrackerStateError(f"req_id {req_id!r} is already tracked")
-        table = self._fast_or_table(block_ids, "block_ids", allow_none=False)
         n = self._check_tokens("num_prompt_tokens", num_prompt_tokens)
+        table = self._fast_or_table(block_ids, "block_ids", allow_none=False)
         self._insert(req_id, table, n)
 
     def _fast_or_table(self, block_ids: Any, name: str, *, allow_none: bool) -> Any:
@@ -412,9 +495,9 @@ class TrackerSet:
     def block_ids(self, req_id: Hashable, *, copy: bool = True) -> tuple[np.ndarray, ...]:
         """The request's table (int32 per group, blocks of each group).
 
-        ``copy=False`` returns read-only views of the tracker's buffers (no copy): cheap for
-        clipping, but they show later in-place nulling and do not see later appends; do not
-        keep them across tracker updates.
+        ``copy=False`` returns read-only views of the tracker's buffers (no copy): snapshots
+        of the table at this call that never change afterwards (later appends, nulling,
+        preempt/replace and finish are not seen; see the class docstring).
         """
         s = self._get(req_id)
         st = self._store
@@ -498,6 +581,8 @@ class TrackerSet:
         parts leave behind before anything is mutated; on error the set is unchanged.
         Returns the finished requests' tables.
         """
+        if self._owner != _get_ident():
+            self._claim()
         finished = list(finished)
         preempted = list(preempted)
         new = list(new)
@@ -586,6 +671,8 @@ class TrackerSet:
         malformed offsets or wrong dtypes raise (TrackerStateError / BlockTableError naming
         the argument and the rule) before anything changes.
         """
+        if self._owner != _get_ident():
+            self._claim()
         if not isinstance(req_ids, (list, tuple)):
             req_ids = list(req_ids)
         try:
@@ -619,6 +706,8 @@ class TrackerSet:
 
     def _clip_spans(self, req_ids: Sequence[Hashable], plan: np.ndarray) -> np.ndarray:
         """``[start, end)`` of each request's clipped groups (see windows.clip_tracked_spans)."""
+        if self._owner != _get_ident():
+            self._claim()
         if not isinstance(req_ids, (list, tuple)):
             req_ids = list(req_ids)
         try:
@@ -635,3 +724,10 @@ class TrackerSet:
         clip = self._store.clip_views
         return [clip(s, plan) for s in slots]
 
+
+
+def _tracker_from_store(layout: KVLayout, store: Any) -> TrackerSet:
+    """A TrackerSet around an existing TableStore (unpickling and copies)."""
+    ts = TrackerSet.__new__(TrackerSet)
+    ts._adopt(layout, store)
+    return ts

@@ -48,9 +48,17 @@ PAGE_LAYOUTS = ("HND", "LBHNC", "NHD", "LBNHC")
 HEAD_MAJOR_LAYOUTS = ("HND", "LBHNC")
 
 
-def _int(name: str, v: Any, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < lo:
-        raise LayoutError(f"{name} must be an int >= {lo}, got {v!r}")
+#: Upper bounds of head counts and TP sizes (real models: <= a few hundred KV / state heads,
+#: TP <= a few hundred ranks). Every per-plan cost is at most linear in these.
+MAX_HEADS = 1 << 16
+MAX_TP = 1 << 16
+
+
+def _int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < lo \
+            or (hi is not None and int(v) > hi):
+        bound = "" if hi is None else f" and <= {hi}"
+        raise LayoutError(f"{name} must be an int >= {lo}{bound}, got {v!r}")
     return int(v)
 
 
@@ -60,8 +68,8 @@ def kv_heads_of_rank(num_heads: int, tp: int, rank: int) -> tuple[int, int]:
     Raises LayoutError when ``tp <= num_heads`` and tp does not divide the heads, when
     ``tp > num_heads`` and the heads do not divide tp, or when rank is not in ``[0, tp)``.
     """
-    h = _int("num_heads", num_heads, 1)
-    tp = _int("tp", tp, 1)
+    h = _int("num_heads", num_heads, 1, MAX_HEADS)
+    tp = _int("tp", tp, 1, MAX_TP)
     rank = _int("rank", rank, 0)
     if rank >= tp:
         raise LayoutError(f"rank must be in [0, {tp}), got {rank}")
@@ -94,8 +102,8 @@ class GroupSharding:
     replicated: bool = False
 
     def __post_init__(self) -> None:
-        _int("num_heads", self.num_heads, 1)
-        _int("chunks", self.chunks, 1)
+        _int("num_heads", self.num_heads, 1, MAX_HEADS)
+        _int("chunks", self.chunks, 1, MAX_HEADS)
 
 
 def default_shardings(layout: KVLayout, num_heads: int, *, kv_chunks: int = 2,
@@ -172,9 +180,9 @@ class TpMapping:
                 raise LayoutError(f"shardings[{g}] must be a GroupSharding, got {type(s).__name__}")
         self.layout = layout
         self.shardings = tuple(shardings)
-        self.local_tp = _int("local_tp", local_tp, 1)
+        self.local_tp = _int("local_tp", local_tp, 1, MAX_TP)
         self.local_rank = _int("local_rank", local_rank, 0)
-        self.remote_tp = _int("remote_tp", remote_tp, 1)
+        self.remote_tp = _int("remote_tp", remote_tp, 1, MAX_TP)
         if self.local_rank >= self.local_tp:
             raise LayoutError(f"local_rank must be in [0, {self.local_tp}), got {local_rank}")
         slices: list[tuple[HeadSlice, ...]] = []
@@ -204,19 +212,27 @@ class TpMapping:
         self.remote_ranks: tuple[int, ...] = tuple(sorted({s.remote_rank for ss in slices for s in ss}))
 
     def _shard(self, g: int, h: int) -> tuple[HeadSlice, ...]:
+        """Maximal runs of this rank's heads ``[lo, hi)`` held by one remote rank, in head
+        order. O(runs), not O(heads): with remote_tp <= h remote rank p holds the block
+        ``[p*n, (p+1)*n)`` (n = h / remote_tp), so the runs are the pieces of ``[lo, hi)``
+        cut at multiples of n; with remote_tp > h every head has its own source rank
+        ``head*copies + local_rank % copies``, one run per head: at most h < remote_tp
+        runs. Either way at most min(heads of this rank, remote_tp) <= MAX_TP runs."""
         lo, hi = kv_heads_of_rank(h, self.local_tp, self.local_rank)
         kv_heads_of_rank(h, self.remote_tp, 0)  # validates remote_tp against h
         runs: list[list[int]] = []  # [remote_rank, start, stop]
-        for head in range(lo, hi):
-            if self.remote_tp <= h:
-                p = head // (h // self.remote_tp)
-            else:
-                copies = self.remote_tp // h
-                p = head * copies + self.local_rank % copies
-            if runs and runs[-1][0] == p and runs[-1][2] == head:
-                runs[-1][2] = head + 1
-            else:
-                runs.append([p, head, head + 1])
+        if self.remote_tp <= h:
+            n = h // self.remote_tp
+            head = lo
+            while head < hi:            # terminates: head grows by >= 1 each round
+                p = head // n
+                stop = min(hi, (p + 1) * n)
+                runs.append([p, head, stop])
+                head = stop
+        else:
+            copies = self.remote_tp // h
+            runs = [[head * copies + self.local_rank % copies, head, head + 1]
+                    for head in range(lo, hi)]
         out = []
         for p, s, e in runs:
             rlo, _ = kv_heads_of_rank(h, self.remote_tp, p)

@@ -14,7 +14,7 @@ import numpy as np
 from ._fast import _windows as _k
 from .errors import BlockTableError
 from .spec import GroupKind, KVLayout
-from .tables import TrackerSet, _as_group, _split_groups, as_block_table
+from .tables import BLOCK_ID_DTYPE, TrackerSet, _as_group, _split_groups, as_block_table
 
 __all__ = [
     "clip_to_window", "clip_windows", "clip_tracked_spans", "clip_state_blocks", "window_plan", "clip_tracked", "trim_remote_to_local", "expand_to_kernel",
@@ -159,9 +159,21 @@ def clip_windows(block_ids: Any, layout: KVLayout, *, exact: bool = False,
     return _k.clip_windows(block_ids, layout, exact, clip_state)
 
 
-def _clip_plan_and_pool(layout: Any, exact: bool, clip_state: bool) -> tuple[np.ndarray, int]:
+def _compile(layout: Any) -> _k.LayoutClip:
+    """The layout's compiled clip plans, built once and stored on the layout object (a
+    frozen KVLayout: valid for its lifetime; see ``_windows.LayoutClip``)."""
     layout = _check_layout(layout)
-    return _plan(layout, exact, clip_state), layout.num_blocks or 0
+    plans = []
+    for exact in (False, True):
+        for clip_state in (False, True):
+            plan = window_plan(layout, exact=exact, clip_state=clip_state)
+            plan.flags.writeable = False
+            plans.append(plan)
+    state = np.array([s.kind == GroupKind.MAMBA for s in layout.groups], dtype=np.int8)
+    state.flags.writeable = False
+    lc = _k.LayoutClip(plans, state, layout.num_blocks or 0)
+    object.__setattr__(layout, "_hmacore_windows", lc)   # the cache lives on the layout
+    return lc
 
 
 def _clip_general(block_ids: Any, layout: KVLayout, exact: bool, clip_state: bool) -> tuple:
@@ -183,37 +195,14 @@ def window_plan(layout: KVLayout, *, exact: bool = False, clip_state: bool = Tru
     return plan
 
 
-_STATE_GROUPS: dict[int, tuple[KVLayout, np.ndarray]] = {}
-
-
 def _state_groups(layout: KVLayout) -> np.ndarray:
-    """int8 per group: 1 for MAMBA (state slots), memoised per layout object."""
-    hit = _STATE_GROUPS.get(id(layout))
-    if hit is not None and hit[0] is layout:
-        return hit[1]
-    if len(_STATE_GROUPS) > 256:
-        _STATE_GROUPS.clear()
-    arr = np.array([s.kind == GroupKind.MAMBA for s in layout.groups], dtype=np.int8)
-    arr.flags.writeable = False
-    _STATE_GROUPS[id(layout)] = (layout, arr)
-    return arr
-
-
-_PLANS: dict[tuple[int, bool, bool], tuple[KVLayout, np.ndarray]] = {}
+    """int8 per group: 1 for MAMBA (state slots), compiled once per layout object."""
+    return _k.layout_clip(layout).state_groups
 
 
 def _plan(layout: KVLayout, exact: bool, clip_state: bool) -> np.ndarray:
-    """window_plan, memoised per layout object (identity-checked: ids can be reused)."""
-    key = (id(layout), bool(exact), bool(clip_state))
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0] is layout:
-        return hit[1]
-    if len(_PLANS) > 256:
-        _PLANS.clear()
-    plan = window_plan(layout, exact=exact, clip_state=clip_state)
-    plan.flags.writeable = False
-    _PLANS[key] = (layout, plan)
-    return plan
+    """window_plan (read-only), compiled once per layout object (cached on the layout)."""
+    return _k.layout_clip(layout).plans[2 * bool(exact) + bool(clip_state)]
 
 
 def clip_tracked(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: bool = False,
@@ -316,7 +305,7 @@ def trim_remote_to_local(local: Any, remote: Any, layout: KVLayout, *,
 def _check_out(out: Any, need: int) -> np.ndarray:
     if not isinstance(out, np.ndarray):
         raise BlockTableError(f"out must be a NumPy array, got {type(out).__name__}")
-    if out.dtype != np.int32 or out.ndim != 1:
+    if out.dtype != BLOCK_ID_DTYPE or out.ndim != 1:
         raise BlockTableError(f"out must be a 1-D int32 array, got {out.ndim}-D {out.dtype}")
     if not out.flags.c_contiguous:
         raise BlockTableError("out must be C-contiguous")
@@ -353,7 +342,7 @@ def expand_group(ids: Any, ratio: int, *, stride: int | None = None, limit: int 
     if top >= 0 and top * stride + ratio - 1 > _INT32_MAX:
         raise BlockTableError(f"ids: block {top} x stride {stride} + {ratio - 1} overflows int32 "
                               "kernel block ids")
-    buf = np.empty(total, dtype=np.int32) if out is None else _check_out(out, total)[:total]
+    buf = np.empty(total, dtype=BLOCK_ID_DTYPE) if out is None else _check_out(out, total)[:total]
     n = _k.expand_into(a, ratio, stride, buf)
     return buf[:n]
 
@@ -418,4 +407,4 @@ def map_block_size(block_ids: Any, ratio: int, remote_lengths: Sequence[int],
     return out
 
 
-_k.register_clip_helpers(_clip_plan_and_pool, _clip_general)
+_k.register_clip_helpers(_compile, _clip_general)

@@ -69,7 +69,7 @@ def full_attention(hashes, h, max_length, gids, cached, bs, drop, align, coarse)
 def sliding_window(hashes, h, max_length, gids, cached, bs, window, drop, align, coarse):
     coarse_hashes = CoarseView(hashes, h, bs, coarse)
     need = cdiv(window - 1, bs) + (1 if drop else 0)
-    n = max_length // bs
+    n = min(max_length // bs, len(coarse_hashes))   # no hash past the rows: a miss
     blocks = [NULL] * n
     run = 0
     found = False
@@ -118,7 +118,7 @@ def mamba(hashes, h, max_length, gids, cached, bs, align, coarse):
                 return [NULL] * (j // sf) + [PRESENT], (j + 1) * align
         return [], 0
     coarse_hashes = CoarseView(hashes, h, bs, coarse)
-    for i in range(max_length // bs - 1, -1, -1):
+    for i in range(min(max_length // bs, len(coarse_hashes)) - 1, -1, -1):
         if get_cached(cached, coarse_hashes[i], gids):
             if bs != align and (i + 1) * bs % align:
                 continue
@@ -153,8 +153,11 @@ class OracleFinder:
         self.spec_groups = []        # [spec, [gids], eagle]
         for g in looked_up:
             s = layout.groups[g]
+            # vLLM merges groups whose KVCacheSpec objects are equal (head fields included)
             key = (s.kind, s.block_size, s.sliding_window, s.chunk_size, s.extra_retained_tokens,
-                   s.mamba_mode, s.mla, s.num_speculative_blocks, s.page_bytes)
+                   s.mamba_mode, s.mla, s.num_speculative_blocks, s.page_bytes,
+                   *(getattr(s, f, None) for f in ("num_kv_heads", "head_size", "head_size_v",
+                                                   "dtype", "attn_type")))
             for entry in self.spec_groups:
                 if entry[0] == key:
                     entry[1].append(g)

@@ -13,7 +13,7 @@ rows are blocks of ``hash_block`` tokens; the output holds block counts of each 
 """
 from cpython.pythread cimport (PyThread_acquire_lock, PyThread_allocate_lock,
                                PyThread_free_lock, PyThread_release_lock, WAIT_LOCK)
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
@@ -22,11 +22,20 @@ cimport numpy as cnp
 
 cnp.import_array()
 
+from hmacore._fast._types cimport group_id_t, token_t, GROUP_ID_NPY, TOKEN_NPY, TOKEN_MAX
+from hmacore._fast._helpers cimport sat_add
 from hmacore.errors import HashInputError
 
-cdef int32_t TAG_EMPTY = -1
-cdef int32_t TAG_DELETED = -2
+cdef group_id_t TAG_EMPTY = -1
+cdef group_id_t TAG_DELETED = -2
 cdef Py_ssize_t MIN_CAP = 16
+# Largest number of keys a set holds: 2**55 keys need a 2**57-slot table (3/4 load), whose
+# byte size (x 36) and every intermediate of reserve() stay below 2**63.
+MAX_KEYS = 1 << 55
+cdef Py_ssize_t _MAX_KEYS = MAX_KEYS
+
+GROUP_ID_DTYPE = cnp.PyArray_DescrFromType(GROUP_ID_NPY)
+TOKEN_DTYPE = cnp.PyArray_DescrFromType(TOKEN_NPY)
 
 # spec kinds (hmacore.spec.GroupKind values)
 cdef enum:
@@ -35,20 +44,28 @@ cdef enum:
     K_CHUNKED = 2
     K_MAMBA = 3
 
-# columns of the ``specs`` table
+# One row of the ``specs`` table (an (S, 8) C-contiguous int64 array): the kernels read it
+# through this struct (eight int64 fields, no padding: checked at import).
+cdef struct SpecRow:
+    int64_t kind           # GroupKind value
+    int64_t block_size     # tokens per block (context-parallel scaled)
+    int64_t window         # sliding window, tokens (SLIDING)
+    int64_t chunk          # attention chunk, tokens (CHUNKED)
+    int64_t eagle          # 1: drop the last matched block (EAGLE/MTP)
+    int64_t member_start   # members[member_start:member_end] are the spec's group ids
+    int64_t member_end
+    int64_t fine_lookup    # 1: the manager supports sub-block (hash-row) lookups
 SPEC_COLUMNS = ("kind", "block_size", "window", "chunk", "eagle", "member_start",
                 "member_end", "fine_lookup")
 cdef enum:
-    C_KIND = 0
-    C_BS = 1
-    C_WINDOW = 2
-    C_CHUNK = 3
-    C_EAGLE = 4
-    C_MSTART = 5
-    C_MEND = 6
-    C_FINE = 7
     NCOLS = 8
+if sizeof(SpecRow) != NCOLS * sizeof(int64_t) or len(SPEC_COLUMNS) != NCOLS:
+    raise ImportError("hmacore._fast._hits: SpecRow does not match the specs table")
+SPEC_EAGLE_COLUMN = SPEC_COLUMNS.index("eagle")
 MAX_SPEC_GROUPS = 256
+# Block sizes, windows, chunks and the alignment are bounded so that every product the
+# kernel forms (rows x tokens per row, blocks x block size) stays below 2**63.
+MAX_SPEC_TOKENS = 1 << 32
 
 
 cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
@@ -64,7 +81,7 @@ cdef inline uint64_t _rotl(uint64_t x, int r) noexcept nogil:
     return (x << r) | (x >> (64 - r))
 
 
-cdef inline uint64_t _key_hash(int32_t group, const uint8_t* d, int ds) noexcept nogil:
+cdef inline uint64_t _key_hash(group_id_t group, const uint8_t* d, int ds) noexcept nogil:
     # Digests are already uniform (sha256 / xxh3): fold the words with distinct rotations
     # and odd multipliers, then one full mix (two mixes for 32-byte digests instead of five).
     cdef uint64_t w0, w1, h
@@ -119,35 +136,82 @@ cdef class ExistenceSet:
     Group ids are ints in [0, 2**31-1]. Memory: ``capacity * (4 + digest_size)`` bytes
     (see ``nbytes``); the table doubles when it would pass 3/4 full, so a key costs
     between 1.33x and 2.67x its 20 or 36 slot bytes (measured: 72 B/key for 32-byte
-    digests at 50% load, 36-72 B/key for 16-byte ones). Thread-safe: every operation takes
-    the set's lock with the GIL released, so bulk loops and the hit kernel run without the
-    GIL while other threads keep running (and never see a table being resized).
+    digests at 50% load, 36-72 B/key for 16-byte ones). At most ``MAX_KEYS`` (2**55) keys.
+
+    Threads: thread-safe. Every operation takes the set's lock with the GIL released, so
+    bulk loops and the hit kernel run without the GIL while other threads keep running (and
+    never see a table being resized); one set may be shared by any number of threads.
+
+    ``__init__`` runs once (a second call raises RuntimeError: it would change the slot size
+    under a live table). Picklable; ``copy.copy`` / ``deepcopy`` give independent sets.
     """
 
-    def __cinit__(self, int digest_size=32, Py_ssize_t capacity=0):
+    def __cinit__(self, *args, **kwargs):
+        # A valid empty 32-byte set even if __init__ never runs (ExistenceSet.__new__).
         self._slots = NULL
         self._cap = 0
         self._size = 0
         self._used = 0
+        self.digest_size = 32
+        self._slot_size = 4 + 32
+        self._initialised = False
         self._lock = PyThread_allocate_lock()
         if self._lock == NULL:
             raise MemoryError("ExistenceSet: cannot allocate a lock")
 
-    def __init__(self, int digest_size=32, Py_ssize_t capacity=0):
+    def __init__(self, int digest_size=32, capacity=0):
+        if self._initialised:
+            raise RuntimeError("ExistenceSet is already initialised: __init__ runs once "
+                               "(it would change the slot size under the live table); "
+                               "build a new set instead")
         if digest_size not in (16, 32):
             raise HashInputError(f"digest_size must be 16 or 32 bytes, got {digest_size}")
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+            raise HashInputError(f"capacity must be an int (keys), got {type(capacity).__name__}")
         if capacity < 0:
             raise HashInputError(f"capacity must be >= 0 keys, got {capacity}")
-        self.digest_size = digest_size
-        self._slot_size = 4 + digest_size
+        if capacity > MAX_KEYS:
+            raise HashInputError(f"capacity must be <= 2**55 keys (MAX_KEYS), got {capacity}")
+        cdef Py_ssize_t cap = capacity
         cdef int rc = 0
-        if capacity:
+        if cap:
             with nogil:
                 self.lock()
-                rc = self.reserve(capacity)
+                self.digest_size = digest_size
+                self._slot_size = 4 + digest_size
+                rc = self.reserve(cap)
                 self.unlock()
+        else:
+            self.digest_size = digest_size
+            self._slot_size = 4 + digest_size
+        self._initialised = True
         if rc < 0:
             raise MemoryError("ExistenceSet: cannot allocate the table")
+
+    def __reduce__(self):
+        return _existence_set_from_slots, (self.digest_size, self._live_slots())
+
+    def __repr__(self):
+        return (f"ExistenceSet(digest_size={self.digest_size}, keys={self._size}, "
+                f"capacity={self._cap})")
+
+    cdef bytes _live_slots(self):
+        # Every live slot (group tag + digest), concatenated (pickling).
+        cdef Py_ssize_t i, k = 0
+        cdef group_id_t tag
+        cdef bytearray out
+        self.lock()
+        try:
+            out = bytearray(self._size * self._slot_size)
+            for i in range(self._cap):
+                memcpy(&tag, self._slots + i * self._slot_size, 4)
+                if tag >= 0 and k < self._size:
+                    memcpy(<char*>out + k * self._slot_size, self._slots + i * self._slot_size,
+                           self._slot_size)
+                    k += 1
+        finally:
+            self.unlock()
+        return bytes(out)
 
     def __dealloc__(self):
         if self._slots != NULL:
@@ -164,10 +228,13 @@ cdef class ExistenceSet:
         PyThread_release_lock(self._lock)
 
     # -- C-level core ------------------------------------------------------------------
+    # Invariants (under the lock): _cap is 0 or a power of two >= MIN_CAP; every probe
+    # sequence ends on an empty slot because _used (live + tombstones) stays <= 3/4 _cap
+    # (reserve() runs before every insert), so the linear probes below terminate.
     cdef int _rehash(self, Py_ssize_t new_cap) noexcept nogil:
         cdef uint8_t* fresh = <uint8_t*>malloc(new_cap * self._slot_size)
         cdef Py_ssize_t i, j, mask = new_cap - 1
-        cdef int32_t tag
+        cdef group_id_t tag
         cdef uint8_t* src
         if fresh == NULL:
             return -1
@@ -191,84 +258,81 @@ cdef class ExistenceSet:
         self._used = self._size
         return 0
 
+    cdef inline bint fits(self, Py_ssize_t extra) noexcept nogil:
+        """``extra`` more keys fit without a rehash (3/4 load, tombstones included)."""
+        return self._cap > 0 and (self._used + extra) * 4 <= self._cap * 3
+
     cdef int reserve(self, Py_ssize_t extra) noexcept nogil:
-        """Make room for ``extra`` more keys without passing 3/4 load; -1 if out of memory."""
-        cdef Py_ssize_t need = self._used + extra
+        """Make room for ``extra`` more keys without passing 3/4 load; -1 if out of memory
+        or past MAX_KEYS (every product below then stays far from overflow)."""
         cdef Py_ssize_t cap
-        if need * 4 <= self._cap * 3 and self._cap > 0:
+        if extra < 0 or extra > _MAX_KEYS - self._size:
+            return -1
+        if self.fits(extra):
             return 0
         cap = MIN_CAP
-        while cap * 3 < (self._size + extra) * 4 + 4:
+        while cap * 3 < (self._size + extra) * 4 + 4:    # terminates: cap <= 2**58
             cap *= 2
         if cap < self._cap:
             cap = self._cap      # only tombstones to clear: rehash at the same size
         return self._rehash(cap)
 
-    cdef bint has(self, int32_t group, const uint8_t* digest) noexcept nogil:
-        cdef Py_ssize_t mask, j
-        cdef int32_t tag
+    cdef inline Py_ssize_t probe(self, group_id_t group, const uint8_t* digest,
+                                 Py_ssize_t* insert_at) noexcept nogil:
+        """The one linear probe of has / put / drop: the slot index of key (group, digest),
+        or -1 when absent; then ``insert_at`` (if not NULL) gets the slot an insert should
+        use (the first tombstone passed, else the empty slot that ended the probe).
+        Requires ``_cap > 0``; terminates because the table always has an empty slot."""
+        cdef Py_ssize_t mask = self._cap - 1, first_free = -1, j
+        cdef group_id_t tag
         cdef uint8_t* slot
-        if self._size == 0:
-            return False
-        mask = self._cap - 1
         j = <Py_ssize_t>(_key_hash(group, digest, self.digest_size) & <uint64_t>mask)
         while True:
             slot = self._slots + j * self._slot_size
             memcpy(&tag, slot, 4)
             if tag == TAG_EMPTY:
-                return False
-            if tag == group and memcmp(slot + 4, digest, self.digest_size) == 0:
-                return True
-            j = (j + 1) & mask
-
-    cdef int put(self, int32_t group, const uint8_t* digest) noexcept nogil:
-        """1 if added, 0 if already present, -1 if out of memory."""
-        cdef Py_ssize_t mask, j, first_free = -1
-        cdef int32_t tag
-        cdef uint8_t* slot
-        if self.reserve(1) < 0:
-            return -1
-        mask = self._cap - 1
-        j = <Py_ssize_t>(_key_hash(group, digest, self.digest_size) & <uint64_t>mask)
-        while True:
-            slot = self._slots + j * self._slot_size
-            memcpy(&tag, slot, 4)
-            if tag == TAG_EMPTY:
-                break
+                if insert_at != NULL:
+                    insert_at[0] = first_free if first_free >= 0 else j
+                return -1
             if tag == TAG_DELETED:
                 if first_free < 0:
                     first_free = j
             elif tag == group and memcmp(slot + 4, digest, self.digest_size) == 0:
-                return 0
+                return j
             j = (j + 1) & mask
-        if first_free >= 0:
-            slot = self._slots + first_free * self._slot_size
-        else:
+
+    cdef bint has(self, group_id_t group, const uint8_t* digest) noexcept nogil:
+        return self._size != 0 and self.probe(group, digest, NULL) >= 0
+
+    cdef int put(self, group_id_t group, const uint8_t* digest) noexcept nogil:
+        """1 if added, 0 if already present, -1 if out of memory."""
+        cdef Py_ssize_t at = -1
+        cdef group_id_t tag
+        cdef uint8_t* slot
+        if self.reserve(1) < 0:
+            return -1
+        if self.probe(group, digest, &at) >= 0:
+            return 0
+        slot = self._slots + at * self._slot_size
+        memcpy(&tag, slot, 4)
+        if tag == TAG_EMPTY:          # a reused tombstone was already counted in _used
             self._used += 1
         memcpy(slot, &group, 4)
         memcpy(slot + 4, digest, self.digest_size)
         self._size += 1
         return 1
 
-    cdef bint drop(self, int32_t group, const uint8_t* digest) noexcept nogil:
-        cdef Py_ssize_t mask, j
-        cdef int32_t tag
-        cdef uint8_t* slot
+    cdef bint drop(self, group_id_t group, const uint8_t* digest) noexcept nogil:
+        cdef Py_ssize_t j
+        cdef group_id_t tag = TAG_DELETED
         if self._size == 0:
             return False
-        mask = self._cap - 1
-        j = <Py_ssize_t>(_key_hash(group, digest, self.digest_size) & <uint64_t>mask)
-        while True:
-            slot = self._slots + j * self._slot_size
-            memcpy(&tag, slot, 4)
-            if tag == TAG_EMPTY:
-                return False
-            if tag == group and memcmp(slot + 4, digest, self.digest_size) == 0:
-                tag = TAG_DELETED
-                memcpy(slot, &tag, 4)
-                self._size -= 1
-                return True
-            j = (j + 1) & mask
+        j = self.probe(group, digest, NULL)
+        if j < 0:
+            return False
+        memcpy(self._slots + j * self._slot_size, &tag, 4)
+        self._size -= 1
+        return True
 
     # -- Python surface ----------------------------------------------------------------
     def __len__(self):
@@ -286,7 +350,7 @@ cdef class ExistenceSet:
 
     def add(self, group, digest):
         """Insert key (group, digest); True if it was new."""
-        cdef int32_t g = _check_group(group)
+        cdef group_id_t g = _check_group(group)
         cdef bytes b = _check_digest(digest, self.digest_size)
         cdef const uint8_t* p = <const uint8_t*><char*>b
         cdef int rc
@@ -300,7 +364,7 @@ cdef class ExistenceSet:
 
     def discard(self, group, digest):
         """Remove key (group, digest) if present; True if it was there."""
-        cdef int32_t g = _check_group(group)
+        cdef group_id_t g = _check_group(group)
         cdef bytes b = _check_digest(digest, self.digest_size)
         cdef const uint8_t* p = <const uint8_t*><char*>b
         cdef bint r
@@ -312,7 +376,7 @@ cdef class ExistenceSet:
 
     def contains(self, group, digest):
         """True if key (group, digest) is in the set."""
-        cdef int32_t g = _check_group(group)
+        cdef group_id_t g = _check_group(group)
         cdef bytes b = _check_digest(digest, self.digest_size)
         cdef const uint8_t* p = <const uint8_t*><char*>b
         cdef bint r
@@ -340,16 +404,23 @@ cdef class ExistenceSet:
     def add_many(self, group, digests):
         """Insert (group, row) for every row of an (N, digest_size) uint8 array; returns
         how many keys were new. Rows may repeat."""
-        cdef int32_t g = _check_group(group)
+        cdef group_id_t g = _check_group(group)
         _check_digests(digests, self.digest_size)
         cdef const uint8_t[:, ::1] d = digests
-        cdef Py_ssize_t i, n = d.shape[0], added = 0
+        cdef Py_ssize_t i, n = d.shape[0], added = 0, need
         cdef int rc = 0
         if n == 0:
             return 0
         with nogil:
             self.lock()
-            rc = self.reserve(n)
+            # Grow once for the keys that are really new: when n more keys would need a
+            # rehash, count the absent rows first (re-adding present keys never grows).
+            need = n
+            if not self.fits(n):
+                need = 0
+                for i in range(n):
+                    need += not self.has(g, &d[i, 0])
+            rc = self.reserve(need)
             if rc == 0:
                 for i in range(n):
                     rc = self.put(g, &d[i, 0])
@@ -363,7 +434,7 @@ cdef class ExistenceSet:
 
     def discard_many(self, group, digests):
         """Remove (group, row) for every row; returns how many keys were removed."""
-        cdef int32_t g = _check_group(group)
+        cdef group_id_t g = _check_group(group)
         _check_digests(digests, self.digest_size)
         cdef const uint8_t[:, ::1] d = digests
         cdef Py_ssize_t i, n = d.shape[0], removed = 0
@@ -378,7 +449,7 @@ cdef class ExistenceSet:
 
     def contains_many(self, group, digests):
         """uint8 mask (N,): 1 where (group, row i) is in the set."""
-        cdef int32_t g = _check_group(group)
+        cdef group_id_t g = _check_group(group)
         _check_digests(digests, self.digest_size)
         cdef const uint8_t[:, ::1] d = digests
         cdef Py_ssize_t i, n = d.shape[0]
@@ -396,7 +467,7 @@ cdef class ExistenceSet:
     def leading_run(self, group, digests):
         """Index of the first row whose key (group, row) is missing (N if all present):
         the length of the leading run of hits, in rows."""
-        cdef int32_t g = _check_group(group)
+        cdef group_id_t g = _check_group(group)
         _check_digests(digests, self.digest_size)
         cdef const uint8_t[:, ::1] d = digests
         cdef Py_ssize_t i = 0, n = d.shape[0]
@@ -408,22 +479,51 @@ cdef class ExistenceSet:
         return i
 
 
+def _existence_set_from_slots(int digest_size, bytes slots):
+    """Unpickle an ExistenceSet: ``slots`` = its live slots (group tag + digest) concatenated."""
+    cdef ExistenceSet es = ExistenceSet(digest_size)
+    cdef Py_ssize_t i, n, ss = 4 + digest_size
+    cdef const uint8_t* p = <const uint8_t*><char*>slots
+    cdef group_id_t tag
+    cdef int rc = 0
+    if len(slots) % ss:
+        raise HashInputError("pickled ExistenceSet: slot data has a partial slot")
+    n = len(slots) // ss
+    with nogil:
+        es.lock()
+        rc = es.reserve(n)
+        i = 0
+        while rc >= 0 and i < n:
+            memcpy(&tag, p + i * ss, 4)
+            if tag < 0:
+                rc = -2
+                break
+            rc = es.put(tag, p + i * ss + 4)
+            i += 1
+        es.unlock()
+    if rc == -2:
+        raise HashInputError("pickled ExistenceSet: a slot has no group id")
+    if rc < 0:
+        raise MemoryError("ExistenceSet: cannot allocate the table")
+    return es
+
+
 # ---------------------------------------------------------------------------------------
 # Longest hit
 # ---------------------------------------------------------------------------------------
 cdef struct Ctx:
     const uint8_t* hashes      # N rows of ds bytes
-    Py_ssize_t n_rows
+    Py_ssize_t n_rows          # < 2**40 (memory), so n_rows * hash_block < 2**63 (hash_block <= 2**32)
     int ds
-    const int32_t* members
-    long long hash_block
+    const group_id_t* members
+    token_t hash_block
     bint all_present           # mask mode: every probe hits (no set)
 
 
-cdef inline bint _probe(ExistenceSet es, Ctx* c, long long ms, long long me,
+cdef inline bint _probe(ExistenceSet es, Ctx* c, int64_t ms, int64_t me,
                         Py_ssize_t row) noexcept nogil:
     """All member groups [ms, me) hold the key of hash row ``row``."""
-    cdef long long m
+    cdef int64_t m
     if c.all_present:
         return True
     cdef const uint8_t* d = c.hashes + row * c.ds
@@ -433,23 +533,30 @@ cdef inline bint _probe(ExistenceSet es, Ctx* c, long long ms, long long me,
     return True
 
 
-cdef inline long long _cdiv(long long a, long long b) noexcept nogil:
-    # a >= 0, b > 0 (cdivision is on: C division truncates, so no -(-a // b) trick)
-    return (a + b - 1) // b
+cdef inline token_t _cdiv(token_t a, token_t b) noexcept nogil:
+    # a >= 0, b > 0 (cdivision is on: C division truncates, so no -(-a // b) trick);
+    # a // b + (a % b != 0) cannot overflow where (a + b - 1) // b could.
+    return a // b + (1 if a % b else 0)
 
 
-cdef long long _find(ExistenceSet es, Ctx* c, const int64_t* sp, long long max_length,
-                     bint drop_eagle, long long align, long long* out_len,
-                     long long* out_lo) noexcept nogil:
+cdef token_t _find(ExistenceSet es, Ctx* c, const SpecRow* sp, token_t max_length,
+                   bint drop_eagle, token_t align, token_t* out_len,
+                   token_t* out_lo) noexcept nogil:
     """One spec group's ``find_longest_cache_hit``: writes the hit list length (blocks,
-    nulls included) and the first non-null index; returns the hit in tokens."""
-    cdef long long kind = sp[C_KIND], bs = sp[C_BS]
-    cdef long long ms = sp[C_MSTART], me = sp[C_MEND]
-    cdef long long h = c.hash_block
-    cdef long long k = bs // h                       # hash rows per block
-    cdef long long n_coarse = c.n_rows // k
-    cdef long long maxb = max_length // bs
-    cdef long long n, i, j, hit, L, lo, run, need, post, sf, first, maxp, start, chunk
+    nulls included) and the first non-null index; returns the hit in tokens.
+
+    Contract: 0 <= max_length < 2**63; bs, align, hash_block in [1, 2**32] with h | bs and
+    h | align (validated when the kernel is built). Every loop index is bounded by the
+    row count (maxb <= n_coarse, maxp <= n_rows), so each scan terminates and every
+    product (index x tokens per row/block) stays below n_rows * 2**32 < 2**63.
+    """
+    cdef token_t kind = sp.kind, bs = sp.block_size
+    cdef int64_t ms = sp.member_start, me = sp.member_end
+    cdef token_t h = c.hash_block
+    cdef token_t k = bs // h                       # hash rows per block
+    cdef token_t n_coarse = c.n_rows // k
+    cdef token_t maxb = max_length // bs
+    cdef token_t n, i, j, hit, L, lo, run, need, post, sf, first, maxp, start, chunk
     cdef bint fine, found
     if maxb > n_coarse:
         maxb = n_coarse
@@ -482,7 +589,7 @@ cdef long long _find(ExistenceSet es, Ctx* c, const int64_t* sp, long long max_l
         out_lo[0] = 0
         return hit
     if kind == K_SLIDING:
-        need = _cdiv(sp[C_WINDOW] - 1, bs) + (1 if drop_eagle else 0)
+        need = _cdiv(sp.window - 1, bs) + (1 if drop_eagle else 0)
         run = 0
         found = False
         L = 0
@@ -519,7 +626,7 @@ cdef long long _find(ExistenceSet es, Ctx* c, const int64_t* sp, long long max_l
         out_lo[0] = lo
         return L * bs
     if kind == K_CHUNKED:
-        chunk = sp[C_CHUNK]
+        chunk = sp.chunk
         start = (max_length // chunk) * chunk if max_length > 0 else 0
         L = start // bs
         lo = L
@@ -561,7 +668,44 @@ cdef long long _find(ExistenceSet es, Ctx* c, const int64_t* sp, long long max_l
     return 0
 
 
-def longest_hit(ExistenceSet es, hashes, long long max_length, specs, members,
+cdef _check_layout_tables(object specs, object members, long long hash_block,
+                          long long align):
+    """Validate the layout constants of the kernel (raise HashInputError naming the rule)."""
+    if not isinstance(specs, np.ndarray) or specs.dtype != np.int64 or specs.ndim != 2 \
+            or specs.shape[1] != NCOLS or not specs.flags.c_contiguous:
+        raise HashInputError(f"specs must be a C-contiguous int64 array of shape (S, {NCOLS})")
+    if not isinstance(members, np.ndarray) or members.dtype != GROUP_ID_DTYPE \
+            or members.ndim != 1 or not members.flags.c_contiguous:
+        raise HashInputError("members must be a C-contiguous int32 array")
+    if hash_block <= 0 or align <= 0 or align % hash_block:
+        raise HashInputError("hash_block must be > 0 and align a positive multiple of it")
+    if align > MAX_SPEC_TOKENS:
+        raise HashInputError(f"the hit alignment ({align} tokens) must be <= 2**32 tokens")
+    cdef Py_ssize_t S = specs.shape[0], s
+    cdef int64_t nm = members.shape[0]
+    if S > MAX_SPEC_GROUPS:
+        raise HashInputError(f"specs: at most {MAX_SPEC_GROUPS} spec groups, got {S}")
+    cdef const int64_t[:, ::1] tbl = specs
+    cdef const group_id_t[::1] mem = members
+    cdef const SpecRow* row
+    for s in range(S):
+        row = <const SpecRow*>&tbl[s, 0]
+        if not (0 <= row.kind <= 3) or row.block_size <= 0 or row.block_size % hash_block \
+                or not (0 <= row.member_start < row.member_end <= nm):
+            raise HashInputError(f"specs row {s} is malformed")
+        if row.block_size > MAX_SPEC_TOKENS:
+            raise HashInputError(f"specs row {s}: block size {row.block_size} must be <= "
+                                 "2**32 tokens")
+        if row.kind == K_SLIDING and not 0 < row.window <= TOKEN_MAX // 2:
+            raise HashInputError(f"specs row {s}: sliding window must be > 0 (and < 2**62)")
+        if row.kind == K_CHUNKED and row.chunk <= 0:
+            raise HashInputError(f"specs row {s}: chunk must be > 0")
+    for s in range(nm):
+        if mem[s] < 0:
+            raise HashInputError("members must be group ids >= 0")
+
+
+def longest_hit(ExistenceSet es, hashes, max_length, specs, members,
                 long long hash_block, long long align, bint partial, bint unitary,
                 out):
     """vLLM's longest cache hit over ``es``; returns the hit in tokens.
@@ -572,10 +716,10 @@ def longest_hit(ExistenceSet es, hashes, long long max_length, specs, members,
         hashes: (N, es.digest_size) uint8, C-contiguous: the request's hash rows, row j
             naming tokens [0, (j+1)*hash_block). Block i of a group with block size bs is
             row (i+1)*bs/hash_block - 1 (the last row inside it).
-        max_length: cap of the hit, tokens (>= 0).
-        specs: (S, 8) int64 spec groups in lookup order (see SPEC_COLUMNS).
+        max_length: cap of the hit, tokens (0 <= max_length < 2**63).
+        specs: (S, 8) int64 spec groups in lookup order (see SPEC_COLUMNS / SpecRow).
         members: int32 group ids; spec s owns members[member_start:member_end].
-        hash_block: tokens per hash row. align: hit alignment in tokens.
+        hash_block: tokens per hash row. align: hit alignment in tokens (<= 2**32).
         partial: fine-grained (sub-block) hits are enabled (align == hash_block).
         unitary: one KV cache group: a single direct lookup, no fixed point.
         out: (S, 2) int64, written: per spec (hit list length in blocks, first loaded index).
@@ -586,37 +730,16 @@ def longest_hit(ExistenceSet es, hashes, long long max_length, specs, members,
         _check_digests(hashes, hashes.shape[1], "hashes")
     else:
         _check_digests(hashes, es.digest_size, "hashes")
-    if not isinstance(specs, np.ndarray) or specs.dtype != np.int64 or specs.ndim != 2 \
-            or specs.shape[1] != NCOLS or not specs.flags.c_contiguous:
-        raise HashInputError(f"specs must be a C-contiguous int64 array of shape (S, {NCOLS})")
-    if not isinstance(members, np.ndarray) or members.dtype != np.int32 or members.ndim != 1 \
-            or not members.flags.c_contiguous:
-        raise HashInputError("members must be a C-contiguous int32 array")
+    _check_layout_tables(specs, members, hash_block, align)
     if not isinstance(out, np.ndarray) or out.dtype != np.int64 or out.shape != (specs.shape[0], 2) \
             or not out.flags.c_contiguous or not out.flags.writeable:
         raise HashInputError("out must be a writable C-contiguous int64 array of shape (S, 2)")
-    if max_length < 0:
-        raise HashInputError(f"max_length must be >= 0 tokens, got {max_length}")
-    if hash_block <= 0 or align <= 0 or align % hash_block:
-        raise HashInputError("hash_block must be > 0 and align a positive multiple of it")
+    cdef token_t ml = _check_max_length(max_length)
     cdef const int64_t[:, ::1] sp = specs
-    cdef const int32_t[::1] mem = members
+    cdef const group_id_t[::1] mem = members
     cdef int64_t[:, ::1] o = out
-    cdef Py_ssize_t S = sp.shape[0], s
-    cdef long long nm = mem.shape[0]
-    for s in range(S):
-        if not (0 <= sp[s, C_KIND] <= 3) or sp[s, C_BS] <= 0 or sp[s, C_BS] % hash_block \
-                or not (0 <= sp[s, C_MSTART] < sp[s, C_MEND] <= nm):
-            raise HashInputError(f"specs row {s} is malformed")
-        if sp[s, C_KIND] == K_SLIDING and sp[s, C_WINDOW] <= 0:
-            raise HashInputError(f"specs row {s}: sliding window must be > 0")
-        if sp[s, C_KIND] == K_CHUNKED and sp[s, C_CHUNK] <= 0:
-            raise HashInputError(f"specs row {s}: chunk must be > 0")
-    for s in range(nm):
-        if mem[s] < 0:
-            raise HashInputError("members must be group ids >= 0")
-    if S > MAX_SPEC_GROUPS:
-        raise HashInputError(f"specs: at most {MAX_SPEC_GROUPS} spec groups, got {S}")
+    cdef Py_ssize_t S = sp.shape[0]
+    cdef int64_t nm = mem.shape[0]
     if S == 0:
         return 0
     cdef const uint8_t[:, ::1] hv = hashes
@@ -627,53 +750,71 @@ def longest_hit(ExistenceSet es, hashes, long long max_length, specs, members,
     c.hashes = &hv[0, 0] if c.n_rows > 0 else NULL
     c.members = &mem[0] if nm > 0 else NULL
     c.hash_block = hash_block
-    cdef long long hit
+    cdef token_t hit
     with nogil:
         if es is not None:
             es.lock()
-        hit = _fixed_point(es, &c, &sp[0, 0], S, max_length, align, partial, unitary,
-                           &o[0, 0])
+        hit = _fixed_point(es, &c, <const SpecRow*>&sp[0, 0], S, ml, align, partial,
+                           unitary, &o[0, 0])
         if es is not None:
             es.unlock()
     return hit
 
 
-cdef long long _fixed_point(ExistenceSet es, Ctx* c, const int64_t* sp, Py_ssize_t S,
-                            long long max_length, long long align, bint partial,
-                            bint unitary, int64_t* out) noexcept nogil:
-    cdef long long L, lo, new, curr, hit, ml, margin, bs
-    cdef Py_ssize_t s, t
-    cdef const int64_t* row
+cdef token_t _check_max_length(object max_length) except -1:
+    if type(max_length) is not int:
+        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)):
+            raise HashInputError(f"max_length must be an int (tokens), got "
+                                 f"{type(max_length).__name__}")
+    if max_length < 0:
+        raise HashInputError(f"max_length must be >= 0 tokens, got {max_length}")
+    if max_length > TOKEN_MAX:
+        raise HashInputError(f"max_length must be < 2**63 tokens, got {max_length}")
+    return max_length
+
+
+cdef token_t _fixed_point(ExistenceSet es, Ctx* c, const SpecRow* sp, Py_ssize_t S,
+                          token_t max_length, token_t align, bint partial,
+                          bint unitary, int64_t* out) noexcept nogil:
+    """vLLM's HybridKVCacheCoordinator fixed point over the S spec groups.
+
+    Terminates: ``hit`` starts at max_length and each round either ends (no group lowered
+    the candidate) or strictly lowers it (``curr < hit``), and hits are >= 0. The eagle
+    margin is added with saturation (max_length may be 2**63 - 1) and capped by the rows.
+    """
+    cdef token_t L, lo, new, curr, hit, ml, margin, bs
+    cdef Py_ssize_t s
+    cdef const SpecRow* row
     cdef bint drop, simple
     cdef uint8_t done_fa[256]
     cdef uint8_t verified[256]
-    cdef long long fa_len[256]
+    cdef token_t fa_len[256]
     if unitary:
         row = sp
-        hit = _find(es, c, row, max_length, row[C_EAGLE] != 0, align, &L, &lo)
+        hit = _find(es, c, row, max_length, row.eagle != 0, align, &L, &lo)
         out[0] = L
         out[1] = lo
         return hit
     memset(done_fa, 0, sizeof(done_fa))
     memset(verified, 0, sizeof(verified))
-    simple = S == 2 and sp[C_KIND] == K_FULL
+    simple = S == 2 and sp[0].kind == K_FULL
     hit = max_length
     while True:
         curr = hit
         for s in range(S):
-            row = sp + s * NCOLS
-            if row[C_KIND] == K_FULL and done_fa[s]:
+            row = sp + s
+            if row.kind == K_FULL and done_fa[s]:
                 if fa_len[s] < curr:
                     curr = fa_len[s]
                 continue
-            drop = row[C_EAGLE] != 0 and not verified[s]
+            drop = row.eagle != 0 and not verified[s]
             ml = curr
-            bs = row[C_BS]
-            if drop and row[C_KIND] != K_MAMBA:
+            bs = row.block_size
+            if drop and row.kind != K_MAMBA:
                 margin = bs
-                if partial and row[C_FINE] != 0 and bs > c.hash_block:
+                if partial and row.fine_lookup != 0 and bs > c.hash_block:
                     margin = c.hash_block
-                ml = curr + margin
+                ml = sat_add(curr, margin)
                 if ml > c.n_rows * c.hash_block:
                     ml = c.n_rows * c.hash_block
             new = _find(es, c, row, ml, drop, align, &L, &lo)
@@ -684,7 +825,7 @@ cdef long long _fixed_point(ExistenceSet es, Ctx* c, const int64_t* sp, Py_ssize
             curr = new
             out[2 * s] = L
             out[2 * s + 1] = lo
-            if row[C_KIND] == K_FULL:
+            if row.kind == K_FULL:
                 done_fa[s] = 1
                 fa_len[s] = new
         if curr >= hit:
@@ -693,9 +834,9 @@ cdef long long _fixed_point(ExistenceSet es, Ctx* c, const int64_t* sp, Py_ssize
         if simple:
             break
     for s in range(S):
-        row = sp + s * NCOLS
-        if row[C_KIND] == K_FULL:
-            L = _cdiv(hit, row[C_BS])
+        row = sp + s
+        if row.kind == K_FULL:
+            L = _cdiv(hit, row.block_size)
             if out[2 * s] > L:
                 out[2 * s] = L
     return hit
@@ -726,38 +867,48 @@ cdef class HitKernel:
     arguments (O(1) form checks), runs the kernel and returns ``(tokens, spans)``: the hit in
     tokens and a fresh (S, 2) int64 array, per spec group (hit list length in blocks, first
     loaded index).
+
+    Threads: immutable after construction (private read-only copies of the tables, no
+    scratch buffer: every call writes a fresh result), so one kernel may be used by any
+    number of threads at once. Picklable.
     """
-    cdef object _specs, _specs_no_eagle, _members
-    cdef const int64_t* _sp
-    cdef const int64_t* _sp_ne
-    cdef const int32_t* _mem
+    cdef object _specs, _specs_no_eagle, _members, _args
+    cdef const SpecRow* _sp
+    cdef const SpecRow* _sp_ne
+    cdef const group_id_t* _mem
     cdef Py_ssize_t S
     cdef long long nm, hash_block, align
     cdef bint partial, unitary
 
     def __init__(self, specs, members, long long hash_block, long long align, bint partial,
                  bint unitary):
-        probe = np.zeros((specs.shape[0] if isinstance(specs, np.ndarray) and specs.ndim == 2
-                          else 0, 2), dtype=np.int64)
-        # reuse longest_hit's validation of the layout constants (mask mode, no rows)
-        longest_hit(None, np.zeros((0, 32), dtype=np.uint8), 0, specs, members, hash_block,
-                    align, partial, unitary, probe)
+        if self._args is not None:
+            raise RuntimeError("HitKernel is already initialised: __init__ runs once")
+        _check_layout_tables(specs, members, hash_block, align)
         self._specs = np.array(specs, dtype=np.int64, order="C", copy=True)
         self._specs_no_eagle = self._specs.copy()
-        self._specs_no_eagle[:, C_EAGLE] = 0
-        self._members = np.array(members, dtype=np.int32, order="C", copy=True)
+        self._specs_no_eagle[:, SPEC_EAGLE_COLUMN] = 0
+        self._members = np.array(members, dtype=GROUP_ID_DTYPE, order="C", copy=True)
         self._specs.flags.writeable = False
         self._specs_no_eagle.flags.writeable = False
         self._members.flags.writeable = False
         self.S = self._specs.shape[0]
         self.nm = self._members.shape[0]
-        self._sp = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>self._specs)
-        self._sp_ne = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>self._specs_no_eagle)
-        self._mem = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>self._members)
+        self._sp = <const SpecRow*>cnp.PyArray_DATA(<cnp.ndarray>self._specs)
+        self._sp_ne = <const SpecRow*>cnp.PyArray_DATA(<cnp.ndarray>self._specs_no_eagle)
+        self._mem = <const group_id_t*>cnp.PyArray_DATA(<cnp.ndarray>self._members)
         self.hash_block = hash_block
         self.align = align
         self.partial = partial
         self.unitary = unitary
+        self._args = (self._specs, self._members, hash_block, align, partial, unitary)
+
+    def __reduce__(self):
+        return HitKernel, self._args
+
+    def __repr__(self):
+        return (f"HitKernel(spec_groups={self.S}, hash_block={self.hash_block}, "
+                f"align={self.align}, partial={self.partial}, unitary={self.unitary})")
 
     @property
     def num_spec_groups(self):
@@ -768,7 +919,8 @@ cdef class HitKernel:
         for the arguments (``exists`` None = mask mode). Raises HashInputError naming the
         argument on bad input, before any work."""
         cdef ExistenceSet es
-        cdef long long ml
+        if self._args is None:
+            raise RuntimeError("HitKernel was not initialised")
         if exists is None:
             es = None
             if not _is_hash_array(hashes, 0):
@@ -783,15 +935,7 @@ cdef class HitKernel:
         else:
             raise HashInputError(f"exists must be an ExistenceSet or None, got "
                                  f"{type(exists).__name__}")
-        if type(max_length) is not int:
-            if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)):
-                raise HashInputError(f"max_length must be an int (tokens), got "
-                                     f"{type(max_length).__name__}")
-        if max_length < 0:
-            raise HashInputError(f"max_length must be >= 0 tokens, got {max_length}")
-        if max_length > 9223372036854775807:
-            raise HashInputError(f"max_length must be < 2**63 tokens, got {max_length}")
-        ml = max_length
+        cdef token_t ml = _check_max_length(max_length)
         cdef cnp.npy_intp dims[2]
         dims[0] = self.S
         dims[1] = 2
@@ -807,8 +951,8 @@ cdef class HitKernel:
         c.hashes = <const uint8_t*>cnp.PyArray_DATA(hv) if c.n_rows > 0 else NULL
         c.members = self._mem
         c.hash_block = self.hash_block
-        cdef const int64_t* sp = self._sp if apply_eagle else self._sp_ne
-        cdef long long hit
+        cdef const SpecRow* sp = self._sp if apply_eagle else self._sp_ne
+        cdef token_t hit
         with nogil:
             if es is not None:
                 es.lock()

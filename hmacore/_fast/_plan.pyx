@@ -4,23 +4,43 @@
 The plan (hmacore.plan.TransferPlan) describes regions as parallel arrays; this module only
 does the per-request arithmetic. Every entry validates its arguments completely before any
 unchecked memory access (the build turns boundscheck/wraparound off).
+
+Raw pointers into the caller's id arrays are only taken from a tuple this module holds for
+the whole call (a list argument is copied into one first): another thread replacing an
+element of the caller's list while the GIL is released can never free an array being read.
 """
 import numpy as np
 cimport numpy as cnp
+from cpython.list cimport PyList_AsTuple, PyList_CheckExact
+from cpython.tuple cimport PyTuple_CheckExact
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
 from hmacore.errors import BlockTableError
 
-from ._types cimport block_id_t, desc_id_t
+from hmacore._fast._types cimport (block_id_t, desc_id_t, desc_id32_t, out_desc_id_t,
+                                   BLOCK_ID_NPY, DESC_ID_NPY, DESC_ID32_NPY)
+from hmacore._fast._helpers cimport id_min_max, is_block_id_array
 
 cnp.import_array()
 
-# descriptor ids are int64 in general; NIXL's fast path takes int32 (every dlist under 2**31)
-ctypedef fused out_id_t:
-    int32_t
-    int64_t
+BLOCK_ID_DTYPE = cnp.PyArray_DescrFromType(BLOCK_ID_NPY)
+DESC_ID_DTYPE = cnp.PyArray_DescrFromType(DESC_ID_NPY)
+# at most this many groups take the fast path (stack arrays of pointers / lengths)
+cdef enum:
+    MAX_FAST_GROUPS = 64
+
+
+cdef inline tuple _owned(object block_ids):
+    """``block_ids`` as a tuple this call owns (an exact list is copied; a tuple is already
+    immutable), or None when it is neither: every raw pointer the fast paths take comes
+    from the arrays such a tuple keeps alive."""
+    if PyTuple_CheckExact(block_ids):
+        return <tuple>block_ids
+    if PyList_CheckExact(block_ids):
+        return PyList_AsTuple(block_ids)
+    return None
 
 
 cdef inline bint _serves(int r, int g, const int32_t* rgroup, const uint8_t* rstate,
@@ -108,9 +128,10 @@ def flatten_desc_ids(tuple block_ids, cnp.ndarray region_offset, cnp.ndarray reg
     cdef const uint8_t[::1] rstate = region_state
     cdef const uint8_t[::1] gstate = group_state
     cdef Py_ssize_t g, r, i, m
-    cdef int64_t lo, hi, v, rr, mn, mx
+    cdef int64_t lo, hi, v, rr
+    cdef block_id_t mn, mx
     cdef bint served
-    cdef const int32_t[::1] ids
+    cdef const block_id_t[::1] ids
     for r in range(R):
         if ratio[r] < 1 or logical[r] < 1 or off[r] < 0:
             raise BlockTableError(f"region {r}: ratio, logical block count must be >= 1 and "
@@ -118,21 +139,15 @@ def flatten_desc_ids(tuple block_ids, cnp.ndarray region_offset, cnp.ndarray reg
     # Validate every group's ids before writing anything.
     for g in range(G):
         a = block_ids[g]
-        if not isinstance(a, np.ndarray) or a.dtype != np.int32 or a.ndim != 1 \
+        if not isinstance(a, np.ndarray) or a.dtype != BLOCK_ID_DTYPE or a.ndim != 1 \
                 or not a.flags.c_contiguous:
             raise BlockTableError(f"block_ids[{g}] must be a C-contiguous 1-D int32 array")
         m = a.shape[0]
         if m == 0:
             continue
-        ids = a
-        mn = ids[0]
-        mx = ids[0]
+        ids = a          # the memoryview holds a buffer export: the array cannot go away
         with nogil:
-            for i in range(1, m):
-                if ids[i] < mn:
-                    mn = ids[i]
-                elif ids[i] > mx:
-                    mx = ids[i]
+            id_min_max(&ids[0], m, &mn, &mx)
         served = False
         for r in range(R):
             if not _serves(r, g, &rgroup[0], &rstate[0], &gstate[0]):
@@ -153,9 +168,9 @@ def flatten_desc_ids(tuple block_ids, cnp.ndarray region_offset, cnp.ndarray reg
         if not served:
             raise _bad_id(f"block_ids[{g}] has {m} ids but no region serves group {g}", g, 0)
     if out is None:
-        result = np.empty(n, dtype=np.int64)
+        result = np.empty(n, dtype=DESC_ID_DTYPE)
     else:
-        if not isinstance(out, np.ndarray) or out.dtype != np.int64 or out.ndim != 1 \
+        if not isinstance(out, np.ndarray) or out.dtype != DESC_ID_DTYPE or out.ndim != 1 \
                 or not out.flags.c_contiguous or not out.flags.writeable:
             raise BlockTableError("out must be a writeable C-contiguous 1-D int64 array")
         if out.shape[0] < n:
@@ -170,7 +185,7 @@ def flatten_desc_ids(tuple block_ids, cnp.ndarray region_offset, cnp.ndarray reg
         free(ptrs); free(lens)
         raise MemoryError()
     cdef cnp.ndarray arr
-    for g in range(G):
+    for g in range(G):       # block_ids is a tuple: it keeps every array alive meanwhile
         arr = block_ids[g]
         lens[g] = arr.shape[0]
         ptrs[g] = <const block_id_t*>cnp.PyArray_DATA(arr)
@@ -183,17 +198,17 @@ def flatten_desc_ids(tuple block_ids, cnp.ndarray region_offset, cnp.ndarray reg
 
 
 cdef Py_ssize_t _emit_run(const block_id_t* ids, Py_ssize_t m, int64_t base, int64_t ratio,
-                          out_id_t* dst) noexcept nogil:
+                          out_desc_id_t* dst) noexcept nogil:
     cdef Py_ssize_t i, k = 0
     cdef int64_t j, b
     if ratio == 1:
         for i in range(m):
-            dst[i] = <out_id_t>(base + ids[i])
+            dst[i] = <out_desc_id_t>(base + ids[i])
         return m
     for i in range(m):
         b = base + <int64_t>ids[i] * ratio
         for j in range(ratio):
-            dst[k] = <out_id_t>(b + j)
+            dst[k] = <out_desc_id_t>(b + j)
             k += 1
     return k
 
@@ -201,7 +216,7 @@ cdef Py_ssize_t _emit_run(const block_id_t* ids, Py_ssize_t m, int64_t base, int
 cdef void _emit(const block_id_t** ptrs, const Py_ssize_t* lens, Py_ssize_t G, Py_ssize_t R,
                 const int64_t* off, const int32_t* ratio, const int32_t* rgroup,
                 const uint8_t* rstate, const uint8_t* gstate, bint group_major,
-                bint kernel_ids, out_id_t* dst) noexcept nogil:
+                bint kernel_ids, out_desc_id_t* dst) noexcept nogil:
     cdef Py_ssize_t g, r, pos = 0
     cdef int64_t rr
     if group_major:
@@ -223,13 +238,6 @@ cdef void _emit(const block_id_t** ptrs, const Py_ssize_t* lens, Py_ssize_t G, P
 # ---------------------------------------------------------------------------------------
 # Compiled plan: region arrays validated once, one call per request
 # ---------------------------------------------------------------------------------------
-cdef inline bint _is_i32_vector(object a):
-    """An exact, C-contiguous, 1-D int32 ndarray (the fast form of one group's ids)."""
-    return (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == cnp.NPY_INT32
-            and cnp.PyArray_NDIM(<cnp.ndarray>a) == 1
-            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
-
-
 cdef class DescPlan:
     """``flatten_desc_ids`` with the plan's region arrays validated and copied once.
 
@@ -237,6 +245,10 @@ cdef class DescPlan:
     (logical and kernel ids) and the id bounds valid in *every* serving region, so
     :meth:`run` checks a group with one min/max pass. Any id outside those bounds is
     re-checked by ``flatten_desc_ids``, which raises the precise BlockTableError.
+
+    Threads: immutable after construction (private read-only copies of the region arrays,
+    no scratch buffer), so one plan may be used by any number of threads at once. The
+    per-call id arrays are read through a tuple the call owns (see the module docstring).
     """
     cdef object _arrays
     cdef const int64_t* off
@@ -312,17 +324,18 @@ cdef class DescPlan:
     def run(self, block_ids, *, bint kernel_ids=False, bint allow_null=False, out=None):
         """Descriptor ids (int64) of one request; same contract as ``flatten_desc_ids``.
         ``block_ids``: a tuple/list of G C-contiguous 1-D int32 arrays."""
-        cdef const block_id_t* ptrs[64]
-        cdef Py_ssize_t lens[64]
-        cdef Py_ssize_t n = self._scan_fast(block_ids, kernel_ids, allow_null, ptrs, lens)
+        cdef const block_id_t* ptrs[MAX_FAST_GROUPS]
+        cdef Py_ssize_t lens[MAX_FAST_GROUPS]
+        cdef tuple held = _owned(block_ids)   # keeps the arrays alive while ptrs are used
+        cdef Py_ssize_t n = self._scan_fast(held, kernel_ids, allow_null, ptrs, lens)
         if n < 0:
             return self._slow(block_ids, kernel_ids, allow_null, out)
         cdef Py_ssize_t G = self.G
         cdef cnp.npy_intp dim = n
         if out is None:
-            result = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
+            result = cnp.PyArray_EMPTY(1, &dim, DESC_ID_NPY, 0)
         else:
-            if not (cnp.PyArray_Check(out) and cnp.PyArray_TYPE(<cnp.ndarray>out) == cnp.NPY_INT64
+            if not (cnp.PyArray_Check(out) and cnp.PyArray_TYPE(<cnp.ndarray>out) == DESC_ID_NPY
                     and cnp.PyArray_NDIM(<cnp.ndarray>out) == 1
                     and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>out)
                     and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out)
@@ -332,44 +345,41 @@ cdef class DescPlan:
         if n == 0:
             return result
         cdef desc_id_t* dst = <desc_id_t*>cnp.PyArray_DATA(<cnp.ndarray>result)
-        with nogil:
+        with nogil:      # ptrs point into arrays `held` keeps alive
             _emit(ptrs, lens, G, self.R, self.off, self.ratio, self.rgroup, self.rstate,
                   self.gstate, self.group_major, kernel_ids, dst)
         return result
 
-    cdef Py_ssize_t _scan_fast(self, block_ids, bint kernel_ids, bint allow_null,
+    cdef Py_ssize_t _scan_fast(self, tuple block_ids, bint kernel_ids, bint allow_null,
                                const block_id_t** ptrs, Py_ssize_t* lens):
-        """Descriptor count of ``block_ids`` when it is in the fast form: a tuple/list of G
-        exact C-contiguous 1-D int32 arrays whose ids lie inside every serving region's bounds
-        (logical or kernel ids; id 0 only with ``allow_null``). Fills ``ptrs``/``lens`` (room
-        for 64 groups). -1 when anything is off that form: the caller then takes the checked
-        path, which converts or raises the precise error."""
-        cdef Py_ssize_t G = self.G, g, i, m, n = 0
-        cdef int32_t mn, mx
+        """Descriptor count of ``block_ids`` when it is in the fast form: a tuple (the
+        caller's, or the caller's list copied by :func:`_owned`; it must stay referenced as
+        long as ``ptrs`` is used) of G exact C-contiguous 1-D int32 arrays whose ids lie
+        inside every serving region's bounds (logical or kernel ids; id 0 only with
+        ``allow_null``). Fills ``ptrs``/``lens`` (room for MAX_FAST_GROUPS groups). -1 when
+        anything is off that form: the caller then takes the checked path, which converts
+        or raises the precise error."""
+        cdef Py_ssize_t G = self.G, g, m, n = 0
+        cdef block_id_t mn, mx
         cdef int64_t lo, hi
-        cdef const int32_t* src
+        cdef const block_id_t* src
         cdef const int64_t[:, ::1] p = self._per_group
-        if not (type(block_ids) is tuple or type(block_ids) is list) or len(block_ids) != G \
-                or G > 64:
+        if block_ids is None or len(block_ids) != G or G > MAX_FAST_GROUPS:
             return -1
         for g in range(G):
             a = block_ids[g]
-            if not _is_i32_vector(a):
+            if not is_block_id_array(a):
                 return -1
             m = cnp.PyArray_DIM(<cnp.ndarray>a, 0)
-            src = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>a)
+            src = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>a)
             ptrs[g] = src
             lens[g] = m
             if m == 0:
                 continue
             if not p[g, 0]:
                 return -1
-            mn = src[0]
-            mx = src[0]
             with nogil:
-                for i in range(1, m):
-                    mn = src[i] if src[i] < mn else mn
-                    mx = src[i] if src[i] > mx else mx
+                id_min_max(src, m, &mn, &mx)
             if kernel_ids:
                 hi = p[g, 4]
                 lo = 0 if allow_null else p[g, 5]
@@ -391,42 +401,47 @@ cdef class DescPlan:
         bounds, no null ids) or the per-group lengths differ: the caller then takes the checked
         path, which raises the precise error. The caller guarantees both dlists hold at most
         2**31 descriptors (so every id fits int32)."""
-        cdef const block_id_t* lp[64]
-        cdef const block_id_t* rp[64]
-        cdef Py_ssize_t ll[64]
-        cdef Py_ssize_t rl[64]
+        cdef const block_id_t* lp[MAX_FAST_GROUPS]
+        cdef const block_id_t* rp[MAX_FAST_GROUPS]
+        cdef Py_ssize_t ll[MAX_FAST_GROUPS]
+        cdef Py_ssize_t rl[MAX_FAST_GROUPS]
         cdef Py_ssize_t G = self.G, g, nl, nr
-        cdef int64_t nbytes = 0
         cdef cnp.npy_intp dim
-        if remote.G != G or len(group_bytes) != G:
+        # Owned references for as long as lp / rp are used (the lists may change meanwhile).
+        cdef tuple lheld = _owned(local_ids)
+        cdef tuple rheld = _owned(remote_ids)
+        cdef tuple gbytes = tuple(group_bytes)
+        if remote.G != G or len(gbytes) != G:
             return None
-        nl = self._scan_fast(local_ids, False, False, lp, ll)
+        nl = self._scan_fast(lheld, False, False, lp, ll)
         if nl < 0:
             return None
-        nr = remote._scan_fast(remote_ids, False, False, rp, rl)
+        nr = remote._scan_fast(rheld, False, False, rp, rl)
         if nr != nl:
             return None
         for g in range(G):
             if ll[g] != rl[g]:
                 return None
         dim = nl
-        lids = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
-        rids = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+        lids = cnp.PyArray_EMPTY(1, &dim, DESC_ID32_NPY, 0)
+        rids = cnp.PyArray_EMPTY(1, &dim, DESC_ID32_NPY, 0)
         table = []
+        nbytes = 0
         for g in range(G):
             dim = ll[g]
-            c = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+            c = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)
             if dim:
-                memcpy(cnp.PyArray_DATA(<cnp.ndarray>c), lp[g], dim * sizeof(int32_t))
+                memcpy(cnp.PyArray_DATA(<cnp.ndarray>c), lp[g], dim * sizeof(block_id_t))
             table.append(c)
-            nbytes += <int64_t>ll[g] * <int64_t>group_bytes[g]
+            nbytes += ll[g] * gbytes[g]
         if nl:
-            with nogil:
+            with nogil:      # lp / rp point into arrays lheld / rheld keep alive
                 _emit(lp, ll, G, self.R, self.off, self.ratio, self.rgroup, self.rstate,
-                      self.gstate, self.group_major, False, <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>lids))
+                      self.gstate, self.group_major, False,
+                      <desc_id32_t*>cnp.PyArray_DATA(<cnp.ndarray>lids))
                 _emit(rp, rl, G, remote.R, remote.off, remote.ratio, remote.rgroup, remote.rstate,
                       remote.gstate, remote.group_major, False,
-                      <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>rids))
+                      <desc_id32_t*>cnp.PyArray_DATA(<cnp.ndarray>rids))
         return lids, rids, tuple(table), nbytes
 
     cdef object _slow(self, block_ids, bint kernel_ids, bint allow_null, out):

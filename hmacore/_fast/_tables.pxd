@@ -1,13 +1,8 @@
 # Typed kernels and per-request storage behind hmacore.tables (cimport-able by other kernels).
 from hmacore._fast._types cimport block_id_t, flag_t, token_t
-
-# Status codes of the id converters/scanners (hmacore.tables turns them into messages).
-cdef enum IdStatus:
-    ID_OK = 0
-    ID_NOT_INT = 1      # float, bool, str, None ...
-    ID_NEGATIVE = 2
-    ID_PAST_INT32 = 3   # > 2**31 - 1
-    ID_PAST_POOL = 4    # >= num_blocks
+# Status codes of the id converters/scanners live with the shared converter.
+from hmacore._fast._helpers cimport (IdStatus, ID_OK, ID_NOT_INT, ID_NEGATIVE, ID_PAST_INT32,
+                                     ID_PAST_POOL, ID_NULL, ID_CHANGED)
 
 cdef Py_ssize_t first_bad_id(const block_id_t[::1] ids, long long num_blocks) noexcept nogil
 
@@ -31,9 +26,13 @@ cdef class TableStore:
     cdef Py_ssize_t _nfree
     cdef Py_ssize_t* _scratch       # a batch's resolved slots (reused across calls)
     cdef Py_ssize_t _scratch_cap
+    cdef object _spans_buf          # int64 storage behind clip_spans results (recycled)
 
     cdef void _grow_slots(self) except *
     cdef void _set_buffer(self, Py_ssize_t k, object arr) except *
+    cdef inline bint _exported(self, Py_ssize_t k) noexcept
+    cdef void _detach(self, Py_ssize_t k, bint keep) except *
     cdef void _reserve(self, Py_ssize_t k, Py_ssize_t need) except *
     cdef inline Py_ssize_t _k(self, Py_ssize_t s, int g) except -1
     cdef Py_ssize_t _resolve(self, object req_ids) except -2
+    cdef object _spans_array(self, Py_ssize_t R, int G)

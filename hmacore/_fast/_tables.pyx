@@ -4,51 +4,51 @@ keeps).
 
 Every function here trusts the shapes/dtypes the Python layer (hmacore/tables.py) checked;
 the Python layer turns the IdStatus codes returned here into BlockTableError messages.
+List input is converted by the shared :func:`_helpers.seq_to_ids` (re-measures the list
+before every element: user code run by a conversion can never make it read past the end).
 """
-from cpython.bool cimport PyBool_Check
-from cpython.long cimport PyLong_Check
-from cpython.list cimport PyList_Check
+from cpython.list cimport PyList_Check, PyList_GET_ITEM
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
-from cpython.sequence cimport PySequence_Fast_GET_ITEM
 from cpython.tuple cimport PyTuple_Check
 from libc.string cimport memcpy
 
 import numpy as np
 cimport numpy as cnp
 
-from hmacore._fast._types cimport block_id_t, flag_t, token_t
+from hmacore._fast._types cimport (block_id_t, flag_t, token_t, BLOCK_ID_NPY, BLOCK_ID_MAX,
+                                   DESC_ID_NPY, DESC_ID32_NPY, FLAG_NPY, GROUP_ID_NPY,
+                                   TOKEN_NPY)
+from hmacore._fast._helpers cimport (ID_OK, ID_NOT_INT, ID_NEGATIVE, ID_PAST_INT32,
+                                     ID_PAST_POOL, ID_NULL, ID_CHANGED, clip_span,
+                                     first_id_out_of_range, id_bound, is_c1d_signed,
+                                     is_list_or_tuple, seq_to_ids)
 
 cnp.import_array()
 
 cdef extern from "Python.h":
-    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
+    Py_ssize_t Py_REFCNT(PyObject*)
+    Py_ssize_t PySequence_Fast_GET_SIZE(object)
+    PyObject* PySequence_Fast_GET_ITEM(object, Py_ssize_t)
 
-cdef long long INT32_MAX = 2147483647
-
-
-cdef Py_ssize_t _first_bad(const block_id_t* ids, Py_ssize_t n, long long num_blocks) noexcept nogil:
-    # Index of the first id < 0 or >= num_blocks (num_blocks <= 0: only the sign), else -1.
-    # Vectorisable min/max pass first; the index search runs only for bad input.
-    cdef Py_ssize_t i
-    cdef block_id_t mn = 2147483647, mx = -2147483648, v
-    for i in range(n):
-        v = ids[i]
-        mn = v if v < mn else mn
-        mx = v if v > mx else mx
-    if n == 0 or (mn >= 0 and (num_blocks <= 0 or mx < num_blocks)):
-        return -1
-    for i in range(n):
-        if ids[i] < 0 or (num_blocks > 0 and ids[i] >= num_blocks):
-            return i
-    return -1
+# Python-level dtypes of the C typedefs of _types.pxd (the one source of truth).
+BLOCK_ID_DTYPE = cnp.PyArray_DescrFromType(BLOCK_ID_NPY)
+DESC_ID_DTYPE = cnp.PyArray_DescrFromType(DESC_ID_NPY)
+DESC_ID32_DTYPE = cnp.PyArray_DescrFromType(DESC_ID32_NPY)
+TOKEN_DTYPE = cnp.PyArray_DescrFromType(TOKEN_NPY)
+FLAG_DTYPE = cnp.PyArray_DescrFromType(FLAG_NPY)
+GROUP_ID_DTYPE = cnp.PyArray_DescrFromType(GROUP_ID_NPY)
+if BLOCK_ID_DTYPE.itemsize != sizeof(block_id_t) or TOKEN_DTYPE.itemsize != sizeof(token_t) \
+        or FLAG_DTYPE.itemsize != sizeof(flag_t):
+    raise ImportError("hmacore._fast: _types.pxd typedefs and NumPy type numbers disagree")
+BLOCK_ID_LIMIT = <long long>BLOCK_ID_MAX + 1     # ids are < 2**31
 
 
 cdef Py_ssize_t first_bad_id(const block_id_t[::1] ids, long long num_blocks) noexcept nogil:
     """Index of the first id < 0 or >= num_blocks (num_blocks <= 0: only the sign), else -1."""
     if ids.shape[0] == 0:
         return -1
-    return _first_bad(&ids[0], ids.shape[0], num_blocks)
+    return first_id_out_of_range(&ids[0], ids.shape[0], 0, id_bound(num_blocks))
 
 
 def scan_int32(const block_id_t[::1] ids, long long num_blocks):
@@ -64,57 +64,35 @@ def scan_int32(const block_id_t[::1] ids, long long num_blocks):
 def seq_to_int32(object seq, long long num_blocks):
     """Convert a list/tuple of Python (or NumPy) integers to a fresh int32 array.
 
-    Returns ``(array, ID_OK, -1)`` or ``(None, status, index)`` for the first bad element.
-    Bools and floats are rejected (``True`` is not block 1).
+    Returns ``(array, ID_OK, -1)`` or ``(None, status, index)`` for the first bad element
+    (STATUS_CHANGED: the list shrank while it was being converted, e.g. from an ``__int__``
+    of one of its elements). Bools and floats are rejected (``True`` is not block 1).
+    Other sequences are copied into a list first.
     """
-    cdef Py_ssize_t i, n = len(seq)
-    cdef int overflow
-    cdef long long v
-    out = np.empty(n, dtype=np.int32)
-    cdef block_id_t[::1] o = out
-    for i in range(n):
-        x = seq[i]
-        if PyBool_Check(x):
-            return None, ID_NOT_INT, i
-        if not PyLong_Check(x):
-            if isinstance(x, np.integer):
-                x = int(x)
-            else:
-                return None, ID_NOT_INT, i
-        v = PyLong_AsLongLongAndOverflow(x, &overflow)
-        if overflow < 0 or (overflow == 0 and v < 0):
-            return None, ID_NEGATIVE, i
-        if overflow > 0 or v > INT32_MAX:
-            return None, ID_PAST_INT32, i
-        if num_blocks > 0 and v >= num_blocks:
-            return None, ID_PAST_POOL, i
-        o[i] = <block_id_t>v
+    cdef Py_ssize_t n, bad = -1
+    cdef int status
+    if not (PyList_Check(seq) or PyTuple_Check(seq)):
+        seq = list(seq)
+    n = PySequence_Fast_GET_SIZE(seq)
+    cdef cnp.npy_intp dim = n
+    out = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)
+    status = seq_to_ids(seq, 0, n, 0, id_bound(num_blocks), False,
+                        <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>out), &bad)
+    if status != ID_OK:
+        return None, status, bad
     return out, ID_OK, -1
 
 
 cdef int _check_int_seq(object seq, long long num_blocks, Py_ssize_t* bad) except -2:
-    """Status of a list/tuple of Python ints; -1 = not a list/tuple (use the general path)."""
-    cdef Py_ssize_t i, n
-    cdef int overflow
-    cdef long long v
-    if not (type(seq) is list or type(seq) is tuple):
+    """Status of a list/tuple of exact Python ints; -1 = not a list/tuple of exact ints
+    (the general path decides)."""
+    if not is_list_or_tuple(seq):
         return -1
-    n = len(seq)
-    for i in range(n):
-        x = seq[i]
-        if type(x) is not int:       # bools, NumPy scalars, floats: general path decides
-            return -1
-        v = PyLong_AsLongLongAndOverflow(x, &overflow)
-        if overflow < 0 or (overflow == 0 and v < 0):
-            bad[0] = i
-            return ID_NEGATIVE
-        if overflow > 0 or v > INT32_MAX:
-            bad[0] = i
-            return ID_PAST_INT32
-        if num_blocks > 0 and v >= num_blocks:
-            bad[0] = i
-            return ID_PAST_POOL
-    return ID_OK
+    cdef int status = seq_to_ids(seq, 0, PySequence_Fast_GET_SIZE(seq), 0,
+                                 id_bound(num_blocks), True, NULL, bad)
+    if status == ID_NOT_INT or status == ID_CHANGED:
+        return -1
+    return status
 
 
 def check_int_table(object groups, int num_groups, long long num_blocks, bint allow_none):
@@ -126,10 +104,10 @@ def check_int_table(object groups, int num_groups, long long num_blocks, bint al
     must take the general path (which also produces the error messages).
     """
     cdef Py_ssize_t g, bad = -1
-    if not (type(groups) is list or type(groups) is tuple) or len(groups) != num_groups:
+    if not is_list_or_tuple(groups) or PySequence_Fast_GET_SIZE(groups) != num_groups:
         return False
-    for g in range(num_groups):
-        seq = groups[g]
+    for g in range(num_groups):   # no user code runs in this loop: groups keeps its size
+        seq = <object>PySequence_Fast_GET_ITEM(groups, g)
         if seq is None and allow_none:
             continue
         if _check_int_seq(seq, num_blocks, &bad) != ID_OK:
@@ -175,6 +153,8 @@ STATUS_NOT_INT = ID_NOT_INT
 STATUS_NEGATIVE = ID_NEGATIVE
 STATUS_PAST_INT32 = ID_PAST_INT32
 STATUS_PAST_POOL = ID_PAST_POOL
+STATUS_NULL = ID_NULL
+STATUS_CHANGED = ID_CHANGED
 
 
 # ---------------------------------------------------------------------------------------
@@ -183,52 +163,58 @@ STATUS_PAST_POOL = ID_PAST_POOL
 def flatten_step(object new_block_ids, int num_groups):
     """vLLM's ``CachedRequestData.new_block_ids`` (a list, per request None or G lists of
     ints) -> ``(ids int32, offsets int64, None)`` for ``apply_step_flat``, or ``(None, None,
-    message)`` naming the first bad entry. Two C passes (count, copy), no object per id."""
-    cdef Py_ssize_t R, r, g, i, m, total = 0, k = 0
-    cdef long long v
-    cdef int overflow
-    if not (type(new_block_ids) is list or type(new_block_ids) is tuple):
+    message)`` naming the first bad entry. Two C passes (count, copy), no object per id.
+
+    The first pass collects the R*G per-group lists into a private list, so the second pass
+    (after the allocations, which may run finalizers) never re-reads the caller's outer
+    lists; each inner list is re-measured element by element (seq_to_ids)."""
+    cdef Py_ssize_t R, r, g, m, total = 0, k = 0, bad = -1
+    cdef int status
+    if not is_list_or_tuple(new_block_ids):
         return None, None, f"new_block_ids must be a list, got {type(new_block_ids).__name__}"
     R = len(new_block_ids)
+    seqs = []
     for r in range(R):
-        per = new_block_ids[r]
+        if r >= PySequence_Fast_GET_SIZE(new_block_ids):
+            return None, None, "new_block_ids changed while being read"
+        per = <object>PySequence_Fast_GET_ITEM(new_block_ids, r)
         if per is None:
+            for g in range(num_groups):
+                seqs.append(None)      # list.append creates no object: no GC, no finalizer
             continue
-        if not (type(per) is list or type(per) is tuple) or len(per) != num_groups:
+        if not is_list_or_tuple(per) or PySequence_Fast_GET_SIZE(per) != num_groups:
             return None, None, (f"new_block_ids[{r}] must be None or {num_groups} per-group "
                                 "lists of ints")
         for g in range(num_groups):
-            seq = per[g]
-            if not (type(seq) is list or type(seq) is tuple):
+            seq = <object>PySequence_Fast_GET_ITEM(per, g)
+            if not is_list_or_tuple(seq):
                 return None, None, f"new_block_ids[{r}][{g}] must be a list of ints"
-            total += len(seq)
+            seqs.append(seq)
+            total += PySequence_Fast_GET_SIZE(seq)
     cdef cnp.npy_intp dim = total
-    ids = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+    ids = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)
     dim = R * num_groups + 1
     offsets = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
     cdef block_id_t* dst = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
     cdef long long* off = <long long*>cnp.PyArray_DATA(<cnp.ndarray>offsets)
     off[0] = 0
-    for r in range(R):
-        per = new_block_ids[r]
-        for g in range(num_groups):
-            if per is not None:
-                seq = per[g]
-                m = len(seq)
-                if k + m > total:       # a list grew between the passes
-                    return None, None, "new_block_ids changed while being read"
-                for i in range(m):
-                    x = seq[i]
-                    if type(x) is not int:
-                        return None, None, (f"new_block_ids[{r}][{g}][{i}] must be an int, "
-                                            f"got {type(x).__name__}")
-                    v = PyLong_AsLongLongAndOverflow(x, &overflow)
-                    if overflow or v < 0 or v > INT32_MAX:
-                        return None, None, (f"new_block_ids[{r}][{g}][{i}]: block id {x} is "
-                                            "outside [0, 2**31)")
-                    dst[k] = <block_id_t>v
-                    k += 1
-            off[r * num_groups + g + 1] = k
+    for r in range(R * num_groups):
+        seq = seqs[r]
+        if seq is not None:
+            m = PySequence_Fast_GET_SIZE(seq)
+            if k + m > total:       # a list grew between the passes
+                return None, None, "new_block_ids changed while being read"
+            status = seq_to_ids(seq, 0, m, 0, BLOCK_ID_LIMIT, True, dst + k, &bad)
+            if status == ID_CHANGED:
+                return None, None, "new_block_ids changed while being read"
+            if status != ID_OK:
+                x = seq[bad] if bad < len(seq) else None
+                where = f"new_block_ids[{r // num_groups}][{r % num_groups}][{bad}]"
+                if status == ID_NOT_INT:
+                    return None, None, f"{where} must be an int, got {type(x).__name__}"
+                return None, None, f"{where}: block id {x} is outside [0, 2**31)"
+            k += m
+        off[r + 1] = k
     if k != total:
         return None, None, "new_block_ids changed while being read"
     return ids, offsets, None
@@ -251,7 +237,7 @@ STEP_UNKNOWN = 1                    # detail: index into req_ids of an untracked
 STEP_TABLE = 2                      # detail: message (bad new_ids / offsets)
 STEP_STATE = 3                      # detail: message (request in the wrong state)
 
-_EMPTY_RO = np.empty(0, dtype=np.int32)
+_EMPTY_RO = np.empty(0, dtype=BLOCK_ID_DTYPE)
 _EMPTY_RO.flags.writeable = False
 
 
@@ -261,6 +247,20 @@ cdef void* _realloc(void* p, size_t nbytes) except NULL:
     if q == NULL:
         raise MemoryError()
     return q
+
+
+def _rebuild_store(int num_groups, list entries):
+    """Unpickle a TableStore: ``entries`` = [(req_id, state, marks, tables), ...]."""
+    cdef TableStore st = TableStore(num_groups)
+    cdef Py_ssize_t s
+    cdef int g, m
+    for req_id, state, marks, tables in entries:
+        s = st.add(req_id, state)
+        for m in range(_NUM_MARKS):
+            st.set_mark(s, m, marks[m])
+        for g in range(num_groups):
+            st.append(s, g, np.ascontiguousarray(tables[g], dtype=BLOCK_ID_DTYPE))
+    return st
 
 
 cdef class TableStore:
@@ -274,6 +274,17 @@ cdef class TableStore:
 
     Callers validate ids; the single-slot methods only move memory (slot and group indices
     are checked). ``step_flat`` / ``clip_spans`` validate a whole batch before writing.
+
+    Views (``view_group``, ``clip_views``) are read-only NumPy slices of a group's buffer and
+    are *snapshots*: they never change after they are returned. The store only ever writes
+    past a group's length (appends), and before it rewrites a position below the length
+    (``merge_full`` nulling, ``clear``/``assign`` followed by appends, ``take_group`` handing
+    the buffer out) it checks whether a view is alive -- the buffer's only reference is then
+    not the store's -- and if so moves the group to a fresh buffer, leaving the old one to the
+    views (copy-on-write). A growth leaves the old buffer to the views too.
+
+    Threads: not thread-safe; one thread at a time (hmacore.tables.TrackerSet enforces an
+    owner thread). Picklable (``copy.copy`` / ``deepcopy`` give independent stores).
     """
 
     def __cinit__(self, int num_groups):
@@ -285,6 +296,7 @@ cdef class TableStore:
         self._nslots = 0
         self._nfree = 0
         self._scratch_cap = 0
+        self._spans_buf = None
 
     def __dealloc__(self):
         PyMem_Free(self._gb)
@@ -293,8 +305,23 @@ cdef class TableStore:
         PyMem_Free(self._free)
         PyMem_Free(self._scratch)
 
+    def __reduce__(self):
+        cdef Py_ssize_t s
+        cdef int g, m
+        entries = []
+        for req_id, s in self.index.items():
+            entries.append((req_id, self._state[s],
+                            tuple([self._marks[s * _NUM_MARKS + m] for m in range(_NUM_MARKS)]),
+                            tuple([self.copy_group(s, g) for g in range(self.num_groups)])))
+        return _rebuild_store, (self.num_groups, entries)
+
+    def __repr__(self):
+        return (f"TableStore(num_groups={self.num_groups}, requests={len(self.index)}, "
+                f"slots={self._nslots})")
+
     cdef void _grow_slots(self) except *:
-        # Doubling; only metadata moves (the buffers stay where they are).
+        # Doubling; only metadata moves (the buffers stay where they are). Sizes are
+        # committed last: a failed realloc leaves a consistent (old-sized) store.
         cdef Py_ssize_t old = self._nslots, n = old * 2 if old else 16, s, G = self.num_groups
         self._gb = <GroupBuf*>_realloc(self._gb, n * G * sizeof(GroupBuf))
         self._state = <int*>_realloc(self._state, n * sizeof(int))
@@ -307,6 +334,7 @@ cdef class TableStore:
             self._scratch_cap = n
         for s in range(old * G, n * G):
             self._bufs.append(None)
+            self._gb[s].len = 0
             self._set_buffer(s, _EMPTY_RO)
         for s in range(n - 1, old - 1, -1):     # lowest slot on top: dense from 0
             self._state[s] = FREE_SLOT
@@ -323,19 +351,50 @@ cdef class TableStore:
         self._gb[k].cap = cnp.PyArray_DIM(<cnp.ndarray>arr, 0)
         self._gb[k].len = 0 if self._gb[k].cap == 0 else self._gb[k].len
 
-    cdef void _reserve(self, Py_ssize_t k, Py_ssize_t need) except *:
-        # Growth: headroom first, then doubling.
-        cdef GroupBuf* b = &self._gb[k]
-        if need <= b.cap:
+    cdef inline bint _exported(self, Py_ssize_t k) noexcept:
+        # A view of group k's buffer is alive: the buffer has a reference besides _bufs[k]
+        # (every NumPy view of it keeps it as its base). Borrowed read: no refcount traffic.
+        return self._gb[k].cap != 0 and Py_REFCNT(PyList_GET_ITEM(self._bufs, k)) > 1
+
+    cdef void _detach(self, Py_ssize_t k, bint keep) except *:
+        # Move group k to a private buffer (the old one stays with its views): a copy of the
+        # live entries when ``keep``, else nothing (the group becomes empty).
+        cdef Py_ssize_t n, cap
+        cdef cnp.npy_intp dim
+        if not keep:
+            self._gb[k].len = 0
+            self._set_buffer(k, _EMPTY_RO)
             return
-        cdef Py_ssize_t new_cap = need + (need >> 3) + 16, n = b.len
-        if b.cap * 2 > new_cap:
-            new_cap = b.cap * 2
-        new = np.empty(new_cap, dtype=np.int32)
+        dim = self._gb[k].cap
+        new = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)    # may run finalizers: re-read
+        n = self._gb[k].len
+        if n > dim:
+            n = dim
         if n:
-            memcpy(cnp.PyArray_DATA(<cnp.ndarray>new), b.data, n * sizeof(block_id_t))
+            memcpy(cnp.PyArray_DATA(<cnp.ndarray>new), self._gb[k].data, n * sizeof(block_id_t))
         self._set_buffer(k, new)
         self._gb[k].len = n
+
+    cdef void _reserve(self, Py_ssize_t k, Py_ssize_t need) except *:
+        # Growth: headroom first, then doubling. The allocation may run finalizers (GC)
+        # that re-enter the store, so the record is re-read after it (never a cached
+        # pointer into self._gb, which _grow_slots may move); it loops until cap >= need.
+        cdef Py_ssize_t new_cap, n
+        cdef cnp.npy_intp dim
+        while need > self._gb[k].cap:
+            new_cap = need + (need >> 3) + 16
+            if self._gb[k].cap * 2 > new_cap:
+                new_cap = self._gb[k].cap * 2
+            dim = new_cap
+            new = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)
+            n = self._gb[k].len
+            if n > new_cap:
+                continue
+            if n:
+                memcpy(cnp.PyArray_DATA(<cnp.ndarray>new), self._gb[k].data,
+                       n * sizeof(block_id_t))
+            self._set_buffer(k, new)
+            self._gb[k].len = n
 
     cdef inline Py_ssize_t _k(self, Py_ssize_t s, int g) except -1:
         if s < 0 or s >= self._nslots or self._state[s] == FREE_SLOT:
@@ -363,7 +422,8 @@ cdef class TableStore:
         return s
 
     def pop(self, object req_id):
-        """Remove ``req_id``; return its per-group tables as arrays the caller owns (no copy)."""
+        """Remove ``req_id``; return its per-group tables as arrays the caller owns (no copy
+        unless a view of a group is alive)."""
         cdef Py_ssize_t s = self.index[req_id]
         out = tuple([self.take_group(s, g) for g in range(self.num_groups)])
         del self.index[req_id]
@@ -408,47 +468,66 @@ cdef class TableStore:
 
     def append(self, Py_ssize_t s, int g, const block_id_t[::1] ids):
         """Append ``ids`` to group g of slot s; return the new length."""
-        cdef Py_ssize_t k = self._k(s, g), n = ids.shape[0], base = self._gb[k].len
+        cdef Py_ssize_t k = self._k(s, g), n = ids.shape[0], base
         if n:
-            self._reserve(k, base + n)
+            self._reserve(k, self._gb[k].len + n)
+            base = self._gb[k].len
             memcpy(self._gb[k].data + base, &ids[0], n * sizeof(block_id_t))
             self._gb[k].len = base + n
-        return base + n
+        return self._gb[k].len
 
     def extend_groups(self, Py_ssize_t s, object groups):
         """Append a table accepted by :func:`check_int_table` (lists of Python ints, ``None``
-        = nothing for that group) to slot s; all-or-nothing."""
-        cdef Py_ssize_t k0 = self._k(s, 0), i, n, base, bad = -1
-        cdef int g
-        cdef block_id_t* dst
-        if len(groups) != self.num_groups:
-            raise ValueError(f"groups has {len(groups)} entries, expected {self.num_groups}")
-        for g in range(self.num_groups):
+        = nothing for that group) to slot s; all-or-nothing.
+
+        Every group's room is reserved first (allocations, which may run finalizers); the
+        ids are then converted straight into the spare capacity with no allocation and no
+        user code (exact ints only) and the lengths committed last, so a list that changed
+        meanwhile is refused with nothing appended."""
+        cdef Py_ssize_t k0 = self._k(s, 0), n, bad = -1
+        cdef int g, G = self.num_groups, status
+        if not is_list_or_tuple(groups) or len(groups) != G:
+            raise ValueError(f"groups must be a list/tuple of {G} entries")
+        groups = tuple(groups)          # a private snapshot of the outer sequence
+        for g in range(G):
             seq = groups[g]
-            if seq is not None and _check_int_seq(seq, 0, &bad) != ID_OK:
+            if seq is not None and not is_list_or_tuple(seq):
                 raise ValueError(f"groups[{g}] must be a list/tuple of ints in [0, 2**31)")
-        for g in range(self.num_groups):
-            seq = groups[g]
-            if seq is None or len(seq) == 0:
+        lens = [0 if groups[g] is None else len(groups[g]) for g in range(G)]
+        for g in range(G):
+            if lens[g]:
+                self._reserve(k0 + g, self._gb[k0 + g].len + <Py_ssize_t>lens[g])
+        for g in range(G):
+            n = lens[g]
+            if n == 0:
                 continue
-            n = len(seq)
-            base = self._gb[k0 + g].len
-            self._reserve(k0 + g, base + n)
-            dst = self._gb[k0 + g].data + base
-            for i in range(n):
-                dst[i] = <block_id_t>(<long long>seq[i])
-            self._gb[k0 + g].len = base + n
+            seq = groups[g]
+            if self._gb[k0 + g].len + n > self._gb[k0 + g].cap:
+                raise ValueError("groups changed while being read")
+            status = seq_to_ids(seq, 0, n, 0, BLOCK_ID_LIMIT, True,
+                                self._gb[k0 + g].data + self._gb[k0 + g].len, &bad)
+            if status != ID_OK:
+                raise ValueError(f"groups[{g}] must be a list/tuple of ints in [0, 2**31)"
+                                 + (" (it changed while being read)" if status == ID_CHANGED
+                                    else ""))
+        for g in range(G):
+            self._gb[k0 + g].len += <Py_ssize_t>lens[g]
 
     def assign(self, Py_ssize_t s, int g, const block_id_t[::1] ids):
         """Replace group g's table of slot s with ``ids``; return the new length."""
-        self._gb[self._k(s, g)].len = 0
+        cdef Py_ssize_t k = self._k(s, g)
+        if self._exported(k):
+            self._detach(k, False)
+        self._gb[k].len = 0
         return self.append(s, g, ids)
 
     def clear(self, Py_ssize_t s):
-        """Empty every group of slot s (buffers kept for reuse)."""
+        """Empty every group of slot s (buffers kept for reuse unless a view is alive)."""
         cdef Py_ssize_t k = self._k(s, 0)
         cdef int g
         for g in range(self.num_groups):
+            if self._exported(k + g):
+                self._detach(k + g, False)
             self._gb[k + g].len = 0
 
     def first_illegal_change(self, Py_ssize_t s, int g, const block_id_t[::1] full):
@@ -466,12 +545,20 @@ cdef class TableStore:
         return -1
 
     def merge_full(self, Py_ssize_t s, int g, const block_id_t[::1] full):
-        """Apply a legal full table: null freed positions in place, append the suffix past the
-        tracked length. Returns the number of appended blocks."""
+        """Apply a legal full table: null freed positions in place (in a private copy when a
+        view of the group is alive), append the suffix past the tracked length. Returns the
+        number of appended blocks."""
         cdef Py_ssize_t k = self._k(s, g), i, n = self._gb[k].len, m = full.shape[0]
         cdef block_id_t* cur = self._gb[k].data
         if m < n:
             raise ValueError(f"full has {m} entries, fewer than the {n} tracked")
+        for i in range(n):
+            if full[i] == 0 and cur[i] != 0:
+                if self._exported(k):
+                    self._detach(k, True)
+                    n = self._gb[k].len
+                    cur = self._gb[k].data
+                break
         for i in range(n):
             if full[i] == 0:
                 cur[i] = 0
@@ -480,7 +567,7 @@ cdef class TableStore:
         return m - n
 
     def view_group(self, Py_ssize_t s, int g):
-        """A read-only view of group g's live table (no copy)."""
+        """A read-only snapshot view of group g's live table (no copy; see the class doc)."""
         cdef Py_ssize_t k = self._k(s, g)
         return self._bufs[k][:self._gb[k].len]
 
@@ -490,36 +577,43 @@ cdef class TableStore:
         return self._bufs[k][:self._gb[k].len].copy()
 
     def take_group(self, Py_ssize_t s, int g):
-        """Group g's table as an array the caller owns (no copy); the group is emptied."""
+        """Group g's table as an array the caller owns (no copy unless a view of it is
+        alive: then a copy, so the views never see the caller's writes); the group is
+        emptied."""
         cdef Py_ssize_t k = self._k(s, g), n = self._gb[k].len
-        buf = self._bufs[k]
         if self._gb[k].cap == 0:
-            out = np.empty(0, dtype=np.int32)
+            out = np.empty(0, dtype=BLOCK_ID_DTYPE)
+        elif self._exported(k):
+            out = self._bufs[k][:n].copy()
         else:
+            buf = self._bufs[k]
+            self._bufs[k] = None
             buf.flags.writeable = True   # the caller owns it now
             out = buf[:n]
+        self._gb[k].len = 0
         self._set_buffer(k, _EMPTY_RO)
         return out
 
     def clip_views(self, Py_ssize_t s, const long long[::1] keep):
-        """Read-only views of slot s's clipped table: ``keep[g] > 0`` keeps the last keep[g]
-        entries; ``keep[g] == 0`` keeps everything; ``keep[g] = -1 - s`` keeps the running
-        state slot of a Mamba group with s speculative scratch slots."""
+        """Read-only snapshot views of slot s's clipped table: ``keep[g] > 0`` keeps the last
+        keep[g] entries; ``keep[g] == 0`` keeps everything; ``keep[g] = -1 - s`` keeps the
+        running state slot of a Mamba group with s speculative scratch slots."""
         cdef Py_ssize_t k0 = self._k(s, 0), a, b
         cdef int g
         if keep.shape[0] != self.num_groups:
             raise ValueError(f"keep has {keep.shape[0]} entries, expected {self.num_groups}")
         out = []
         for g in range(self.num_groups):
-            _clip_span(self._gb[k0 + g].len, keep[g], &a, &b)
+            clip_span(self._gb[k0 + g].len, keep[g], &a, &b)
             out.append(self._bufs[k0 + g][a:b])
         return tuple(out)
 
     # -- batches ----------------------------------------------------------------------
     cdef Py_ssize_t _resolve(self, object req_ids) except -2:
         # Slots of req_ids (a list or tuple) into _scratch; -1, or the index of the first
-        # untracked id. An unhashable id raises TypeError. Borrowed lookups: no refcount
-        # traffic on the keys' values.
+        # untracked id. An unhashable id raises TypeError. A key's __hash__/__eq__ may run
+        # user code: each key is held by a strong reference while it is looked up and the
+        # list is re-measured before every read.
         _check_seq(req_ids)
         cdef Py_ssize_t R = len(req_ids), r
         cdef PyObject* v
@@ -531,7 +625,10 @@ cdef class TableStore:
             self._scratch = p
             self._scratch_cap = R
         for r in range(R):
-            v = PyDict_GetItemWithError(self.index, <object>PySequence_Fast_GET_ITEM(req_ids, r))
+            if r >= PySequence_Fast_GET_SIZE(req_ids):
+                raise RuntimeError("req_ids changed size while being read")
+            key = <object>PySequence_Fast_GET_ITEM(req_ids, r)
+            v = PyDict_GetItemWithError(self.index, key)
             if v == NULL:
                 return r
             self._scratch[r] = PyLong_AsSsize_t(v)
@@ -552,17 +649,16 @@ cdef class TableStore:
         """
         # Raw NumPy C API instead of typed memoryviews: acquiring a memoryview runs a lot of
         # (cold, once per step) code; these checks are a few loads.
-        if not _is_c1d(new_ids, 4):
+        if not is_c1d_signed(new_ids, sizeof(block_id_t)):
             return STEP_TABLE, "new_ids must be a C-contiguous 1-D int32 array"
-        if not _is_c1d(offsets, 8):
+        if not is_c1d_signed(offsets, 8):
             return STEP_TABLE, "offsets must be a C-contiguous 1-D int64 array"
         cdef const block_id_t* ids = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>new_ids)
         cdef const long long* off = <const long long*>cnp.PyArray_DATA(<cnp.ndarray>offsets)
         cdef Py_ssize_t n = cnp.PyArray_DIM(<cnp.ndarray>new_ids, 0)
         cdef Py_ssize_t noff = cnp.PyArray_DIM(<cnp.ndarray>offsets, 0)
         cdef Py_ssize_t R = len(req_ids), G = self.num_groups
-        cdef Py_ssize_t r, k, s, lo, m, i
-        cdef GroupBuf* b
+        cdef Py_ssize_t r, k, s, lo, m, i, kk
         cdef block_id_t* dst
         cdef Py_ssize_t bad = self._resolve(req_ids)
         if bad >= 0:
@@ -576,7 +672,7 @@ cdef class TableStore:
             if off[k + 1] < off[k]:
                 return STEP_TABLE, (f"offsets must be non-decreasing (offsets[{k + 1}] < "
                                     f"offsets[{k}])")
-        i = _first_bad(ids, n, num_blocks)
+        i = first_id_out_of_range(ids, n, 0, id_bound(num_blocks))
         if i >= 0:
             if ids[i] < 0:
                 return STEP_TABLE, f"new_ids[{i}]: block id {ids[i]} is negative"
@@ -585,21 +681,23 @@ cdef class TableStore:
             if self._state[self._scratch[r]] == preempted_state:
                 return STEP_STATE, (f"req_ids[{r}] is PREEMPTED: a resumed request brings its "
                                     "full table (replace), not appended ids")
-        # Valid: write. Only a buffer growth (rare) leaves C.
+        # Valid: write. Only a buffer growth (rare) leaves C; the records are re-read after
+        # it (never a pointer into self._gb kept across it). Appends write past each
+        # group's length only, where no view can look (see the class doc).
         for r in range(R):
             s = self._scratch[r]
-            b = &self._gb[s * G]
             for k in range(G):
                 lo = off[r * G + k]
                 m = off[r * G + k + 1] - lo
                 if m == 0:
                     continue
-                if b[k].len + m > b[k].cap:
-                    self._reserve(s * G + k, b[k].len + m)
-                dst = b[k].data + b[k].len
+                kk = s * G + k
+                if self._gb[kk].len + m > self._gb[kk].cap:
+                    self._reserve(kk, self._gb[kk].len + m)
+                dst = self._gb[kk].data + self._gb[kk].len
                 for i in range(m):
                     dst[i] = ids[lo + i]
-                b[k].len += m
+                self._gb[kk].len += m
             if self._state[s] == new_state:
                 self._state[s] = running_state
         return None
@@ -612,50 +710,49 @@ cdef class TableStore:
         _check_seq(req_ids)
         cdef Py_ssize_t R = len(req_ids), r, k0, a, b
         cdef int g, G = self.num_groups
-        if not _is_c1d(keep, 8) or cnp.PyArray_DIM(<cnp.ndarray>keep, 0) != G:
+        if not is_c1d_signed(keep, 8) or cnp.PyArray_DIM(<cnp.ndarray>keep, 0) != G:
             raise ValueError(f"keep must be a C-contiguous 1-D int64 array of {G} entries")
         cdef const long long* kp = <const long long*>cnp.PyArray_DATA(<cnp.ndarray>keep)
         cdef PyObject* v
-        out = _spans_array(R, G)
+        out = self._spans_array(R, G)
         cdef long long* o = <long long*>cnp.PyArray_DATA(<cnp.ndarray>out)
-        # One pass, no scratch and no Python call between lookup and read: safe next to a
-        # step_flat of another thread parked in a buffer growth. An untracked id returns
-        # before the (unpublished) output is handed out.
+        # One pass, no scratch, and nothing read from the store across a lookup (a key's
+        # __eq__ may run code): safe next to a step_flat parked in a buffer growth. An
+        # untracked id returns before the (unpublished) output is handed out.
         for r in range(R):
-            v = PyDict_GetItemWithError(self.index, <object>PySequence_Fast_GET_ITEM(req_ids, r))
+            if r >= PySequence_Fast_GET_SIZE(req_ids):
+                raise RuntimeError("req_ids changed size while being read")
+            key = <object>PySequence_Fast_GET_ITEM(req_ids, r)
+            v = PyDict_GetItemWithError(self.index, key)
             if v == NULL:
                 return None, r
             k0 = PyLong_AsSsize_t(v) * G
             for g in range(G):
-                _clip_span(self._gb[k0 + g].len, kp[g], &a, &b)
+                clip_span(self._gb[k0 + g].len, kp[g], &a, &b)
                 o[0] = a
                 o[1] = b
                 o += 2
         return out, -1
 
-
-cdef object _spans_buf = None      # int64 storage behind the last clip_spans result
-
-
-cdef object _spans_array(Py_ssize_t R, int G):
-    # An (R, G, 2) int64 array for clip_spans. It is a view of _spans_buf, reused when no
-    # earlier result (or a view of one) is alive any more: the buffer's only reference is
-    # then this module's, so the reuse is unobservable. A step then needs no malloc (a
-    # fresh one right after many frees can cost a heap consolidation, ~100 us).
-    global _spans_buf
-    cdef cnp.npy_intp n = R * G * 2
-    cdef cnp.npy_intp dims[3]
-    if _spans_buf is None or (<PyObject*>_spans_buf).ob_refcnt != 1 \
-            or cnp.PyArray_DIM(<cnp.ndarray>_spans_buf, 0) < n:
-        dims[0] = n + (n >> 2) + 64
-        _spans_buf = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
-    dims[0] = R
-    dims[1] = G
-    dims[2] = 2
-    out = cnp.PyArray_SimpleNewFromData(3, dims, cnp.NPY_INT64,
-                                        cnp.PyArray_DATA(<cnp.ndarray>_spans_buf))
-    cnp.set_array_base(<cnp.ndarray>out, _spans_buf)
-    return out
+    cdef object _spans_array(self, Py_ssize_t R, int G):
+        # An (R, G, 2) int64 array for clip_spans: a view of this store's _spans_buf,
+        # reused only when no earlier result (or any view of one) is alive -- the buffer's
+        # only reference is then the store's, so the reuse is unobservable. A step then
+        # needs no malloc (a fresh one right after many frees can cost a heap
+        # consolidation, ~100 us). Per store, so two stores never share it.
+        cdef cnp.npy_intp n = R * G * 2
+        cdef cnp.npy_intp dims[3]
+        if self._spans_buf is None or Py_REFCNT(<PyObject*>self._spans_buf) != 1 \
+                or cnp.PyArray_DIM(<cnp.ndarray>self._spans_buf, 0) < n:
+            dims[0] = n + (n >> 2) + 64
+            self._spans_buf = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
+        dims[0] = R
+        dims[1] = G
+        dims[2] = 2
+        out = cnp.PyArray_SimpleNewFromData(3, dims, cnp.NPY_INT64,
+                                            cnp.PyArray_DATA(<cnp.ndarray>self._spans_buf))
+        cnp.set_array_base(<cnp.ndarray>out, self._spans_buf)
+        return out
 
 
 cdef inline int _check_seq(object req_ids) except -1:
@@ -663,30 +760,3 @@ cdef inline int _check_seq(object req_ids) except -1:
     if not (PyList_Check(req_ids) or PyTuple_Check(req_ids)):
         raise TypeError(f"req_ids must be a list or tuple, got {type(req_ids).__name__}")
     return 0
-
-
-cdef inline bint _is_c1d(object a, int itemsize):
-    # A 1-D C-contiguous native-endian signed-integer array of that item size.
-    if not cnp.PyArray_Check(a):
-        return False
-    cdef cnp.ndarray arr = <cnp.ndarray>a
-    return (cnp.PyArray_NDIM(arr) == 1 and cnp.PyArray_IS_C_CONTIGUOUS(arr)
-            and cnp.PyArray_ISSIGNED(arr) and cnp.PyArray_ITEMSIZE(arr) == itemsize
-            and cnp.PyArray_ISNOTSWAPPED(arr))
-
-
-cdef inline void _clip_span(Py_ssize_t n, long long keep, Py_ssize_t* a, Py_ssize_t* b) noexcept nogil:
-    # keep > 0: the last keep entries; 0: everything; -1 - s: the running state slot of a
-    # Mamba group with s speculative scratch slots (see TableStore.clip_views).
-    cdef Py_ssize_t k, end
-    if keep > 0:
-        a[0] = n - keep if n > keep else 0
-        b[0] = n
-    elif keep == 0 or n == 0:
-        a[0] = 0
-        b[0] = n
-    else:
-        k = -1 - keep
-        end = n - (k if k < n - 1 else n - 1)
-        a[0] = end - 1
-        b[0] = end

@@ -1,6 +1,9 @@
 """Typed kernels for hmacore.windows: kernel-block expansion and null-run scans.
 
 Callers (hmacore/windows.py) validate dtypes, shapes and the int32 overflow bound first.
+List input is read with the shared converter of _helpers.pxd (the list is re-measured
+before every element) and the outer per-group sequence is snapshotted into a tuple first,
+so no allocation (which may run a finalizer) can make a loop read past a list's end.
 """
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
@@ -8,14 +11,13 @@ from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 import numpy as np
 cimport numpy as cnp
 
-from hmacore._fast._types cimport block_id_t
+from hmacore._fast._types cimport block_id_t, BLOCK_ID_NPY, BLOCK_ID_MAX
+from hmacore._fast._helpers cimport (ID_OK, clip_span, id_bound, ids_in_range,
+                                     is_block_id_array, is_list_or_tuple, seq_to_ids)
 
 cnp.import_array()
 
-cdef extern from "Python.h":
-    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
-
-cdef long long INT32_MAX = 2147483647
+BLOCK_ID_DTYPE = cnp.PyArray_DescrFromType(BLOCK_ID_NPY)
 
 
 def max_id(const block_id_t[::1] ids):
@@ -68,25 +70,31 @@ def first_null(const block_id_t[::1] ids):
     return found
 
 
-cdef inline bint _all_in_range(const block_id_t* src, Py_ssize_t start, Py_ssize_t end,
-                               long long lo, long long hi) noexcept nogil:
-    """lo <= src[i] < hi for all i in [start, end); a min/max reduction the compiler
-    vectorises (no early exit)."""
-    cdef block_id_t mn = 2147483647, mx = -2147483648, v
-    cdef Py_ssize_t i
-    if end <= start:
-        return True
-    for i in range(start, end):
-        v = src[i]
-        mn = v if v < mn else mn
-        mx = v if v > mx else mx
-    return mn >= lo and mx < hi
+cdef inline tuple _snapshot(object groups, Py_ssize_t G):
+    """The per-group sequence as a tuple this call owns, or None when it is not a list/tuple
+    of G entries (off the fast path)."""
+    if not is_list_or_tuple(groups) or len(groups) != G:
+        return None
+    return groups if type(groups) is tuple else tuple(groups)
 
 
-cdef inline bint _is_id_array(object x):
-    return (cnp.PyArray_CheckExact(x) and cnp.PyArray_NDIM(<cnp.ndarray>x) == 1
-            and cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_INT32
-            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>x))
+cdef object _take_ids(object x, Py_ssize_t start, Py_ssize_t end, long long lo, long long hi):
+    """x[start:end] as validated int32 (a view for int32 arrays), or None when x is off the
+    fast path or an id is outside ``[lo, hi)``."""
+    cdef Py_ssize_t bad = -1
+    if is_block_id_array(x):
+        if not ids_in_range(<const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>x) + start,
+                            end - start, lo, hi):
+            return None
+        return x[start:end]
+    if not is_list_or_tuple(x):
+        return None
+    cdef cnp.npy_intp dim = end - start
+    arr = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)   # C-level: no np.empty call
+    if seq_to_ids(x, start, end, lo, hi, True,
+                  <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr), &bad) != ID_OK:
+        return None
+    return arr
 
 
 def clip_groups(object groups, const long long[::1] plan, long long num_blocks):
@@ -98,83 +106,22 @@ def clip_groups(object groups, const long long[::1] plan, long long num_blocks):
     num_blocks is 0). Returns None when the input is off this path or anything kept is
     invalid: the caller's general path then decides and names the error.
     """
-    cdef Py_ssize_t G = plan.shape[0], g, n, start, end, i
-    cdef long long keep, spec, v
-    cdef long long hi = num_blocks if num_blocks > 0 else INT32_MAX + 1
-    cdef int overflow
-    cdef const block_id_t* src
-    cdef block_id_t* dst
-    cdef bint is_arr
-    cdef cnp.npy_intp dim
-    if not (type(groups) is tuple or type(groups) is list) or len(groups) != G:
+    cdef Py_ssize_t G = plan.shape[0], g, start, end
+    cdef long long hi = id_bound(num_blocks)
+    cdef tuple gs = _snapshot(groups, G)
+    if gs is None:
         return None
     out = [None] * G
     for g in range(G):
-        x = groups[g]
-        is_arr = _is_id_array(x)
-        if not is_arr and not (type(x) is list or type(x) is tuple):
+        x = gs[g]
+        if not (is_block_id_array(x) or is_list_or_tuple(x)):
             return None
-        n = len(x)
-        keep = plan[g]
-        if keep > 0:
-            start = n - keep if n > keep else 0
-            end = n
-        elif keep == 0 or n == 0:
-            start = 0
-            end = n
-        else:
-            spec = -1 - keep
-            end = n - (spec if spec < n - 1 else n - 1)
-            start = end - 1
-        if is_arr:
-            src = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>x)
-            if not _all_in_range(src, start, end, 0, hi):
-                return None
-            out[g] = x[start:end]
-        else:
-            dim = end - start
-            arr = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
-            dst = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
-            for i in range(start, end):
-                item = x[i]
-                if type(item) is not int:
-                    return None
-                v = PyLong_AsLongLongAndOverflow(item, &overflow)
-                if overflow or v < 0 or v >= hi:
-                    return None
-                dst[i - start] = <block_id_t>v
-            out[g] = arr
+        clip_span(len(x), plan[g], &start, &end)
+        y = _take_ids(x, start, end, 0, hi)
+        if y is None:
+            return None
+        out[g] = y
     return tuple(out)
-
-
-cdef object _take_ids(object x, Py_ssize_t start, Py_ssize_t end, long long hi, bint no_null):
-    """x[start:end] as validated int32 (view for int32 arrays), or None when x is off the
-    fast path or an id is < 0, >= hi, or (no_null) 0."""
-    cdef Py_ssize_t i
-    cdef long long v
-    cdef int overflow
-    cdef long long lo = 1 if no_null else 0
-    cdef const block_id_t* src
-    cdef block_id_t* dst
-    if _is_id_array(x):
-        src = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>x)
-        if not _all_in_range(src, start, end, lo, hi):
-            return None
-        return x[start:end]
-    if not (type(x) is list or type(x) is tuple):
-        return None
-    cdef cnp.npy_intp dim = end - start
-    arr = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)   # C-level: no np.empty call
-    dst = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arr)
-    for i in range(start, end):
-        item = x[i]
-        if type(item) is not int:
-            return None
-        v = PyLong_AsLongLongAndOverflow(item, &overflow)
-        if overflow or v < lo or v >= hi:
-            return None
-        dst[i - start] = <block_id_t>v
-    return arr
 
 
 def trim_groups(object local, object remote, const signed char[::1] is_state,
@@ -188,19 +135,19 @@ def trim_groups(object local, object remote, const signed char[::1] is_state,
     or None when anything is off this path or invalid (the general path names the error).
     """
     cdef Py_ssize_t G = is_state.shape[0], g, nl, nr, n
-    cdef long long hi_local = num_blocks if num_blocks > 0 else INT32_MAX + 1
-    cdef long long hi_remote = INT32_MAX + 1
-    if not (type(local) is tuple or type(local) is list) or len(local) != G:
-        return None
-    if not (type(remote) is tuple or type(remote) is list) or len(remote) != G:
+    cdef long long hi_local = id_bound(num_blocks)
+    cdef long long hi_remote = <long long>BLOCK_ID_MAX + 1
+    cdef tuple ls = _snapshot(local, G)
+    cdef tuple rs = _snapshot(remote, G)
+    if ls is None or rs is None:
         return None
     out_l = [None] * G
     out_r = [None] * G
     for g in range(G):
-        l = local[g]
-        r = remote[g]
-        if not ((type(l) is list or type(l) is tuple or _is_id_array(l)) and
-                (type(r) is list or type(r) is tuple or _is_id_array(r))):
+        l = ls[g]
+        r = rs[g]
+        if not ((is_list_or_tuple(l) or is_block_id_array(l)) and
+                (is_list_or_tuple(r) or is_block_id_array(r))):
             return None
         nl = len(l)
         nr = len(r)
@@ -208,8 +155,8 @@ def trim_groups(object local, object remote, const signed char[::1] is_state,
             if nl - nr > 1 or nr - nl > 1:
                 return None
             n = nl if nl < nr else nr
-            a = _take_ids(l, 0, nl, hi_local, False)
-            b = _take_ids(r, 0, n, hi_remote, False)
+            a = _take_ids(l, 0, nl, 0, hi_local)
+            b = _take_ids(r, 0, n, 0, hi_remote)
             if a is None or b is None:
                 return None
             out_l[g] = a[:n]
@@ -217,8 +164,8 @@ def trim_groups(object local, object remote, const signed char[::1] is_state,
         else:
             if nl > nr:
                 return None
-            a = _take_ids(l, 0, nl, hi_local, False)
-            b = _take_ids(r, nr - nl, nr, hi_remote, True)
+            a = _take_ids(l, 0, nl, 0, hi_local)
+            b = _take_ids(r, nr - nl, nr, 1, hi_remote)   # paired remote blocks are real
             if a is None or b is None:
                 return None
             out_l[g] = a
@@ -232,85 +179,115 @@ def clip_keep_form(object groups, const long long[::1] plan, long long num_block
     a list slice, int32 array -> a view) and every kept id is checked (an int, ``0 <= id <
     num_blocks``, or < 2**31 when num_blocks is 0). Returns None when the input is off this
     path or a kept id is invalid (the caller then names the error)."""
-    cdef Py_ssize_t G = plan.shape[0], g, n, start, end, i
-    cdef long long keep, spec, v
-    cdef long long hi = num_blocks if num_blocks > 0 else INT32_MAX + 1
-    cdef int overflow
-    cdef bint is_arr
-    if not (type(groups) is tuple or type(groups) is list) or len(groups) != G:
+    cdef Py_ssize_t G = plan.shape[0], g, n, start, end, bad = -1
+    cdef long long hi = id_bound(num_blocks)
+    cdef tuple gs = _snapshot(groups, G)
+    if gs is None:
         return None
     out = PyTuple_New(G)
     for g in range(G):
-        x = groups[g]
-        keep = plan[g]
-        if keep == 0:
-            if not (type(x) is list or type(x) is tuple or _is_id_array(x)):
+        x = gs[g]
+        if plan[g] == 0:
+            if not (is_list_or_tuple(x) or is_block_id_array(x)):
                 return None
             Py_INCREF(x)
             PyTuple_SET_ITEM(out, g, x)
             continue
-        is_arr = _is_id_array(x)
-        if not is_arr and not (type(x) is list or type(x) is tuple):
-            return None
-        n = len(x)
-        if keep > 0:
-            start = n - keep if n > keep else 0
-            end = n
-        elif n == 0:
-            start = 0
-            end = 0
-        else:
-            spec = -1 - keep
-            end = n - (spec if spec < n - 1 else n - 1)
-            start = end - 1
-        if is_arr:
-            if not _all_in_range(<const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>x),
-                                 start, end, 0, hi):
+        if is_block_id_array(x):
+            n = cnp.PyArray_DIM(<cnp.ndarray>x, 0)
+            clip_span(n, plan[g], &start, &end)
+            if not ids_in_range(<const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>x) + start,
+                                end - start, 0, hi):
                 return None
             y = x[start:end]
-        else:
-            for i in range(start, end):
-                item = x[i]
-                if type(item) is not int:
-                    return None
-                v = PyLong_AsLongLongAndOverflow(item, &overflow)
-                if overflow or v < 0 or v >= hi:
-                    return None
+        elif is_list_or_tuple(x):
+            n = len(x)
+            clip_span(n, plan[g], &start, &end)
+            if seq_to_ids(x, start, end, 0, hi, True, NULL, &bad) != ID_OK:
+                return None
             y = x[start:end] if (start != 0 or end != n) else x
+        else:
+            return None
         Py_INCREF(y)
         PyTuple_SET_ITEM(out, g, y)
     return out
 
 
-# Per-layout clip plans for clip_windows (key: id(layout), exact, clip_state; the layout is
-# kept in the entry and identity-checked, ids can be reused), and the Python helpers the
-# slow path needs (registered by hmacore.windows at import).
-cdef dict _CLIP_CACHE = {}
-cdef object _plan_fn = None
+# ---------------------------------------------------------------------------------------
+# Per-layout compiled clip plans, cached on the layout object itself
+# ---------------------------------------------------------------------------------------
+cdef str _ATTR = "_hmacore_windows"
+
+
+def _no_plan():
+    """What a pickled layout carries instead of its compiled plans (rebuilt on first use)."""
+    return None
+
+
+cdef class LayoutClip:
+    """The window clip of one layout, compiled once: the int64 plan for each (exact,
+    clip_state) combination (see ``hmacore.windows.window_plan``), the per-group state flags
+    (int8, 1 = MAMBA) and the pool size (0 = unknown). Read-only arrays.
+
+    Built by ``hmacore.windows`` and stored on the layout object (attribute
+    ``_hmacore_windows``; KVLayout is frozen, so the plans stay valid for its lifetime;
+    dataclass equality, hashing and ``to_dict`` ignore it, and a pickled layout carries
+    None there, rebuilt on first use). Immutable: shareable between threads.
+    """
+    cdef readonly tuple plans           # index exact * 2 + clip_state
+    cdef readonly object state_groups
+    cdef readonly long long num_blocks
+
+    def __init__(self, plans, state_groups, long long num_blocks):
+        if self.plans is not None:
+            raise RuntimeError("LayoutClip is already initialised")
+        plans = tuple(plans)
+        if len(plans) != 4:
+            raise ValueError("plans must hold the 4 (exact, clip_state) plans")
+        for p in plans:
+            if not (isinstance(p, np.ndarray) and p.dtype == np.int64 and p.ndim == 1
+                    and p.flags.c_contiguous and not p.flags.writeable):
+                raise ValueError("every plan must be a read-only C-contiguous int64 array")
+        self.plans = plans
+        self.state_groups = state_groups
+        self.num_blocks = num_blocks
+
+    def plan(self, bint exact, bint clip_state):
+        return self.plans[exact * 2 + clip_state]
+
+    def __reduce__(self):
+        return _no_plan, ()
+
+    def __repr__(self):
+        return f"LayoutClip(groups={len(self.plans[0])}, num_blocks={self.num_blocks})"
+
+
+cdef object _compile_fn = None
 cdef object _fallback_fn = None
 
 
-def register_clip_helpers(plan_fn, fallback_fn):
-    """``plan_fn(layout, exact, clip_state)`` -> (int64 plan, num_blocks or 0), raising for a
-    bad layout; ``fallback_fn(block_ids, layout, exact, clip_state)`` -> the general path."""
-    global _plan_fn, _fallback_fn
-    _plan_fn = plan_fn
+def register_clip_helpers(compile_fn, fallback_fn):
+    """``compile_fn(layout)`` -> the layout's LayoutClip, built and stored on it (raising for
+    a non-layout); ``fallback_fn(block_ids, layout, exact, clip_state)`` -> the general path."""
+    global _compile_fn, _fallback_fn
+    _compile_fn = compile_fn
     _fallback_fn = fallback_fn
+
+
+cpdef LayoutClip layout_clip(object layout):
+    """The layout's compiled clip plans (cached on the layout; built on first use)."""
+    lc = getattr(layout, _ATTR, None)
+    if type(lc) is LayoutClip:
+        return <LayoutClip>lc
+    return _compile_fn(layout)
 
 
 def clip_windows(block_ids, layout, bint exact=False, bint clip_state=True):
     """One C call of ``hmacore.windows.clip_windows`` (see there for the contract)."""
-    key = (<long long><Py_ssize_t><void*>layout) * 4 + exact * 2 + clip_state
-    entry = _CLIP_CACHE.get(key)
-    if entry is None or (<tuple>entry)[0] is not layout:
-        plan, nb = _plan_fn(layout, exact, clip_state)
-        if len(_CLIP_CACHE) > 256:
-            _CLIP_CACHE.clear()
-        entry = (layout, plan, nb)
-        _CLIP_CACHE[key] = entry
-    if (type(block_ids) is tuple or type(block_ids) is list) and len(block_ids) == 0:
+    cdef LayoutClip lc = layout_clip(layout)
+    if is_list_or_tuple(block_ids) and len(block_ids) == 0:
         return ()
-    fast = clip_keep_form(block_ids, (<tuple>entry)[1], (<tuple>entry)[2])
+    fast = clip_keep_form(block_ids, lc.plans[exact * 2 + clip_state], lc.num_blocks)
     if fast is not None:
         return fast
     return _fallback_fn(block_ids, layout, exact, clip_state)

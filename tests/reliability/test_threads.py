@@ -146,3 +146,104 @@ def test_embedded_store_concurrent_put_get_exists_keeps_every_byte():
     assert all(run_threads(worker))
     assert store.used_bytes == THREADS * n_keys * size == len(store) * size
     print(f"\nthreads: store bytes verified {sum(checked)}")
+
+
+# -- threading contract (see the class docstrings) ---------------------------------------------
+def test_tracker_set_shared_by_eight_threads_is_refused_not_corrupted():
+    """A TrackerSet has one owner thread: a mutation from any other thread raises a clear
+    TrackerStateError instead of mixing requests' block ids."""
+    from hmacore.errors import TrackerStateError
+
+    layout = get_preset("gemma-3", num_blocks=4096)
+    ts = TrackerSet(layout)
+    G = layout.num_groups
+    barrier = threading.Barrier(8)
+
+    def worker(i):
+        barrier.wait()
+        done = 0
+        try:
+            for k in range(ROUNDS):
+                rid = (i, k)
+                ids = [[1 + (i * 97 + k + g) % 4000] * 3 for g in range(G)]
+                ts.add(rid, ids)
+                ts.append(rid, [[1 + i] for _ in range(G)])
+                out = ts.finish(rid)
+                assert [x.tolist() for x in out] == [ids[g] + [1 + i] for g in range(G)]
+                done += 1
+        except TrackerStateError as e:
+            assert "thread" in str(e)
+            return ("refused", done)
+        return ("ok", done)
+
+    results = run_threads(worker, n=8)
+    assert sum(r[0] == "ok" for r in results) <= 1
+    assert sum(r[0] == "refused" and r[1] == 0 for r in results) >= 7
+    assert len(ts) <= 1          # at most the owner's request in flight when others failed
+
+
+def test_tracker_set_hand_off_to_another_thread():
+    layout = get_preset("gemma-3", num_blocks=4096)
+    ts = TrackerSet(layout)
+    ts.add("r", [[1]] * layout.num_groups)          # the building thread owns it
+
+    def worker(i):
+        ts.bind_to_current_thread()                 # explicit hand-off
+        ts.append("r", [[2]] * layout.num_groups)
+        return ts.num_blocks("r")
+
+    assert run_threads(worker, n=1) == [(2,) * layout.num_groups]
+    ts.bind_to_current_thread()
+    ts.finish("r")
+
+
+def test_clip_spans_results_of_concurrent_threads_are_their_own():
+    from hmacore.windows import clip_tracked_spans
+
+    layout = get_preset("gemma-3", num_blocks=4096)
+    reqs = _requests(layout, 4096, 11, 32)
+
+    def worker(i):
+        ts = TrackerSet(layout)
+        for k, t in enumerate(reqs):
+            ts.add(k, t)
+        want = clip_tracked_spans(ts, list(range(len(reqs)))).copy()
+        held = []
+        for _ in range(ROUNDS):
+            got = clip_tracked_spans(ts, list(range(len(reqs))))
+            held.append(got)
+            if len(held) > 3:
+                held.pop(0)
+            assert all(np.array_equal(h, want) for h in held)
+        return True
+
+    assert all(run_threads(worker, n=8))
+
+
+def test_shared_plan_with_list_input_while_lists_change():
+    layout = get_preset("gemma-3", num_blocks=4096)
+    plan = TransferPlan.from_layout(layout, 4096, page_bytes=64)
+    G = layout.num_groups
+    base = [np.arange(1, 200, dtype=np.int32) for _ in range(G)]
+    want = plan.desc_ids(base)
+    shared = list(base)
+    stop = threading.Event()
+
+    def churn(_):
+        while not stop.is_set():
+            for g in range(G):
+                shared[g] = base[g].copy()
+        return True
+
+    def reader(_):
+        for _ in range(ROUNDS * 5):
+            assert np.array_equal(plan.desc_ids(shared), want)
+        return True
+
+    t = threading.Thread(target=churn, args=(0,), daemon=True)
+    t.start()
+    try:
+        assert all(run_threads(reader, n=3))
+    finally:
+        stop.set()
+        t.join(30)
