@@ -246,3 +246,20 @@ def test_non_hma_uses_one_block_size_for_mixed_groups():
     assert f.non_hma_descriptors == sum(len(s.layer_names) * 512 // s.block_size for s in layout.groups)
     # HMA: mla 2 blocks, windows clip: swa cdiv(128,64)+1 = 3 of 5, c4 3 of 75, c128 17 of 38
     assert [g.blocks for g in f.groups] == [2, 3, 3, 3, 17]
+
+
+def test_desc_ids_from_metadata_lists_match_arrays():
+    """The worker's form (one list of Python ints per group) gives the arrays' answer; a list
+    holding anything else goes through the checked path (NumPy ints work, floats are named)."""
+    from hmacore.errors import BlockTableError
+    from hmacore.presets import get_preset
+    plan = TransferPlan.from_layout(get_preset("gpt-oss-120b", num_blocks=4096))
+    arrays = tuple(np.arange(1 + 7 * g, 40 + 7 * g, dtype=np.int32) for g in range(2))
+    lists = [a.tolist() for a in arrays]
+    assert np.array_equal(plan.desc_ids(lists), plan.desc_ids(arrays))
+    mixed = [lists[0], [np.int64(x) for x in lists[1]]]
+    assert np.array_equal(plan.desc_ids(mixed), plan.desc_ids(arrays))
+    with pytest.raises(BlockTableError, match=r"block_ids\[1\]"):
+        plan.desc_ids([lists[0], lists[1][:-1] + [2.5]])
+    with pytest.raises(BlockTableError):
+        plan.desc_ids([lists[0], lists[1] + [4096]])      # past the pool

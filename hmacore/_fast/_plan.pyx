@@ -21,7 +21,8 @@ from hmacore.errors import BlockTableError
 
 from hmacore._fast._types cimport (block_id_t, desc_id_t, desc_id32_t, out_desc_id_t,
                                    BLOCK_ID_NPY, DESC_ID_NPY, DESC_ID32_NPY)
-from hmacore._fast._helpers cimport id_min_max, is_block_id_array
+from hmacore._fast._helpers cimport (ID_OK, id_min_max, is_block_id_array, is_list_or_tuple,
+                                     seq_to_ids)
 
 cnp.import_array()
 
@@ -41,6 +42,32 @@ cdef inline tuple _owned(object block_ids):
     if PyList_CheckExact(block_ids):
         return PyList_AsTuple(block_ids)
     return None
+
+
+cdef tuple _lists_as_arrays(tuple held, Py_ssize_t G):
+    """The worker's form of a table (one list of exact ints per group, what the connector
+    metadata carries) as fresh int32 arrays, in one C pass per group with no Python object
+    per id; None when any group is not such a list or holds anything else (the checked path
+    then converts it or names the bad entry). Ids are range-checked against int32 here and
+    against the regions by the caller's scan."""
+    cdef Py_ssize_t g, m, bad = 0
+    cdef cnp.npy_intp dim
+    if len(held) != G:
+        return None
+    out = []
+    for g in range(G):
+        x = held[g]
+        if not is_list_or_tuple(x):
+            return None
+        m = len(x)
+        dim = m
+        a = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)
+        # exact ints only: no user code runs, so the list cannot change under the loop
+        if m and seq_to_ids(x, 0, m, 0, (<long long>1) << 31, True,
+                            <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>a), &bad) != ID_OK:
+            return None
+        out.append(a)
+    return tuple(out)
 
 
 cdef inline bint _serves(int r, int g, const int32_t* rgroup, const uint8_t* rstate,
@@ -328,6 +355,10 @@ cdef class DescPlan:
         cdef Py_ssize_t lens[MAX_FAST_GROUPS]
         cdef tuple held = _owned(block_ids)   # keeps the arrays alive while ptrs are used
         cdef Py_ssize_t n = self._scan_fast(held, kernel_ids, allow_null, ptrs, lens)
+        if n < 0 and held is not None:
+            # lists of Python ints (the metadata's form): one C pass into owned int32 arrays
+            held = _lists_as_arrays(held, self.G)
+            n = self._scan_fast(held, kernel_ids, allow_null, ptrs, lens)
         if n < 0:
             return self._slow(block_ids, kernel_ids, allow_null, out)
         cdef Py_ssize_t G = self.G
