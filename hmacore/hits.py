@@ -293,12 +293,16 @@ class HitFinder:
         _check_tokens("num_tokens", num_tokens)
         return num_tokens // self.alignment * self.alignment
 
-    def longest_hit(self, hashes: np.ndarray, exists: ExistenceSet | None, max_length: int,
-                    *, apply_eagle: bool = True) -> HitResult:
+    def longest_hit(self, hashes: np.ndarray | list[bytes], exists: ExistenceSet | None,
+                    max_length: int, *, apply_eagle: bool = True) -> HitResult:
         """The longest hit of a request whose hash rows are ``hashes``.
 
         Args:
             hashes: (N, digest_size) uint8 C-contiguous; row j names tokens [0, (j+1)*h).
+                With an existence set, also vLLM's ``Request.block_hashes`` as it is (a list
+                of ``digest_size``-byte ``bytes``): the kernel reads only the rows it probes,
+                in place, with no conversion (a probed row that is not such a bytes object
+                raises HashInputError naming it).
             exists: the existence set, or None for *mask mode* (every key present: gives the
                 load masks of an already known hit length).
             max_length: cap of the hit in tokens (vLLM passes ``num_tokens - 1``); probes

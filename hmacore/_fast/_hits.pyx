@@ -16,6 +16,17 @@ from cpython.pythread cimport (PyThread_acquire_lock, PyThread_allocate_lock,
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
+from cpython.object cimport PyObject
+from cpython.list cimport PyList_CheckExact
+
+
+cdef extern from "Python.h":
+    # Reads of a bytes object's fields: no reference counting, safe without the GIL as long
+    # as the object is alive and the list holding it cannot change (the GIL is held then).
+    bint PyBytes_CheckExact(PyObject*) nogil
+    Py_ssize_t PyBytes_GET_SIZE(PyObject*) nogil
+    char* PyBytes_AS_STRING(PyObject*) nogil
+    PyObject** PySequence_Fast_ITEMS(object)
 
 import numpy as np
 cimport numpy as cnp
@@ -512,7 +523,9 @@ def _existence_set_from_slots(int digest_size, bytes slots):
 # Longest hit
 # ---------------------------------------------------------------------------------------
 cdef struct Ctx:
-    const uint8_t* hashes      # N rows of ds bytes
+    const uint8_t* hashes      # N rows of ds bytes (array form), or NULL
+    PyObject** items           # the N bytes objects of a list (list form), or NULL
+    Py_ssize_t bad_row         # list form: the first probed row that is not ds bytes, or -1
     Py_ssize_t n_rows          # < 2**40 (memory), so n_rows * hash_block < 2**63 (hash_block <= 2**32)
     int ds
     const group_id_t* members
@@ -524,9 +537,21 @@ cdef inline bint _probe(ExistenceSet es, Ctx* c, int64_t ms, int64_t me,
                         Py_ssize_t row) noexcept nogil:
     """All member groups [ms, me) hold the key of hash row ``row``."""
     cdef int64_t m
+    cdef PyObject* o
     if c.all_present:
         return True
-    cdef const uint8_t* d = c.hashes + row * c.ds
+    cdef const uint8_t* d
+    if c.items != NULL:
+        # list form: read the probed row's bytes in place (no conversion of the other rows);
+        # a row that is not exactly ds bytes is a miss here and an error for the caller
+        o = c.items[row]
+        if not PyBytes_CheckExact(o) or PyBytes_GET_SIZE(o) != c.ds:
+            if c.bad_row < 0 or row < c.bad_row:
+                c.bad_row = row
+            return False
+        d = <const uint8_t*>PyBytes_AS_STRING(o)
+    else:
+        d = c.hashes + row * c.ds
     for m in range(ms, me):
         if not es.has(c.members[m], d):
             return False
@@ -748,6 +773,8 @@ def longest_hit(ExistenceSet es, hashes, max_length, specs, members,
     c.ds = hv.shape[1]
     c.all_present = es is None
     c.hashes = &hv[0, 0] if c.n_rows > 0 else NULL
+    c.items = NULL
+    c.bad_row = -1
     c.members = &mem[0] if nm > 0 else NULL
     c.hash_block = hash_block
     cdef token_t hit
@@ -921,8 +948,12 @@ cdef class HitKernel:
         cdef ExistenceSet es
         if self._args is None:
             raise RuntimeError("HitKernel was not initialised")
+        cdef bint rows_list = PyList_CheckExact(hashes)
         if exists is None:
             es = None
+            if rows_list:
+                raise HashInputError("hashes must be a uint8 array of shape (N, 16) or (N, 32) "
+                                     "in mask mode (exists=None)")
             if not _is_hash_array(hashes, 0):
                 if isinstance(hashes, np.ndarray) and hashes.ndim == 2 \
                         and hashes.shape[1] in (16, 32):
@@ -930,7 +961,7 @@ cdef class HitKernel:
                 raise HashInputError("hashes must be a uint8 array of shape (N, 16) or (N, 32)")
         elif type(exists) is ExistenceSet:
             es = <ExistenceSet>exists
-            if not _is_hash_array(hashes, es.digest_size):
+            if not rows_list and not _is_hash_array(hashes, es.digest_size):
                 _check_digests(hashes, es.digest_size, "hashes")
         else:
             raise HashInputError(f"exists must be an ExistenceSet or None, got "
@@ -943,16 +974,37 @@ cdef class HitKernel:
         cdef int64_t* o = <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>out)
         if self.S == 0:
             return 0, out
-        cdef cnp.ndarray hv = <cnp.ndarray>hashes
         cdef Ctx c
-        c.n_rows = hv.shape[0]
-        c.ds = hv.shape[1]
+        cdef cnp.ndarray hv
         c.all_present = es is None
-        c.hashes = <const uint8_t*>cnp.PyArray_DATA(hv) if c.n_rows > 0 else NULL
         c.members = self._mem
         c.hash_block = self.hash_block
+        c.bad_row = -1
         cdef const SpecRow* sp = self._sp if apply_eagle else self._sp_ne
         cdef token_t hit
+        if rows_list:
+            # vLLM's Request.block_hashes as it is: each probed row is read in place. The
+            # set's lock is taken without the GIL (a holder may need the GIL to finish); the
+            # list is measured after it, and the GIL is then held until the kernel is done,
+            # so no thread can change the list while the kernel reads it.
+            with nogil:
+                es.lock()
+            c.n_rows = len(hashes)
+            c.ds = es.digest_size
+            c.hashes = NULL
+            c.items = PySequence_Fast_ITEMS(hashes) if c.n_rows > 0 else NULL
+            hit = _fixed_point(es, &c, sp, self.S, ml, self.align, self.partial,
+                               self.unitary, o)
+            es.unlock()
+            if c.bad_row >= 0:
+                raise HashInputError(f"hashes[{c.bad_row}] must be {c.ds} bytes (a bytes "
+                                     f"object), got {type(hashes[c.bad_row]).__name__}")
+            return hit, out
+        hv = <cnp.ndarray>hashes
+        c.n_rows = hv.shape[0]
+        c.ds = hv.shape[1]
+        c.items = NULL
+        c.hashes = <const uint8_t*>cnp.PyArray_DATA(hv) if c.n_rows > 0 else NULL
         with nogil:
             if es is not None:
                 es.lock()
