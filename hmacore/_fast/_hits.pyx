@@ -34,7 +34,7 @@ cimport numpy as cnp
 cnp.import_array()
 
 from hmacore._fast._types cimport group_id_t, token_t, GROUP_ID_NPY, TOKEN_NPY, TOKEN_MAX
-from hmacore._fast._helpers cimport sat_add
+from hmacore._fast._helpers cimport PyLong_AsLongLongAndOverflow, sat_add
 from hmacore.errors import HashInputError
 
 cdef group_id_t TAG_EMPTY = -1
@@ -789,15 +789,21 @@ def longest_hit(ExistenceSet es, hashes, max_length, specs, members,
 
 
 cdef token_t _check_max_length(object max_length) except -1:
+    """``max_length`` as a token count in ``[0, 2**63)`` or HashInputError (one C call for
+    an exact int: no Python comparison objects on the per-lookup path)."""
+    cdef int overflow = 0
+    cdef long long v
     if type(max_length) is not int:
         if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)):
             raise HashInputError(f"max_length must be an int (tokens), got "
                                  f"{type(max_length).__name__}")
-    if max_length < 0:
+        max_length = int(max_length)
+    v = PyLong_AsLongLongAndOverflow(max_length, &overflow)
+    if overflow < 0 or (overflow == 0 and v < 0):
         raise HashInputError(f"max_length must be >= 0 tokens, got {max_length}")
-    if max_length > TOKEN_MAX:
+    if overflow > 0:
         raise HashInputError(f"max_length must be < 2**63 tokens, got {max_length}")
-    return max_length
+    return v
 
 
 cdef token_t _fixed_point(ExistenceSet es, Ctx* c, const SpecRow* sp, Py_ssize_t S,

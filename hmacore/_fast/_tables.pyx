@@ -28,6 +28,8 @@ cnp.import_array()
 
 cdef extern from "Python.h":
     Py_ssize_t Py_REFCNT(PyObject*)
+    bint PyUnicode_CheckExact(PyObject*)
+    bint PyLong_CheckExact(PyObject*)
     Py_ssize_t PySequence_Fast_GET_SIZE(object)
     PyObject* PySequence_Fast_GET_ITEM(object, Py_ssize_t)
 
@@ -625,10 +627,7 @@ cdef class TableStore:
             self._scratch = p
             self._scratch_cap = R
         for r in range(R):
-            if r >= PySequence_Fast_GET_SIZE(req_ids):
-                raise RuntimeError("req_ids changed size while being read")
-            key = <object>PySequence_Fast_GET_ITEM(req_ids, r)
-            v = PyDict_GetItemWithError(self.index, key)
+            v = _lookup(self.index, req_ids, r)
             if v == NULL:
                 return r
             self._scratch[r] = PyLong_AsSsize_t(v)
@@ -720,10 +719,7 @@ cdef class TableStore:
         # __eq__ may run code): safe next to a step_flat parked in a buffer growth. An
         # untracked id returns before the (unpublished) output is handed out.
         for r in range(R):
-            if r >= PySequence_Fast_GET_SIZE(req_ids):
-                raise RuntimeError("req_ids changed size while being read")
-            key = <object>PySequence_Fast_GET_ITEM(req_ids, r)
-            v = PyDict_GetItemWithError(self.index, key)
+            v = _lookup(self.index, req_ids, r)
             if v == NULL:
                 return None, r
             k0 = PyLong_AsSsize_t(v) * G
@@ -753,6 +749,21 @@ cdef class TableStore:
                                             cnp.PyArray_DATA(<cnp.ndarray>self._spans_buf))
         cnp.set_array_base(<cnp.ndarray>out, self._spans_buf)
         return out
+
+
+cdef inline PyObject* _lookup(dict index, object req_ids, Py_ssize_t r) except? NULL:
+    # index[req_ids[r]] (borrowed), NULL when absent (or an error is set: a key's hash
+    # failed). req_ids is re-measured first. Exact str / int keys hash and compare without
+    # user code, so they are looked up borrowed (no refcount write per key on the step's
+    # hot path); any other key is held by a strong reference while its __hash__/__eq__ may
+    # run code that drops it from the list.
+    if r >= PySequence_Fast_GET_SIZE(req_ids):
+        raise RuntimeError("req_ids changed size while being read")
+    cdef PyObject* kp = PySequence_Fast_GET_ITEM(req_ids, r)
+    if PyUnicode_CheckExact(kp) or PyLong_CheckExact(kp):
+        return PyDict_GetItemWithError(index, <object>kp)
+    key = <object>kp
+    return PyDict_GetItemWithError(index, key)
 
 
 cdef inline int _check_seq(object req_ids) except -1:
