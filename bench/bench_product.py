@@ -168,16 +168,56 @@ def blocks_needed(name: str, requests: int, prompt: int, extra_tokens: int) -> i
     return int(total * 1.1) + 64
 
 
-def estimate_bytes(name: str, requests: int, prompt: int, nvariants: int) -> int:
-    """Rough Python memory of one cell (bytes): per variant, each request's token list (8 B a
-    token), its per-group tables (8 B a position, nulls included), its hash list and the
-    pool's block objects (~240 B a block with its cache entry); shared: prompts and hashes."""
+BASE_GIB = 0.5          # RSS of the process with vLLM imported and nothing built (measured)
+EST_FACTOR = 1.6        # measured RSS / the model below (gptoss 1.47x, dsv4 1.6x at 32k)
+
+
+def estimate_bytes(name: str, requests: int, prompt: int, nvariants: int,
+                   kind: str = "decode") -> int:
+    """Python memory of one cell (bytes), calibrated on measured RSS: per variant, each
+    request's token list (8 B a token), its per-group tables (12 B a position, nulls
+    included), its hash list and the pool's block objects (~240 B a block with its cache
+    entry); shared: prompts and hashes; times EST_FACTOR, plus BASE_GIB. Prefill cells hold
+    half the requests at full length (the other half gets a few chunks)."""
+    hot = requests if kind == "decode" else requests // 2 + 2
     hash_bs = min(bs for bs, _ in layout_groups(name))
     positions = sum(cdiv(prompt, bs) for bs, _ in layout_groups(name))
-    per_variant = requests * (prompt * 8 + positions * 12 + cdiv(prompt, hash_bs) * 8) \
-        + blocks_needed(name, requests, prompt, 0) * 240
+    per_variant = hot * (prompt * 8 + positions * 12 + cdiv(prompt, hash_bs) * 8) \
+        + blocks_needed(name, hot, prompt, 0) * 240
     shared = requests * (prompt * 8 + cdiv(prompt, hash_bs) * 90)
-    return nvariants * per_variant + shared
+    return int(EST_FACTOR * (nvariants * per_variant + shared) + BASE_GIB * 2**30)
+
+
+#: Variants that must share a lockstep run when a cell is split for memory: each hmacore
+#: variant with its vLLM baseline ("none" joins every group).
+SPLIT_GROUPS = (("vllm_nixl_P", "hma_pull_P", "hma_push_P"),
+                ("vllm_nixl_D", "hma_pull_D", "hma_push_D"),
+                ("vllm_offload", "hma_store"))
+
+
+def plan_groups(cell, variants, mem_gib: float) -> tuple[list[tuple], str | None]:
+    """Variant groups to run one after the other (each a lockstep run with "none") so each
+    fits ``mem_gib``: all at once if possible, else ``SPLIT_GROUPS``. ``([], reason)`` when
+    even a split group does not fit."""
+    limit = mem_gib * 2**30
+    active = [v for v in variants if cell.kind in v.kinds]
+
+    def est(n):
+        return estimate_bytes(cell.layout, cell.requests, cell.prompt, n, cell.kind)
+    if est(len(active)) <= limit:
+        return [tuple(variants)], None
+    by_name = {v.name: v for v in variants}
+    groups = []
+    for names in SPLIT_GROUPS:
+        g = tuple(by_name[n] for n in names if n in by_name)
+        if g:
+            groups.append((by_name["none"],) + g)
+    worst = max(len([v for v in g if cell.kind in v.kinds]) for g in groups)
+    if est(worst) > limit:
+        return [], (f"skipped: estimated {est(worst) / 2**30:.1f} GiB of Python memory even "
+                    f"for {worst} schedulers (all: {est(len(active)) / 2**30:.1f} GiB) > "
+                    f"--mem-gib {mem_gib:g}")
+    return groups, None
 
 
 # -- configs -------------------------------------------------------------------------------
@@ -579,9 +619,10 @@ def check_tables(e: Engine) -> str | None:
 
 def summarize(cell: Cell, samples: dict[str, Samples], na: dict[str, str], variants,
               ) -> dict[str, dict]:
-    """Per variant: median / p90 ms per step, overhead over no connector (median of the
-    per-step paired differences, ms and % of the no-connector median), ratio to the vLLM
-    baseline (median / median), allocated Python blocks per step (median)."""
+    """Per variant: median / p90 ms per step; overhead over no connector = median(variant) -
+    median(none) in ms and % of median(none) (``overhead_paired_ms``: median of the per-step
+    paired differences, for reference); ratio to the vLLM baseline (median / median);
+    allocated Python blocks per step (median); the raw per-step ms (``samples_ms``)."""
     out: dict[str, dict] = {}
     base = samples.get("none")
     base_med = percentile([x / 1e6 for x in base.ns], 50) if base else float("nan")
@@ -596,9 +637,11 @@ def summarize(cell: Cell, samples: dict[str, Samples], na: dict[str, str], varia
                "alloc_blocks_per_step": percentile([float(a) for a in s.alloc], 50),
                "sched_mismatch_steps": s.sched_mismatch}
         if v.name != "none" and base:
-            diffs = [(a - b) / 1e6 for a, b in zip(s.ns, base.ns)]
-            row["overhead_ms"] = percentile(diffs, 50)
+            row["overhead_ms"] = med - base_med
             row["overhead_pct"] = 100.0 * row["overhead_ms"] / base_med if base_med else None
+            row["overhead_paired_ms"] = percentile(
+                [(a - b) / 1e6 for a, b in zip(s.ns, base.ns)], 50)
+        row["samples_ms"] = [round(x, 4) for x in ms]
         out[v.name] = row
     for v in variants:
         row, b = out[v.name], out.get(v.baseline or "", {})
@@ -613,24 +656,64 @@ def summarize(cell: Cell, samples: dict[str, Samples], na: dict[str, str], varia
 def run_cell(cell: Cell, steps: int, variants=VARIANTS, *, mem_gib: float = MEM_GIB,
              keep: bool = False, log: Callable[[str], None] = print) -> dict:
     """Build, warm and time one cell. Returns its JSON record (``status`` "ran" or
-    "skipped: reason"). ``keep``: also return the engines under ``"_engines"`` (not closed)."""
-    est = estimate_bytes(cell.layout, cell.requests, cell.prompt, len(variants))
+    "skipped: reason"). When all variants do not fit ``mem_gib`` they run in
+    ``SPLIT_GROUPS`` (one lockstep run per group, each with its own no-connector reference;
+    ``groups`` in the record says so). ``keep``: also return the engines under
+    ``"_engines"`` (not closed; single-group cells only)."""
+    groups, reason = plan_groups(cell, variants, mem_gib)
+    active = [v for v in variants if cell.kind in v.kinds]
+    est = estimate_bytes(cell.layout, cell.requests, cell.prompt, len(active), cell.kind)
     rec: dict[str, Any] = {"cell": cell.key, "layout": cell.layout, "requests": cell.requests,
                            "prompt": cell.prompt, "kind": cell.kind,
                            "est_mem_gib": round(est / 2**30, 2)}
-    if est > mem_gib * 2**30:
-        rec["status"] = (f"skipped: estimated {est / 2**30:.1f} GiB of Python memory for "
-                         f"{len(variants)} schedulers > --mem-gib {mem_gib:g}")
+    if reason:
+        rec["status"] = reason
         return rec
-    t0 = time.perf_counter()
+    keep = keep and len(groups) == 1
+    if len(groups) > 1:
+        rec["groups"] = [[v.name for v in g] for g in groups]
+        rec["note"] = (f"all {len(active)} schedulers need ~{est / 2**30:.1f} GiB > --mem-gib "
+                       f"{mem_gib:g}: run as {len(groups)} lockstep groups, each with its own "
+                       "no-connector reference (overheads and ratios are within a group)")
     max_tokens = WARM_OUT + 3 * steps + 8     # timed, then profile / worker steps
-    max_len = cell.prompt + max_tokens + 8
-    num_blocks = blocks_needed(cell.layout, cell.requests, cell.prompt, max_tokens)
     wl = make_workload(cell.layout, cell.requests, cell.prompt, max_tokens,
                        hash_block_size(cell.layout))
-    tag = f"{cell.layout}-{cell.requests}-{cell.prompt}-{cell.kind}-{os.getpid()}"
+    parts = [run_group(cell, wl, steps, g, keep) for g in groups]
+    if any(p.get("status") != "ran" for p in parts):
+        bad = next(p for p in parts if p.get("status") != "ran")
+        return {**rec, **bad}
+    rec["status"] = "ran"
+    for k in ("setup_s", "timed_s", "rss_gib", "num_blocks", "timed_steps"):
+        vals = [p[k] for p in parts]
+        rec[k] = max(vals) if k in ("rss_gib", "num_blocks") else (
+            min(vals) if k == "timed_steps" else round(sum(vals), 1))
+    rec["variants"] = {}
+    for p in parts:
+        for name, row in p["variants"].items():
+            if name == "none" and "none" in rec["variants"]:
+                rec["variants"].setdefault("none_groups", []).append(row)
+                continue
+            rec["variants"][name] = row
+    none = rec["variants"].pop("none_groups", None)
+    if none:
+        rec["none_per_group"] = [rec["variants"]["none"]] + none
+    if keep:
+        rec["_engines"] = parts[0]["_engines"]
+    log(f"[{cell.key}] setup {rec['setup_s']} s, {rec['timed_steps']} timed steps in "
+        f"{rec['timed_s']} s, rss {rec['rss_gib']} GiB (est {rec['est_mem_gib']}"
+        f"{', ' + str(len(groups)) + ' groups' if len(groups) > 1 else ''})")
+    return rec
+
+
+def run_group(cell: Cell, wl: Workload, steps: int, variants, keep: bool) -> dict:
+    """One lockstep run of ``variants`` (the first is "none") over the cell's workload."""
+    t0 = time.perf_counter()
+    max_len = cell.prompt + wl.max_tokens + 8
+    num_blocks = blocks_needed(cell.layout, cell.requests, cell.prompt, wl.max_tokens)
+    tag = f"{cell.layout}-{cell.requests}-{cell.prompt}-{cell.kind}-{os.getpid()}-{id(wl)}"
     engines, na = build_engines(cell, wl, variants, num_blocks, max_len, tag)
     engines = warm_engines(cell, engines, na)
+    rec: dict[str, Any] = {}
     if not engines or engines[0].v.name != "none":
         rec["status"] = "failed: the no-connector variant did not warm up"
         rec["variants"] = {k: {"status": v} for k, v in na.items()}
@@ -658,12 +741,9 @@ def run_cell(cell: Cell, steps: int, variants=VARIANTS, *, mem_gib: float = MEM_
         for e in engines:
             e.close()
         gc.unfreeze()
-        del engines, wl
+        del engines
         gc.collect()
-    log(f"[{cell.key}] setup {rec['setup_s']} s, {done} timed steps in {rec['timed_s']} s, "
-        f"rss {rec['rss_gib']} GiB (est {rec['est_mem_gib']})")
     return rec
-
 
 
 # -- profile of hmacore's scheduler-side hooks ---------------------------------------------------
@@ -847,6 +927,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also time the worker-side bookkeeping (HmaNixl, HmaStore)")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the hmacore connectors' scheduler-side hooks (top 15)")
+    ap.add_argument("--no-print", action="store_true", help="do not print the markdown")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every cell in this process (default: one child process per "
+                         "cell when there are several, so memory is returned between cells)")
     a = ap.parse_args(argv)
     q = QUICK if a.quick else {}
     a.layouts = a.layouts or list(q.get("layouts", LAYOUTS))
@@ -886,6 +970,39 @@ def load_existing(path: str) -> dict | None:
         return None
 
 
+def child_args(a: argparse.Namespace, cell: Cell) -> list[str]:
+    """Command line of a child process running one cell and merging it into the outputs."""
+    args = [sys.executable, os.path.abspath(__file__), "--layouts", cell.layout,
+            "--requests", str(cell.requests), "--prompts", str(cell.prompt),
+            "--kinds", cell.kind, "--steps", str(a.steps), "--mem-gib", str(a.mem_gib),
+            "--out", a.out, "--name", a.name, "--merge", "--in-process", "--no-print"]
+    if a.variants:
+        args += ["--variants", *a.variants]
+    return args + (["--worker"] if a.worker else []) + (["--profile"] if a.profile else [])
+
+
+def run_one(a: argparse.Namespace, cell: Cell, variants) -> dict:
+    """Run one cell in this process (with the optional profile / worker phases)."""
+    rec = run_cell(cell, a.steps, variants, mem_gib=a.mem_gib, keep=a.worker or a.profile)
+    engines = rec.pop("_engines", None)
+    if engines:
+        if a.profile:
+            rec["profile"] = profile_hooks(engines, a.steps)
+            for name, text in rec["profile"].items():
+                print(f"\n## cProfile {cell.key} {name}: scheduler-side hooks\n{text}")
+        if a.worker:
+            rec["worker"] = worker_bench(cell, engines, a.steps)
+        for e in engines:
+            e.close()
+        gc.unfreeze()
+        del engines
+        gc.collect()
+    rec["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    if rec.get("status") != "ran":
+        print(f"[{cell.key}] {rec['status']}")
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -897,31 +1014,32 @@ def main(argv: list[str] | None = None) -> int:
             "variants": [v.name for v in variants]}
     jpath = os.path.join(a.out, a.name + ".json")
     doc = (load_existing(jpath) if a.merge else None) or {"meta": meta, "cells": []}
-    doc["meta"] = meta
+    doc["meta"] = {**doc.get("meta", {}), **meta}
+    cells = cells_of(a.layouts, a.requests, a.prompts, a.kinds)
     t0 = time.perf_counter()
-    for cell in cells_of(a.layouts, a.requests, a.prompts, a.kinds):
-        rec = run_cell(cell, a.steps, variants, mem_gib=a.mem_gib,
-                       keep=a.worker or a.profile)
-        engines = rec.pop("_engines", None)
-        if engines:
-            if a.profile:
-                rec["profile"] = profile_hooks(engines, a.steps)
-                for name, text in rec["profile"].items():
-                    print(f"\n## cProfile {cell.key} {name}: scheduler-side hooks\n{text}")
-            if a.worker:
-                rec["worker"] = worker_bench(cell, engines, a.steps)
-            for e in engines:
-                e.close()
-            gc.unfreeze()
-            del engines
-            gc.collect()
-        if rec.get("status") != "ran":
-            print(f"[{cell.key}] {rec['status']}")
+    isolate = len(cells) > 1 and not a.in_process
+    if isolate:
+        write_outputs(doc, a.out, a.name)
+    for cell in cells:
+        if isolate:
+            import subprocess
+            rc = subprocess.run(child_args(a, cell)).returncode
+            doc = load_existing(jpath) or doc
+            if rc != 0:
+                rec = {"cell": cell.key, "layout": cell.layout, "requests": cell.requests,
+                       "prompt": cell.prompt, "kind": cell.kind,
+                       "status": f"failed: child process exit code {rc}"}
+            else:
+                continue
+        else:
+            rec = run_one(a, cell, variants)
+            doc = (load_existing(jpath) if a.merge else None) or doc
         doc["cells"] = [c for c in doc["cells"] if c.get("cell") != rec["cell"]] + [rec]
         write_outputs(doc, a.out, a.name)      # after every cell: a long run keeps its results
     jp, mp = write_outputs(doc, a.out, a.name)
-    with open(mp) as f:
-        print(f.read())
+    if not a.no_print:
+        with open(mp) as f:
+            print(f.read())
     print(f"wrote {jp} and {mp} in {time.perf_counter() - t0:.0f} s")
     return 0
 

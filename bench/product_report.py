@@ -3,8 +3,10 @@
 ``python bench/product_report.py bench/results/product.json`` prints the tables.
 
 Table 1 (step time): one row per cell (layout x running requests x prompt x step kind); the
-no-connector median ms per step of ``schedule()`` + ``update_from_output()``, then per variant
-its median ms and its overhead over no connector in % (median of per-step paired differences).
+no-connector median ms per step of ``schedule()`` + ``update_from_output()`` (a cell run in
+variant groups for memory shows each group's no-connector median, in group order), then per
+variant its median ms and its overhead over no connector in % (difference of the medians,
+within the variant's group).
 Table 2 (hmacore vs vLLM): per hmacore variant, the ratio of its median step to the median
 step of vLLM's connector of the same kind (HmaNixl pull/push P vs NixlConnector P, D vs D,
 HmaStore vs OffloadingConnector); < 1 means hmacore's step is faster. Skipped cells and
@@ -30,8 +32,8 @@ def _cell_name(rec: dict) -> str:
     return f"{rec['layout']} | {rec['requests']} | {rec['prompt'] // 1024}k | {rec['kind']}"
 
 
-def _variant_names(records: list[dict]) -> list[str]:
-    names: list[str] = []
+def _variant_names(records: list[dict], order: list[str] | None = None) -> list[str]:
+    names: list[str] = list(order or [])
     for rec in records:
         for n in rec.get("variants", {}):
             if n not in names:
@@ -39,9 +41,17 @@ def _variant_names(records: list[dict]) -> list[str]:
     return names
 
 
-def step_table(records: list[dict]) -> list[str]:
+def _none_ms(rec: dict) -> str:
+    """The no-connector median; a cell run in variant groups shows each group's (a / b / c)."""
+    groups = rec.get("none_per_group")
+    if groups:
+        return " / ".join(_ms(g.get("median_ms")) for g in groups)
+    return _ms(rec["variants"]["none"].get("median_ms"))
+
+
+def step_table(records: list[dict], order: list[str] | None = None) -> list[str]:
     """Median ms per step and overhead % over no connector, per variant."""
-    names = [n for n in _variant_names(records) if n != "none"]
+    names = [n for n in _variant_names(records, order) if n != "none"]
     head = "| layout | reqs | prompt | step | none ms | " + " | ".join(
         f"{n} ms (ovh)" for n in names) + " |"
     lines = [head, "|" + "---|" * (5 + len(names))]
@@ -49,7 +59,7 @@ def step_table(records: list[dict]) -> list[str]:
         if rec.get("status") != "ran":
             continue
         vs = rec["variants"]
-        cols = [_ms(vs["none"].get("median_ms"))]
+        cols = [_none_ms(rec)]
         for n in names:
             row = vs.get(n, {})
             if row.get("status") != "ran":
@@ -60,9 +70,9 @@ def step_table(records: list[dict]) -> list[str]:
     return lines
 
 
-def ratio_table(records: list[dict]) -> list[str]:
+def ratio_table(records: list[dict], order: list[str] | None = None) -> list[str]:
     """hmacore median step / vLLM same-kind connector median step, and both overheads."""
-    hma = [n for n in _variant_names(records) if n.startswith("hma_")]
+    hma = [n for n in _variant_names(records, order) if n.startswith("hma_")]
     lines = ["| layout | reqs | prompt | step | " + " | ".join(
         f"{n} ratio (ovh ms vs vLLM ovh ms)" for n in hma) + " |",
              "|" + "---|" * (4 + len(hma))]
@@ -84,7 +94,7 @@ def ratio_table(records: list[dict]) -> list[str]:
 
 
 def notes(records: list[dict]) -> list[str]:
-    """Skipped cells, variants that did not run, failed checks."""
+    """Skipped cells, cells run in variant groups, variants that did not run, failed checks."""
     out = []
     for rec in records:
         if rec.get("status") != "ran":
@@ -93,6 +103,8 @@ def notes(records: list[dict]) -> list[str]:
         for n, row in rec["variants"].items():
             if row.get("status") != "ran" and "D loads its prompt" not in row.get("status", ""):
                 out.append(f"- {rec['cell']} {n}: {row.get('status')}")
+            if rec.get("groups") and n == "none":
+                out.append(f"- {rec['cell']}: {rec.get('note')}")
             if row.get("sched_mismatch_steps"):
                 out.append(f"- {rec['cell']} {n}: scheduling differed from no connector in "
                            f"{row['sched_mismatch_steps']} timed steps")
@@ -130,10 +142,11 @@ def render(doc: dict) -> str:
         out.append("")
     out += ["## Scheduler step (schedule() + update_from_output()), ms per step, median "
             "(overhead over no connector)", ""]
-    out += step_table(records)
+    order = meta.get("variants")
+    out += step_table(records, order)
     out += ["", "## hmacore vs vLLM connector of the same kind (median step ratio; < 1: "
             "hmacore faster)", ""]
-    out += ratio_table(records)
+    out += ratio_table(records, order)
     wt = worker_table(records)
     if wt:
         out += ["", "## Worker-side bookkeeping per step (transport stubbed), ms", ""] + wt
