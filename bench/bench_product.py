@@ -6,37 +6,57 @@ step of a variant is ``schedule()`` + ``update_from_output()`` with a fake
 ``ModelRunnerOutput`` (one sampled token per request whose prompt is complete, as
 tests/vllm/harness.py does); the connector's scheduler-side hooks run inside those two calls.
 
-What is timed (``time.perf_counter_ns``, reported in ms per step): ``schedule()`` plus
-``update_from_output()`` of one variant. Building the fake model output (and the worker
-reports a real worker would send: finished loads, completed offload jobs) is NOT timed. The
-variants run round-robin within each step, starting at a rotating offset, so machine noise
-hits all of them alike. ``gc.freeze()`` after warm-up (as vLLM's engine core does after
+What is timed, in ms per step: ``schedule()`` plus ``update_from_output()`` of one variant,
+as CPU time of the calling thread (``time.thread_time_ns``: the scheduler and these
+connectors' scheduler sides run no other thread) -- the primary figure, since the machine is
+shared and a wall-clock step that loses the core to another process gains a whole time
+slice (~4 ms) -- and as wall time (``perf_counter_ns``, ``wall_*`` fields). Building the fake
+model output (and the worker reports a real worker would send: finished loads, completed
+offload jobs) is NOT timed. The variants run round-robin within each step, starting at a
+rotating offset, so machine noise hits all of them alike. ``gc.freeze()`` after warm-up (as vLLM's engine core does after
 start-up); gc stays enabled during the timed steps.
 
 Cells: layout (``dsv4``: five groups 256/64/64/4/8 tokens per block, the harness's
-``dsv4_like``; ``gptoss``: full attention + sliding window 128, block 16, 4 + 4 layers, 2 KV heads x 64) x
-running requests x prompt length x step kind:
+``dsv4_like``; ``gptoss``: full attention + sliding window 128, block 16, 4 + 4 layers,
+2 KV heads x 64) x running requests x prompt length (tokens) x step kind:
 
 * ``decode``: every request in steady decode, one token each per step.
 * ``prefill``: half the requests decode while the other half waits and is chunk-prefilled
-  at ``max_num_batched_tokens`` (8192) tokens per step (minus the decode tokens).
+  at ``max_num_batched_tokens`` (8192) tokens per step (minus the decode tokens); the timed
+  phase ends early once no prompt chunk is left.
 
 Warm-up (untimed) reaches those states fast: the per-step token budget is raised to
 ``requests x 2048`` with ``long_prefill_token_threshold`` 2048 (every request prefills
-2048-token chunks concurrently), then restored to the cell's real budget (8192) before the
-timed steps. Consumer (D) variants do not prefill: their requests load the prompt from a
-(pretend) prefill node; the fake output reports the load finished in the step it was issued.
+2048-token chunks concurrently, so all requests reach decode in the same step and hold the
+same number of tokens in every variant), then restored to the cell's real budget (8192)
+before the timed steps. Consumer (D) variants do not prefill: their requests carry a P
+node's ``kv_transfer_params`` and load the prompt asynchronously (WAITING_FOR_REMOTE_KVS);
+the fake output reports the load finished in the step it was issued. D variants therefore
+take part in decode cells only (n/a for prefill).
 
-Variants (``VARIANTS``): no connector; vLLM ``NixlConnector`` producer (P: requests carry
-``do_remote_decode``) and consumer (D: requests carry a P node's ``kv_transfer_params``,
-loaded asynchronously during warm-up: decode cells only); vLLM ``OffloadingConnector``
-(``CPUOffloadingSpec``; the fake output completes every store job in the step it was issued);
-hmacore ``HmaNixlConnector`` pull P / pull D, push P (push ids registered by D before the
-requests arrive) / push D; hmacore ``HmaStoreConnector`` (embedded store, ``kv_both``).
+Variants (``VARIANTS``): no connector; vLLM ``NixlConnector`` (pull) producer (P: requests
+carry ``{"do_remote_decode": True}``) and consumer (D: params of
+``harness.remote_params``); vLLM ``OffloadingConnector`` (``CPUOffloadingSpec``,
+``cpu_bytes_to_use`` = twice the pool; the fake output completes every store/load job in
+the step it was issued, as one worker would); hmacore ``HmaNixlConnector`` pull P / pull D,
+push P (``transfer_mode: push`` + ``push_id``; D's registrations are fed to P's scheduler
+side through ``update_connector_output`` before the requests arrive, so nothing is held) /
+push D (registration + async load in warm-up); hmacore ``HmaStoreConnector`` (embedded
+store, ``kv_both``; cold: without a worker nothing is written, every lookup misses). P
+requests keep decoding in decode cells (a real P request stops after one token): the cell
+measures the per-step bookkeeping of tracked requests. hmacore push P/D are compared with
+vLLM's pull ``NixlConnector`` of the same role (vLLM's push connector is not run).
 
-Run: ``python bench/bench_product.py [--quick] [--layouts ...] [--requests ...] [--prompts ...]
-[--steps N] [--kinds ...] [--out DIR] [--worker] [--profile]``. Cells whose estimated
-Python memory exceeds ``--mem-gib`` (default 8) are skipped and reported as such.
+Memory: each cell's Python memory is estimated (``estimate_bytes``, calibrated on measured
+RSS). A cell that does not fit ``--mem-gib`` (default 8) with every variant runs as
+``SPLIT_GROUPS`` (each hmacore variant with its vLLM baseline and its own no-connector
+reference, one lockstep run per group); a cell where even one group does not fit is skipped
+with the reason in the output. With several cells each runs in its own child process.
+
+Run: ``python bench/bench_product.py [--quick] [--layouts ...] [--requests ...]
+[--prompts ...] [--kinds ...] [--variants ...] [--steps N] [--mem-gib G] [--out DIR]
+[--name STEM] [--merge] [--worker] [--profile] [--in-process]``; outputs
+``<out>/<name>.json`` and ``.md`` (rendered by product_report.py), written after every cell.
 """
 from __future__ import annotations
 
@@ -283,7 +303,8 @@ class Workload:
 
 def make_workload(layout: str, requests: int, prompt: int, max_tokens: int, hash_bs: int,
                   ) -> Workload:
-    """Distinct prompts (no cross-request prefix hits) and their vLLM block hashes."""
+    """Distinct prompts (no cross-request prefix hits) and their vLLM block hashes (the
+    harness's make_request also initialises vLLM's none-hash, once)."""
     import harness as H
     base = [1 + (i * 7919) % 30011 for i in range(prompt)]
     prompts, hashes = [], []
@@ -318,7 +339,6 @@ def request_params(v: Variant, r: int, wl: Workload, kcc) -> dict | None:
 def make_request(v: Variant, r: int, wl: Workload, kcc):
     """Request ``r`` for variant ``v``: the shared prompt list and a copy of the shared hash
     list (later blocks are hashed by the request's own hasher)."""
-    import harness as H
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -327,7 +347,6 @@ def make_request(v: Variant, r: int, wl: Workload, kcc):
     extra = {"kv_transfer_params": params} if params is not None else None
     sp = SamplingParams(max_tokens=wl.max_tokens, ignore_eos=True, extra_args=extra)
     sp.update_from_generation_config({}, 1)
-    H.make_request("init-hash", [1], wl.hash_bs)            # init_none_hash once
     req = Request(request_id=rid(r), prompt_token_ids=wl.prompts[r], sampling_params=sp,
                   pooling_params=None, mm_features=None, block_hasher=None)
     req.block_hashes = list(wl.hashes[r])
@@ -414,19 +433,20 @@ class Engine:
         self.s.update_from_output(so, self.fake_output(so))
         return so
 
-    def timed_step(self) -> tuple[Any, int, int]:
-        """One step: ``(SchedulerOutput, ns of schedule() + update_from_output(), allocated
-        Python blocks delta)``; the fake output is built between the two timed calls."""
-        pc = time.perf_counter_ns
+    def timed_step(self) -> tuple[Any, int, int, int]:
+        """One step: ``(SchedulerOutput, thread CPU ns, wall ns, allocated Python blocks
+        delta)`` of ``schedule()`` + ``update_from_output()``; the fake output is built
+        between the two timed calls and not counted."""
+        cpu, wall = time.thread_time_ns, time.perf_counter_ns
         a0 = sys.getallocatedblocks()
-        t0 = pc()
+        c0, w0 = cpu(), wall()
         so = self.s.schedule()
-        t1 = pc()
+        c1, w1 = cpu(), wall()
         out = self.fake_output(so)
-        t2 = pc()
+        c2, w2 = cpu(), wall()
         self.s.update_from_output(so, out)
-        t3 = pc()
-        return so, (t1 - t0) + (t3 - t2), sys.getallocatedblocks() - a0
+        c3, w3 = cpu(), wall()
+        return so, (c1 - c0) + (c3 - c2), (w1 - w0) + (w3 - w2), sys.getallocatedblocks() - a0
 
     def set_budget(self, per_step: int, per_request: int | None) -> None:
         """Per-step token budget and per-request chunk cap (tokens; None: the config's)."""
@@ -525,7 +545,7 @@ def build_engines(cell: Cell, wl: Workload, variants, num_blocks: int, max_len: 
     engines, na = [], {}
     for v in variants:
         if cell.kind not in v.kinds:
-            na[v.name] = f"n/a ({'D loads its prompt, it does not prefill'})"
+            na[v.name] = "n/a (D loads its prompt, it does not prefill)"
             continue
         try:
             engines.append(Engine(v, wl, num_blocks, max_len, tag))
@@ -559,9 +579,11 @@ def warm_engines(cell: Cell, engines: list[Engine], na: dict[str, str]) -> list[
 
 @dataclass
 class Samples:
-    """Per-variant timed samples of one cell (ns per step, allocated-block deltas)."""
+    """Per-variant timed samples of one cell (thread CPU ns and wall ns per step,
+    allocated-block deltas)."""
 
     ns: list[int] = field(default_factory=list)
+    wall: list[int] = field(default_factory=list)
     alloc: list[int] = field(default_factory=list)
     sched_mismatch: int = 0
 
@@ -578,10 +600,11 @@ def timed_steps(cell: Cell, engines: list[Engine], steps: int) -> tuple[dict[str
         outs = {}
         for i in range(n):
             e = engines[(step + i) % n]
-            so, ns, alloc = e.timed_step()
+            so, ns, wall, alloc = e.timed_step()
             outs[e.v.name] = so
             s = samples[e.v.name]
             s.ns.append(ns)
+            s.wall.append(wall)
             s.alloc.append(alloc)
         want = dict(outs["none"].num_scheduled_tokens)
         for name, so in outs.items():
@@ -619,10 +642,12 @@ def check_tables(e: Engine) -> str | None:
 
 def summarize(cell: Cell, samples: dict[str, Samples], na: dict[str, str], variants,
               ) -> dict[str, dict]:
-    """Per variant: median / p90 ms per step; overhead over no connector = median(variant) -
-    median(none) in ms and % of median(none) (``overhead_paired_ms``: median of the per-step
-    paired differences, for reference); ratio to the vLLM baseline (median / median);
-    allocated Python blocks per step (median); the raw per-step ms (``samples_ms``)."""
+    """Per variant, from thread CPU time: median / p90 / mean ms per step; overhead over no
+    connector = median(variant) - median(none), ms and % of median(none)
+    (``overhead_paired_ms``: median of the per-step paired differences, for reference);
+    ratio to the vLLM baseline (median / median). Wall time: ``wall_median_ms``,
+    ``wall_p90_ms``. Allocated Python blocks per step (median); the raw per-step CPU ms
+    (``samples_ms``)."""
     out: dict[str, dict] = {}
     base = samples.get("none")
     base_med = percentile([x / 1e6 for x in base.ns], 50) if base else float("nan")
@@ -632,8 +657,11 @@ def summarize(cell: Cell, samples: dict[str, Samples], na: dict[str, str], varia
             continue
         s = samples[v.name]
         ms = [x / 1e6 for x in s.ns]
+        wall = [x / 1e6 for x in s.wall]
         med = percentile(ms, 50)
         row = {"status": "ran", "steps": len(ms), "median_ms": med, "p90_ms": percentile(ms, 90),
+               "mean_ms": sum(ms) / len(ms), "wall_median_ms": percentile(wall, 50),
+               "wall_p90_ms": percentile(wall, 90),
                "alloc_blocks_per_step": percentile([float(a) for a in s.alloc], 50),
                "sched_mismatch_steps": s.sched_mismatch}
         if v.name != "none" and base:
@@ -854,7 +882,8 @@ WORKER_VARIANTS = ("hma_pull_P", "hma_pull_D", "hma_store")
 
 
 def worker_bench(cell: Cell, engines: list[Engine], steps: int) -> dict[str, dict]:
-    """Worker-side bookkeeping per step (ms): for ``steps`` more scheduler steps of each
+    """Worker-side bookkeeping per step (thread CPU ms; ``wall_median_ms`` too): for
+    ``steps`` more scheduler steps of each
     variant in ``WORKER_VARIANTS``, the metadata its scheduler side built is handed to a
     WORKER-role connector: ``bind_connector_metadata`` + ``start_load_kv`` +
     ``wait_for_save`` + ``get_finished`` + ``clear_connector_metadata`` is timed. NIXL: real
@@ -869,23 +898,26 @@ def worker_bench(cell: Cell, engines: list[Engine], steps: int) -> dict[str, dic
         except Exception as ex:
             res[e.v.name] = {"status": f"n/a ({type(ex).__name__}: {str(ex)[:160]})"}
             continue
-        ns, saves = [], 0
+        ns, wall, saves = [], [], 0
         try:
             for _ in range(steps):
                 so = e.s.schedule()
                 meta = so.kv_connector_metadata
                 saves += len(getattr(meta, "saves", ()) or ())
-                t0 = time.perf_counter_ns()
+                c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
                 w.bind_connector_metadata(meta)
                 w.start_load_kv(None)
                 w.wait_for_save()
                 w.get_finished(so.finished_req_ids)
                 w.clear_connector_metadata()
-                ns.append(time.perf_counter_ns() - t0)
+                ns.append(time.thread_time_ns() - c0)
+                wall.append(time.perf_counter_ns() - t0)
                 e.s.update_from_output(so, e.fake_output(so))
             ms = [x / 1e6 for x in ns]
+            wms = [x / 1e6 for x in wall]
             res[e.v.name] = {"status": "ran", "steps": len(ms), "median_ms": percentile(ms, 50),
-                             "p90_ms": percentile(ms, 90), "store_saves": saves}
+                             "p90_ms": percentile(ms, 90), "wall_median_ms": percentile(wms, 50),
+                             "store_saves": saves}
         except Exception as ex:
             res[e.v.name] = {"status": f"failed ({type(ex).__name__}: {str(ex)[:160]})"}
         finally:

@@ -2,6 +2,9 @@
 
 ``python bench/product_report.py bench/results/product.json`` prints the tables.
 
+Times are thread CPU ms per step (the process's wall clock loses whole time slices to other
+processes on a shared machine; wall medians are in table 3).
+
 Table 1 (step time): one row per cell (layout x running requests x prompt x step kind); the
 no-connector median ms per step of ``schedule()`` + ``update_from_output()`` (a cell run in
 variant groups for memory shows each group's no-connector median, in group order), then per
@@ -114,6 +117,21 @@ def notes(records: list[dict]) -> list[str]:
     return out
 
 
+def wall_table(records: list[dict], order: list[str] | None = None) -> list[str]:
+    """Wall-clock median ms per step, per variant (noisy on a shared machine)."""
+    names = _variant_names(records, order)
+    lines = ["| layout | reqs | prompt | step | " + " | ".join(names) + " |",
+             "|" + "---|" * (4 + len(names))]
+    for rec in records:
+        if rec.get("status") != "ran":
+            continue
+        vs = rec["variants"]
+        cols = [_ms(vs.get(n, {}).get("wall_median_ms")) if vs.get(n, {}).get("status") == "ran"
+                else "n/a" for n in names]
+        lines.append(f"| {_cell_name(rec)} | " + " | ".join(cols) + " |")
+    return lines
+
+
 def worker_table(records: list[dict]) -> list[str]:
     """Worker-side bookkeeping ms per step (if the run measured it)."""
     rows = [r for r in records if r.get("worker")]
@@ -140,16 +158,19 @@ def render(doc: dict) -> str:
     if meta:
         out.append("Run: " + ", ".join(f"{k}={v}" for k, v in meta.items() if k != "variants"))
         out.append("")
-    out += ["## Scheduler step (schedule() + update_from_output()), ms per step, median "
-            "(overhead over no connector)", ""]
+    out += ["## Scheduler step (schedule() + update_from_output()), thread CPU ms per step, "
+            "median (overhead over no connector)", ""]
     order = meta.get("variants")
     out += step_table(records, order)
     out += ["", "## hmacore vs vLLM connector of the same kind (median step ratio; < 1: "
             "hmacore faster)", ""]
     out += ratio_table(records, order)
+    out += ["", "## Wall-clock median ms per step (shared machine: noisy)", ""]
+    out += wall_table(records, order)
     wt = worker_table(records)
     if wt:
-        out += ["", "## Worker-side bookkeeping per step (transport stubbed), ms", ""] + wt
+        out += ["", "## Worker-side bookkeeping per step (store transport stubbed), thread CPU "
+                "ms", ""] + wt
     n = notes(records)
     if n:
         out += ["", "## Skipped, n/a and failed checks", ""] + n

@@ -31,7 +31,7 @@ def _check_cell(rec):
             continue
         assert row["status"] == "ran", (rec["cell"], v.name, row["status"])
         assert row["steps"] == rec["timed_steps"]
-        for k in ("median_ms", "p90_ms"):
+        for k in ("median_ms", "p90_ms", "mean_ms", "wall_median_ms"):
             assert math.isfinite(row[k]) and row[k] > 0, (v.name, k, row[k])
         assert row["sched_mismatch_steps"] == 0, (rec["cell"], v.name)
         if v.name != "none":
