@@ -1,0 +1,188 @@
+"""Markdown tables of bench/bench_product.py results (``product.json``).
+
+``python bench/product_report.py bench/results/product.json`` prints the tables.
+
+Times are thread CPU ms per step (the process's wall clock loses whole time slices to other
+processes on a shared machine; wall medians are in table 3).
+
+Table 1 (step time): one row per cell (layout x running requests x prompt x step kind); the
+no-connector median ms per step of ``schedule()`` + ``update_from_output()`` (a cell run in
+variant groups for memory shows each group's no-connector median, in group order), then per
+variant its median ms and its overhead over no connector in % (difference of the medians,
+within the variant's group).
+Table 2 (hmacore vs vLLM): per hmacore variant, the ratio of its median step to the median
+step of vLLM's connector of the same kind (HmaNixl pull/push P vs NixlConnector P, D vs D,
+HmaStore vs OffloadingConnector); < 1 means hmacore's step is faster. Skipped cells and
+variants that could not run are listed with their reason.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+__all__ = ["render"]
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:+.0f}%"
+
+
+def _cell_name(rec: dict) -> str:
+    return f"{rec['layout']} | {rec['requests']} | {rec['prompt'] // 1024}k | {rec['kind']}"
+
+
+def _variant_names(records: list[dict], order: list[str] | None = None) -> list[str]:
+    names: list[str] = list(order or [])
+    for rec in records:
+        for n in rec.get("variants", {}):
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def _none_ms(rec: dict) -> str:
+    """The no-connector median; a cell run in variant groups shows each group's (a / b / c)."""
+    groups = rec.get("none_per_group")
+    if groups:
+        return " / ".join(_ms(g.get("median_ms")) for g in groups)
+    return _ms(rec["variants"]["none"].get("median_ms"))
+
+
+def step_table(records: list[dict], order: list[str] | None = None) -> list[str]:
+    """Median ms per step and overhead % over no connector, per variant."""
+    names = [n for n in _variant_names(records, order) if n != "none"]
+    head = "| layout | reqs | prompt | step | none ms | " + " | ".join(
+        f"{n} ms (ovh)" for n in names) + " |"
+    lines = [head, "|" + "---|" * (5 + len(names))]
+    for rec in records:
+        if rec.get("status") != "ran":
+            continue
+        vs = rec["variants"]
+        cols = [_none_ms(rec)]
+        for n in names:
+            row = vs.get(n, {})
+            if row.get("status") != "ran":
+                cols.append("n/a")
+                continue
+            cols.append(f"{_ms(row['median_ms'])} ({_pct(row.get('overhead_pct'))})")
+        lines.append(f"| {_cell_name(rec)} | " + " | ".join(cols) + " |")
+    return lines
+
+
+def ratio_table(records: list[dict], order: list[str] | None = None) -> list[str]:
+    """hmacore median step / vLLM same-kind connector median step, and both overheads."""
+    hma = [n for n in _variant_names(records, order) if n.startswith("hma_")]
+    lines = ["| layout | reqs | prompt | step | " + " | ".join(
+        f"{n} ratio (ovh ms vs vLLM ovh ms)" for n in hma) + " |",
+             "|" + "---|" * (4 + len(hma))]
+    for rec in records:
+        if rec.get("status") != "ran":
+            continue
+        vs = rec["variants"]
+        cols = []
+        for n in hma:
+            row = vs.get(n, {})
+            if "ratio" not in row:
+                cols.append("n/a")
+                continue
+            b = vs[row["ratio_vs"]]
+            cols.append(f"{row['ratio']:.2f}x ({_ms(row.get('overhead_ms'))} vs "
+                        f"{_ms(b.get('overhead_ms'))})")
+        lines.append(f"| {_cell_name(rec)} | " + " | ".join(cols) + " |")
+    return lines
+
+
+def notes(records: list[dict]) -> list[str]:
+    """Skipped cells, cells run in variant groups, variants that did not run, failed checks."""
+    out = []
+    for rec in records:
+        if rec.get("status") != "ran":
+            out.append(f"- {rec['cell']}: {rec.get('status')}")
+            continue
+        for n, row in rec["variants"].items():
+            if row.get("status") != "ran" and "D loads its prompt" not in row.get("status", ""):
+                out.append(f"- {rec['cell']} {n}: {row.get('status')}")
+            if rec.get("groups") and n == "none":
+                out.append(f"- {rec['cell']}: {rec.get('note')}")
+            if row.get("sched_mismatch_steps"):
+                out.append(f"- {rec['cell']} {n}: scheduling differed from no connector in "
+                           f"{row['sched_mismatch_steps']} timed steps")
+            tc = row.get("table_check")
+            if tc not in (None, "equal"):
+                out.append(f"- {rec['cell']} {n}: table check: {tc}")
+    return out
+
+
+def wall_table(records: list[dict], order: list[str] | None = None) -> list[str]:
+    """Wall-clock median ms per step, per variant (noisy on a shared machine)."""
+    names = _variant_names(records, order)
+    lines = ["| layout | reqs | prompt | step | " + " | ".join(names) + " |",
+             "|" + "---|" * (4 + len(names))]
+    for rec in records:
+        if rec.get("status") != "ran":
+            continue
+        vs = rec["variants"]
+        cols = [_ms(vs.get(n, {}).get("wall_median_ms")) if vs.get(n, {}).get("status") == "ran"
+                else "n/a" for n in names]
+        lines.append(f"| {_cell_name(rec)} | " + " | ".join(cols) + " |")
+    return lines
+
+
+def worker_table(records: list[dict]) -> list[str]:
+    """Worker-side bookkeeping ms per step (if the run measured it)."""
+    rows = [r for r in records if r.get("worker")]
+    if not rows:
+        return []
+    names = _variant_names([{"variants": r["worker"]} for r in rows])
+    lines = ["| layout | reqs | prompt | step | " + " | ".join(
+        f"{n} ms (median / p90)" for n in names) + " |", "|" + "---|" * (4 + len(names))]
+    for rec in rows:
+        cols = []
+        for n in names:
+            w = rec["worker"].get(n, {})
+            cols.append(f"{_ms(w.get('median_ms'))} / {_ms(w.get('p90_ms'))}"
+                        if w.get("status") == "ran" else w.get("status", "n/a"))
+        lines.append(f"| {_cell_name(rec)} | " + " | ".join(cols) + " |")
+    return lines
+
+
+def render(doc: dict) -> str:
+    """The whole markdown report of a product.json document."""
+    records = doc["cells"]
+    meta = doc.get("meta", {})
+    out = ["# Product benchmark: KV connectors inside vLLM's Scheduler", ""]
+    if meta:
+        out.append("Run: " + ", ".join(f"{k}={v}" for k, v in meta.items() if k != "variants"))
+        out.append("")
+    out += ["## Scheduler step (schedule() + update_from_output()), thread CPU ms per step, "
+            "median (overhead over no connector)", ""]
+    order = meta.get("variants")
+    out += step_table(records, order)
+    out += ["", "## hmacore vs vLLM connector of the same kind (median step ratio; < 1: "
+            "hmacore faster)", ""]
+    out += ratio_table(records, order)
+    out += ["", "## Wall-clock median ms per step (shared machine: noisy)", ""]
+    out += wall_table(records, order)
+    wt = worker_table(records)
+    if wt:
+        out += ["", "## Worker-side bookkeeping per step (store transport stubbed), thread CPU "
+                "ms", ""] + wt
+    n = notes(records)
+    if n:
+        out += ["", "## Skipped, n/a and failed checks", ""] + n
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    path = argv[1] if len(argv) > 1 else "bench/results/product.json"
+    with open(path) as f:
+        print(render(json.load(f)), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
