@@ -29,7 +29,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ....errors import ConfigError
+import numpy as np
+
+from ....errors import ConfigError, HmacoreError
+from ....tables import from_wire
 from ....spec import GroupKind
 from .._config import number
 from .. import _compat as C
@@ -52,6 +55,16 @@ def transfer_mode(vllm_config: Any) -> str:
         raise ConfigError(f"kv_connector_extra_config.transfer_mode must be one of "
                           f"{TRANSFER_MODES}, got {mode!r}")
     return mode
+
+
+def _positional(ids: Any, pid: str) -> tuple[np.ndarray, ...] | None:
+    """D's registered positional table (null block 0 allowed: positions P must not write)
+    as int32 arrays, converted once per push; None (with a warning) when malformed."""
+    try:
+        return tuple(np.array(g, dtype=np.int32) for g in from_wire(ids, len(ids)))
+    except (HmacoreError, TypeError, ValueError, OverflowError) as e:
+        logger.warning("push %s: registration rejected (%s)", pid, e)
+        return None
 
 
 class HmaPushScheduler(HmaNixlScheduler):
@@ -240,14 +253,15 @@ class HmaPushScheduler(HmaNixlScheduler):
         views = self.trackers.block_ids(rid, copy=False)
         local, rem = [], []
         for g, spec in enumerate(self.layout.groups):
-            # only this step's positions: the work does not grow with the prompt
+            # only this step's positions, paired in C: the work does not grow with the
+            # prompt and makes no Python object per block
             lo, hi = start // spec.block_size, -(-end // spec.block_size)
             theirs = remote[g]
-            hi = min(hi, views[g].shape[0], len(theirs))
-            mine = views[g][lo:hi].tolist() if hi > lo else []
-            pairs = [(a, b) for a, b in zip(mine, theirs[lo:hi]) if a and b]
-            local.append([a for a, _ in pairs])
-            rem.append([b for _, b in pairs])
+            hi = max(lo, min(hi, views[g].shape[0], theirs.shape[0]))
+            mine, yours = views[g][lo:hi], theirs[lo:hi]
+            keep = (mine != 0) & (yours != 0)
+            local.append(mine[keep])
+            rem.append(yours[keep])
         self._push_steps[rid] = step + 1
         return PushSave(request_id=rid, push_id=pid, step=step, local_block_ids=local,
                         remote_block_ids=rem, final=end >= total)
@@ -264,7 +278,9 @@ class HmaPushScheduler(HmaNixlScheduler):
                                pid, len(ids), self.layout.num_groups)
                 continue
             table, ranks, first = self._reg_partial.get(pid) or (
-                [[int(x) for x in g] for g in ids], set(), self.clock())
+                _positional(ids, pid), set(), self.clock())
+            if table is None:
+                continue
             ranks.update(int(r) for r in by.get(pid, (0,)))
             if ranks >= set(range(self.tp_size)):    # every prefill rank has its consumers
                 self._reg_partial.pop(pid, None)
