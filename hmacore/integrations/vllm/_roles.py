@@ -133,13 +133,20 @@ class TableFollower:
         for rid in C.preempted_ids(scheduler_output):
             if rid in trackers:
                 trackers.preempt(rid)
+        # running requests' appended ids go in one C call; new and resumed ones bring tables
+        rids, new_ids, scheduled = [], [], []
         for rid, ids, full in C.iter_scheduled(scheduler_output):
             if rid not in trackers:
                 continue
+            scheduled.append(rid)
             if full:
                 self._track_full(rid, ids, trackers.num_prompt_tokens(rid))
             elif ids is not None:
-                trackers.append(rid, ids)
+                rids.append(rid)
+                new_ids.append(ids)
+        if rids:
+            trackers.apply_step_lists(rids, new_ids)
+        for rid in scheduled:
             if trackers.state(rid) != RequestState.RUNNING:
                 trackers.set_state(rid, RequestState.RUNNING)
             yield rid

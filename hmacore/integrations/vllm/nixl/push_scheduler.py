@@ -263,6 +263,9 @@ class HmaPushScheduler(HmaNixlScheduler):
             local.append(mine[keep])
             rem.append(yours[keep])
         self._push_steps[rid] = step + 1
+        if end >= total:
+            # the prompt's last push: nothing more to follow for this request
+            self.trackers.finish(rid)
         return PushSave(request_id=rid, push_id=pid, step=step, local_block_ids=local,
                         remote_block_ids=rem, final=end >= total)
 
