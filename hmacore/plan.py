@@ -211,7 +211,7 @@ class TransferPlan:
         self.num_descs = int(counts.sum())
         self._logical = np.array([r.logical_blocks for r in self.regions], dtype=np.int64)
         self._ratio = np.array([r.ratio for r in self.regions], dtype=np.int32)
-        self._rgroup = np.array([r.group for r in self.regions], dtype=np.int32)
+        self._rgroup = np.array([r.group for r in self.regions], dtype=_plan.GROUP_ID_DTYPE)
         self._rstate = np.array([r.state for r in self.regions], dtype=np.uint8)
         self._gstate = np.array([s.kind == GroupKind.MAMBA for s in layout.groups], dtype=np.uint8)
         self._desc_len = np.array([r.desc_len for r in self.regions], dtype=np.int64)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from .errors import BlockTableError, LayoutError
-from .plan import Region, TransferPlan
+from .plan import BLOCK_ID_DTYPE, Region, TransferPlan
 from .spec import GroupKind, KVLayout
 
 __all__ = ["GroupSharding", "HeadSlice", "TpMapping", "TpPairPlan", "kv_heads_of_rank",
@@ -411,7 +411,7 @@ class TpPairPlan:
         for name, ids in (("local_block_ids", local_block_ids), ("remote_block_ids", remote_block_ids)):
             if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or len(ids) != G:
                 raise BlockTableError(f"{name} must be {G} per-group id lists")
-        empty = np.empty(0, dtype=np.int32)
+        empty = np.empty(0, dtype=BLOCK_ID_DTYPE)
         loc, rem = [], []
         for g in range(G):
             if not self._served[g]:

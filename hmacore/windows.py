@@ -211,8 +211,9 @@ def clip_tracked(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: bool = 
     buffers (ids were validated when tracked; no copy, no re-validation).
 
     Returns read-only views, one tuple per request in ``req_ids`` order; like
-    ``TrackerSet.block_ids(copy=False)`` they must not be kept across tracker updates.
-    Raises TrackerStateError for an unknown request (before returning anything).
+    ``TrackerSet.block_ids(copy=False)`` they are snapshots: they keep showing the clipped
+    table of this call whatever later updates do (see TrackerSet, "Views"). Raises
+    TrackerStateError for an unknown request (before returning anything).
     """
     if not isinstance(trackers, TrackerSet):
         raise TypeError(f"trackers must be a TrackerSet, got {type(trackers).__name__}")

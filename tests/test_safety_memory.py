@@ -73,7 +73,7 @@ print("calls", calls)
 ], ids=["desc_ids", "pair_ids32"])
 def test_list_of_arrays_replaced_by_another_thread_does_not_crash(call):
     for _ in range(3):
-        assert_clean(run_child(_RACE.format(seconds=1.5, call=call)))
+        assert_clean(run_child(_RACE.format(seconds=2.0, call=call)))
 
 
 def test_desc_ids_reads_a_snapshot_of_the_list():

@@ -2,6 +2,9 @@
 import numpy as np
 import numpy.typing as npt
 
+BLOCK_ID_DTYPE: np.dtype[np.int32]
+DESC_ID_DTYPE: np.dtype[np.int64]
+
 def count_desc_ids(block_ids: tuple[npt.NDArray[np.int32], ...],
                    region_ratio: npt.NDArray[np.int32], region_group: npt.NDArray[np.int32],
                    region_state: npt.NDArray[np.uint8], group_state: npt.NDArray[np.uint8],
@@ -19,6 +22,7 @@ class DescPlan:
                  region_ratio: npt.NDArray[np.int32], region_group: npt.NDArray[np.int32],
                  region_state: npt.NDArray[np.uint8], group_state: npt.NDArray[np.uint8],
                  group_major: bool, convert: object = ...) -> None: ...
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]: ...
     def run(self, block_ids: object, *, kernel_ids: bool = ..., allow_null: bool = ...,
             out: npt.NDArray[np.int64] | None = ...) -> npt.NDArray[np.int64]: ...
     def pair_ids32(self, remote: DescPlan, local_ids: object, remote_ids: object,

@@ -19,8 +19,9 @@ from libc.stdint cimport int32_t, int64_t, uint8_t
 
 from hmacore.errors import BlockTableError
 
-from hmacore._fast._types cimport (block_id_t, desc_id_t, desc_id32_t, out_desc_id_t,
-                                   BLOCK_ID_NPY, DESC_ID_NPY, DESC_ID32_NPY)
+from hmacore._fast._types cimport (block_id_t, desc_id_t, desc_id32_t, group_id_t,
+                                   out_desc_id_t, BLOCK_ID_NPY, DESC_ID_NPY, DESC_ID32_NPY,
+                                   GROUP_ID_NPY)
 from hmacore._fast._helpers cimport (ID_OK, id_min_max, is_block_id_array, is_list_or_tuple,
                                      seq_to_ids)
 
@@ -28,6 +29,7 @@ cnp.import_array()
 
 BLOCK_ID_DTYPE = cnp.PyArray_DescrFromType(BLOCK_ID_NPY)
 DESC_ID_DTYPE = cnp.PyArray_DescrFromType(DESC_ID_NPY)
+GROUP_ID_DTYPE = cnp.PyArray_DescrFromType(GROUP_ID_NPY)
 # at most this many groups take the fast path (stack arrays of pointers / lengths)
 cdef enum:
     MAX_FAST_GROUPS = 64
@@ -70,7 +72,7 @@ cdef tuple _lists_as_arrays(tuple held, Py_ssize_t G):
     return tuple(out)
 
 
-cdef inline bint _serves(int r, int g, const int32_t* rgroup, const uint8_t* rstate,
+cdef inline bint _serves(int r, int g, const group_id_t* rgroup, const uint8_t* rstate,
                          const uint8_t* gstate) noexcept nogil:
     return rstate[r] == gstate[g] and (rgroup[r] == -1 or rgroup[r] == g)
 
@@ -95,11 +97,11 @@ def count_desc_ids(tuple block_ids, cnp.ndarray region_ratio, cnp.ndarray region
     """Number of descriptor ids ``flatten_desc_ids`` emits for these per-group id arrays."""
     cdef Py_ssize_t R = region_ratio.shape[0], G = group_state.shape[0]
     _region_array("region_ratio", region_ratio, np.int32, R)
-    _region_array("region_group", region_group, np.int32, R)
+    _region_array("region_group", region_group, GROUP_ID_DTYPE, R)
     _region_array("region_state", region_state, np.uint8, R)
     _region_array("group_state", group_state, np.uint8, G)
     cdef const int32_t[::1] ratio = region_ratio
-    cdef const int32_t[::1] rgroup = region_group
+    cdef const group_id_t[::1] rgroup = region_group
     cdef const uint8_t[::1] rstate = region_state
     cdef const uint8_t[::1] gstate = group_state
     cdef Py_ssize_t g, r, n = 0, m
@@ -151,7 +153,7 @@ def flatten_desc_ids(tuple block_ids, cnp.ndarray region_offset, cnp.ndarray reg
     cdef const int64_t[::1] off = region_offset
     cdef const int64_t[::1] logical = region_logical
     cdef const int32_t[::1] ratio = region_ratio
-    cdef const int32_t[::1] rgroup = region_group
+    cdef const group_id_t[::1] rgroup = region_group
     cdef const uint8_t[::1] rstate = region_state
     cdef const uint8_t[::1] gstate = group_state
     cdef Py_ssize_t g, r, i, m
@@ -226,6 +228,9 @@ def flatten_desc_ids(tuple block_ids, cnp.ndarray region_offset, cnp.ndarray reg
 
 cdef Py_ssize_t _emit_run(const block_id_t* ids, Py_ssize_t m, int64_t base, int64_t ratio,
                           out_desc_id_t* dst) noexcept nogil:
+    # dst[k] = base + id*ratio + j for each id, j < ratio: m*ratio entries (the caller sized
+    # dst from the same counts). Ids were checked against the region's bounds, so every
+    # value fits the output type.
     cdef Py_ssize_t i, k = 0
     cdef int64_t j, b
     if ratio == 1:
@@ -241,9 +246,11 @@ cdef Py_ssize_t _emit_run(const block_id_t* ids, Py_ssize_t m, int64_t base, int
 
 
 cdef void _emit(const block_id_t** ptrs, const Py_ssize_t* lens, Py_ssize_t G, Py_ssize_t R,
-                const int64_t* off, const int32_t* ratio, const int32_t* rgroup,
+                const int64_t* off, const int32_t* ratio, const group_id_t* rgroup,
                 const uint8_t* rstate, const uint8_t* gstate, bint group_major,
                 bint kernel_ids, out_desc_id_t* dst) noexcept nogil:
+    # Writes exactly the count run()/count_desc_ids() computed: per (group, serving region)
+    # lens[g] ids times 1 (state / kernel ids) or the region's ratio. Two bounded loops.
     cdef Py_ssize_t g, r, pos = 0
     cdef int64_t rr
     if group_major:
@@ -281,7 +288,7 @@ cdef class DescPlan:
     cdef const int64_t* off
     cdef const int64_t* logical
     cdef const int32_t* ratio
-    cdef const int32_t* rgroup
+    cdef const group_id_t* rgroup
     cdef const uint8_t* rstate
     cdef const uint8_t* gstate
     cdef Py_ssize_t R, G
@@ -299,7 +306,7 @@ cdef class DescPlan:
         arrays = [np.array(region_offset, dtype=np.int64, copy=True),
                   np.array(region_logical, dtype=np.int64, copy=True),
                   np.array(region_ratio, dtype=np.int32, copy=True),
-                  np.array(region_group, dtype=np.int32, copy=True),
+                  np.array(region_group, dtype=GROUP_ID_DTYPE, copy=True),
                   np.array(region_state, dtype=np.uint8, copy=True),
                   np.array(group_state, dtype=np.uint8, copy=True)]
         for name, a, n in zip(("region_offset", "region_logical", "region_ratio",
@@ -314,7 +321,7 @@ cdef class DescPlan:
         self.off = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[0])
         self.logical = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[1])
         self.ratio = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[2])
-        self.rgroup = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[3])
+        self.rgroup = <const group_id_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[3])
         self.rstate = <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[4])
         self.gstate = <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>arrays[5])
         cdef Py_ssize_t r, g

@@ -2,11 +2,21 @@
 import numpy as np
 import numpy.typing as npt
 
+BLOCK_ID_DTYPE: np.dtype[np.int32]
+DESC_ID_DTYPE: np.dtype[np.int64]
+DESC_ID32_DTYPE: np.dtype[np.int32]
+TOKEN_DTYPE: np.dtype[np.int64]
+FLAG_DTYPE: np.dtype[np.uint8]
+GROUP_ID_DTYPE: np.dtype[np.int32]
+BLOCK_ID_LIMIT: int
+
 STATUS_OK: int
 STATUS_NOT_INT: int
 STATUS_NEGATIVE: int
 STATUS_PAST_INT32: int
 STATUS_PAST_POOL: int
+STATUS_NULL: int
+STATUS_CHANGED: int
 
 def scan_int32(ids: npt.NDArray[np.int32], num_blocks: int) -> tuple[int, int]: ...
 def seq_to_int32(seq: list[int] | tuple[int, ...], num_blocks: int
@@ -29,6 +39,8 @@ class TableStore:
     index: dict[object, int]
     def __init__(self, num_groups: int) -> None: ...
     def __len__(self) -> int: ...
+    def __reduce__(self) -> tuple[object, tuple[int, list[tuple[object, int, tuple[int, ...],
+                                                                tuple[npt.NDArray[np.int32], ...]]]]]: ...
     def add(self, req_id: object, state: int) -> int: ...
     def pop(self, req_id: object) -> tuple[npt.NDArray[np.int32], ...]: ...
     def get_state(self, s: int) -> int: ...
@@ -52,3 +64,7 @@ class TableStore:
                   ) -> tuple[int, int | str] | None: ...
     def clip_spans(self, req_ids: list[object] | tuple[object, ...], keep: npt.NDArray[np.int64]
                    ) -> tuple[npt.NDArray[np.int64] | None, int]: ...
+
+def _rebuild_store(num_groups: int, entries: list[tuple[object, int, tuple[int, ...],
+                                                       tuple[npt.NDArray[np.int32], ...]]]
+                   ) -> TableStore: ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import event, given, strategies as st
+from hypothesis import assume, event, given, strategies as st
 
 from hmacore.windows import (MAX_RATIO, clip_to_window, expand_group, expand_layout_to_kernel,
                              map_block_size, trim_remote_to_local)
@@ -102,6 +102,10 @@ strides = st.one_of(st.none(), ratios, st.sampled_from([2**31, 2**40, 2**63]))
 @given(data=st.data(), ratio=ratios, stride=strides)
 def test_expand_group_adversarial(data, ratio, stride):
     obj, meaning, canonical = data.draw(group_form(NB, max_size=15))
+    # [[ids]] is a one-group table in the nested form (as_block_table's single-group rule),
+    # not junk: a junk list drawn at position 0 of an empty group is valid input here
+    assume(not (isinstance(obj, (list, tuple)) and len(obj) == 1
+                and isinstance(obj[0], (list, tuple, np.ndarray))))
     if meaning is not None and data.draw(st.booleans()):
         # huge ids: the int32 overflow check must fire, never wrap
         obj = list(meaning) + [data.draw(st.sampled_from([2**28, 2**30, 2**31 - 1]))]
