@@ -17,7 +17,8 @@ from .spec import GroupKind, KVLayout
 from .tables import BLOCK_ID_DTYPE, TrackerSet, _as_group, _split_groups, as_block_table
 
 __all__ = [
-    "clip_to_window", "clip_windows", "clip_tracked_spans", "clip_state_blocks", "window_plan", "clip_tracked", "trim_remote_to_local", "expand_to_kernel",
+    "clip_to_window", "clip_windows", "clip_tracked_spans", "clip_state_blocks", "window_plan",
+    "clip_tracked", "trim_remote_to_local", "expand_to_kernel",
     "expand_layout_to_kernel", "expand_group", "map_block_size",
 ]
 
@@ -242,7 +243,8 @@ def trim_remote_to_local(local: Any, remote: Any, layout: KVLayout, *,
     D only pulls the uncached suffix. Attention groups with equal kernel ratios: end-align
     (``remote[len(remote) - len(local):]``), which drops P's leading null padding
     (``[0, p4, p5]`` vs ``[d4, d5]`` -> ``[p4, p5]``); every paired remote block must be real
-    (not 0); an empty local group gives an empty remote group (never the whole list). Unequal ratios (lists are
+    (not 0); an empty local group gives an empty remote group (never the whole list). Unequal ratios
+    (lists are
     kernel-granular): front-trim both to the shorter length, allowing a length difference of
     at most ``local_ratio + remote_ratio`` padding blocks. MAMBA groups pair state slots by
     position from the front, allowing ``|len(local) - len(remote)| <= 1``.
