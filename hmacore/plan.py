@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -601,7 +601,8 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
         # (np.asarray([True, 1]) would silently turn True into block 1)
         out, status, i = _tables.seq_to_int32(x, 0)
         if status == _tables.STATUS_OK:
-            return cast(np.ndarray, out)  # an array whenever the status is OK
+            # an array whenever the status is OK (no cast(): a per-group conversion path)
+            return out  # type: ignore[return-value]
         if status == _tables.STATUS_CHANGED:  # type: ignore[attr-defined]
             raise BlockTableError(f"block_ids[{g}] changed size while being converted (at "
                                   f"index {i}); pass ids nothing else mutates")

@@ -10,7 +10,7 @@ import copy as _copy
 import enum
 from _thread import get_ident as _get_ident
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Hashable, Union, cast
+from typing import Any, Hashable, Union
 
 import numpy as np
 
@@ -137,7 +137,8 @@ def _as_group(x: Any, g: int, hi: int, name: str, offset: int = 0) -> np.ndarray
         out, status, i = _k.seq_to_int32(x, hi)
         if status != _k.STATUS_OK:
             _raise_status(name, g, i, status, x[i] if 0 <= i < len(x) else None, hi, offset)
-        return cast(np.ndarray, out)  # _raise_status raised unless the status is OK
+        # an array: _raise_status raised unless the status is OK (no cast(): a per-group path)
+        return out  # type: ignore[return-value]
     if x is None:
         raise BlockTableError(f"{name}: group {g} is None (use an empty list for no blocks)")
     raise BlockTableError(f"{name}: group {g} must be a list/tuple/1-D array of ids, got "
