@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_TARGET_DEVICE := cpu
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv deps build test test-fast demo plan bench bench-gate bench-gate-short sanitize sanitize-short reliability soak clean
+.PHONY: venv deps build test test-fast lint demo plan bench bench-gate bench-gate-short sanitize sanitize-short reliability soak clean
 
 $(VENV)/.stamp-base: requirements/test.txt requirements/nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,14 @@ test: deps build
 
 test-fast: build
 	$(PY) -m pytest -q -m "not nixl and not mooncake and not vllm and not slow"
+
+LINT_PATHS := hmacore tests bench docs/examples scripts
+
+# ruff (pyproject [tool.ruff]) over the whole tree; mypy (pyproject [tool.mypy]) over the typed
+# surface: the core and hmacore/transport
+lint: $(VENV)/.stamp-base
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m mypy
 
 demo: $(VENV)/.stamp-base build
 	$(VENV)/bin/hmacore demo $(DEMO_ARGS)

@@ -1,7 +1,8 @@
 """Descriptor-id flattening per request: hmacore (Cython) next to the plain-Python oracle, a
 vectorized NumPy reference (the vLLM-style ``off[:, None] + ids[None, :]``, on int32 arrays)
 and vLLM 0.32's own ``_compute_desc_ids``; hmacore and vLLM start from the per-group
-``list[int]`` tables a worker receives in the connector metadata; results checked equal first. Groups ``desc_ids-<preset>-<tokens>`` put the three side by side."""
+``list[int]`` tables a worker receives in the connector metadata; results checked equal first.
+Groups ``desc_ids-<preset>-<tokens>`` put the three side by side."""
 import numpy as np
 import pytest
 

@@ -4,7 +4,6 @@ decode TP=1 reading prefill TP=2). Pair plans are built once; the per-request pa
 TransferPlan's Cython flattening over the virtual regions (2 head-slice chunks per slot).
 Also reports the one-time pair-plan build."""
 import numpy as np
-import pytest
 
 from hmacore.plan import TransferPlan
 from hmacore.presets import get_preset

@@ -4,7 +4,8 @@ Convention: every case is one pytest-benchmark ``group``; inside it, one benchma
 implementation, named by ``extra_info["impl"]`` (or a parameter called ``impl``, or the test
 name containing ``hmacore`` / ``oracle`` / ``vllm``). The report has one entry per case:
 ``name``, ``hmacore_s``, ``baseline`` ("vllm-0.32.0" when vLLM's own function ran, "raw-nixl",
-"numpy-memwrite" (a same-size buffer fill), else "oracle"), ``baseline_s``, ``ratio`` (baseline / hmacore; > 1 means hmacore is faster), the
+"numpy-memwrite" (a same-size buffer fill), else "oracle"), ``baseline_s``, ``ratio``
+(baseline / hmacore; > 1 means hmacore is faster), the
 oracle figures when vLLM is the baseline, and any ``extra_info`` figures (bytes per key, ...).
 Groups whose benchmarks carry ``objects_per_block`` go to the ``memory`` list (Python objects
 allocated per call / per block on a hot path, bench/bench_memory.py).

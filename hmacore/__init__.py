@@ -17,4 +17,15 @@ from .tables import (RequestState, TrackerSet, as_block_table, count_hashed, fil
                      from_wire, to_wire)
 from .windows import (clip_to_window, expand_to_kernel, map_block_size, trim_remote_to_local)
 
+__all__ = ["ArgumentOverflowError", "ArgumentTypeError", "ArgumentValueError", "BlockTableError",
+           "ConfigError", "ConfigFileError", "DependencyError", "HandshakeError", "HashInputError",
+           "HmacoreError", "LayoutError", "LayoutKeyError", "PeerProcessError", "StoreError",
+           "TrackerStateError", "TransferError", "blocks_covering", "cdiv", "coarse_block_count",
+           "complete_blocks", "grain_slice", "ExistenceSet", "ExternalBlockPool", "HitFinder",
+           "HitResult", "KeyBuilder", "RankNamespace", "TransferPlan", "DEFAULT_PRESET",
+           "get_preset", "preset_names", "GroupKind", "GroupSpec", "KVLayout", "MambaMode",
+           "RequestState", "TrackerSet", "as_block_table", "count_hashed", "fill_blocks",
+           "from_wire", "to_wire", "clip_to_window", "expand_to_kernel", "map_block_size",
+           "trim_remote_to_local"]
+
 __version__ = "0.1.0"

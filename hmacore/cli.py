@@ -12,6 +12,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import cast
 
 from .errors import (ArgumentOverflowError, ArgumentTypeError, ArgumentValueError, ConfigError,
                      HmacoreError)
@@ -128,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=f"show tracebacks instead of one-line errors (or {_DEBUG_ENV}=1)")
     p = _Parser(prog="hmacore", description=__doc__.split("\n\n")[0], parents=[common])
-    sub = p.add_subparsers(dest="cmd", metavar="{plan,presets,demo}")
+    # typeshed ties the sub-parsers' class (and their `parents`) to _Parser; `common` is a plain
+    # ArgumentParser (parents only lend their arguments)
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
+               p.add_subparsers(dest="cmd", metavar="{plan,presets,demo}"))
     pl = sub.add_parser("plan", parents=[common],
                         help="print a layout and its transfer plan for one request")
     pl.add_argument("--preset", default=None, help=f"one of {preset_names()} (default {DEFAULT_PRESET})")
@@ -138,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
     ls = sub.add_parser("presets", parents=[common], help="list the preset layouts")
     ls.set_defaults(func=lambda a: print("\n".join(preset_names())) or 0)
+    add_demo_arguments: Callable[[argparse.ArgumentParser], None] | None
     try:
         from .demo import add_demo_arguments
     except ImportError:
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             parser.error("a command is required: plan, presets or demo")
         except SystemExit as e:
-            return int(e.code)
+            return int(cast(int, e.code))   # _Parser.error exits with EXIT_USAGE
     debug = debug_requested(args)
     try:
         return int(args.func(args) or 0)

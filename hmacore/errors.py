@@ -74,6 +74,10 @@ class ArgumentOverflowError(HmacoreError, OverflowError):
 class BlockTableError(HmacoreError, ValueError):
     """A block table or block-id array is malformed (group count, dtype, range)."""
 
+    # set (as attributes, after construction) only where one offending id is named
+    group: int
+    block_index: int
+
 
 class TrackerStateError(HmacoreError, RuntimeError):
     """A tracker operation is not allowed in the request's current state."""
@@ -99,6 +103,10 @@ class HashInputError(HmacoreError, ValueError):
 
 class StoreError(HmacoreError, RuntimeError):
     """A KV store backend could not be set up or used (never raised for a plain miss)."""
+
+    # set (as attributes, after construction) by a save report naming the keys not stored
+    request_id: str
+    keys: list
 
 
 class PeerProcessError(HmacoreError, RuntimeError):

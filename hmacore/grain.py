@@ -23,7 +23,7 @@ def _as_int(name: str, value) -> int:
         try:
             import numpy as np
         except ImportError:  # pragma: no cover - numpy is a dependency
-            np = None
+            np = None  # type: ignore[assignment]  # the numpy-less fallback
         if np is not None and isinstance(value, np.integer):
             return int(value)
         raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -135,4 +135,5 @@ def coarse_block_count(lengths: Mapping[int, int] | Sequence[int],
         n = _check_nonneg(f"lengths[{g}]", n)
         units = n * bs // grain
         best = units if best is None else min(best, units)
+    assert best is not None  # sizes is non-empty, so the loop ran
     return best

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -85,6 +86,10 @@ class HitResult:
     """
 
     __slots__ = ("tokens", "_masks", "_spans", "_finder")
+    tokens: int
+    _masks: tuple[np.ndarray, ...] | None       # None until built (lazy results)
+    _spans: np.ndarray | None                   # lazy results only
+    _finder: HitFinder | None                   # lazy results only
 
     def __init__(self, tokens: int, masks: tuple[np.ndarray, ...]) -> None:
         object.__setattr__(self, "tokens", int(tokens))
@@ -105,7 +110,8 @@ class HitResult:
     def masks(self) -> tuple[np.ndarray, ...]:
         m = self._masks
         if m is None:
-            m = self._finder._masks_from_spans(self._spans)
+            # a lazy result: _finder and _spans are set
+            m = cast("HitFinder", self._finder)._masks_from_spans(cast(np.ndarray, self._spans))
             object.__setattr__(self, "_masks", m)
         return m
 
@@ -118,7 +124,7 @@ class HitResult:
         return self.tokens == other.tokens and len(self.masks) == len(other.masks) and all(
             np.array_equal(a, b) for a, b in zip(self.masks, other.masks))
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # unhashable: equality compares arrays
 
     def __reduce__(self):
         return HitResult, (self.tokens, self.masks)
@@ -268,7 +274,8 @@ class HitFinder:
         self.spec_groups = tuple(groups)
         # members of a merged spec group share its eagle drop (vLLM decides it per SpecGroup)
         self.eagle_group_ids = frozenset(g for sg in groups if sg.eagle for g in sg.group_ids)
-        rows, members = [], []
+        rows: list[list[int]] = []
+        members: list[int] = []
         for sg in groups:
             start = len(members)
             members.extend(sg.group_ids)
@@ -279,8 +286,10 @@ class HitFinder:
         ncols = len(_hits.SPEC_COLUMNS)
         self._specs = np.ascontiguousarray(np.array(rows, dtype=np.int64).reshape(-1, ncols))
         self._specs_no_eagle = self._specs.copy()
-        self._specs_no_eagle[:, _hits.SPEC_EAGLE_COLUMN] = 0
-        self._members = np.array(members, dtype=_hits.GROUP_ID_DTYPE)
+        # SPEC_EAGLE_COLUMN / GROUP_ID_DTYPE: missing from _fast/_hits.pyi (owned with the kernels)
+        self._specs_no_eagle[:, _hits.SPEC_EAGLE_COLUMN] = 0  # type: ignore[attr-defined]
+        member_dtype = _hits.GROUP_ID_DTYPE  # type: ignore[attr-defined]
+        self._members: np.ndarray = np.array(members, dtype=member_dtype)
         for a in (self._specs, self._specs_no_eagle, self._members):
             a.flags.writeable = False
         self._kernel = _hits.HitKernel(self._specs, self._members, self.hash_block_size,
@@ -315,7 +324,8 @@ class HitFinder:
         naming the argument before any probe. The result's ``masks`` are built on first
         access.
         """
-        tokens, spans = self._kernel.run(exists, hashes, max_length, apply_eagle)
+        # the kernel also takes list[bytes] rows; _fast/_hits.pyi does not say so yet
+        tokens, spans = self._kernel.run(exists, hashes, max_length, apply_eagle)  # type: ignore[arg-type]
         return HitResult._lazy(tokens, spans, self)
 
     def hit_tokens(self, hashes: np.ndarray, exists: ExistenceSet | None, max_length: int,
@@ -354,7 +364,8 @@ class HitFinder:
         if align % bs:
             return np.ones(n, dtype=np.uint8)
         eagle = g in self.eagle_group_ids
-        need = cdiv(spec.sliding_window - 1, bs) + (1 if eagle else 0)
+        window = cast(int, spec.sliding_window)  # an int >= 1 on SLIDING_WINDOW groups
+        need = cdiv(window - 1, bs) + (1 if eagle else 0)
         per_segment = align // bs
         if need >= per_segment:
             return np.ones(n, dtype=np.uint8)

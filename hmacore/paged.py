@@ -17,6 +17,7 @@ The demo and the tests allocate such memory and fill it with a verifiable byte p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -33,7 +34,7 @@ def page_sizes(layout: KVLayout, page_bytes: int | Sequence[int] | None = None) 
     elif isinstance(page_bytes, (int, np.integer)) and not isinstance(page_bytes, bool):
         sizes = (int(page_bytes),) * layout.num_groups
     else:
-        sizes = tuple(int(p) for p in page_bytes)
+        sizes = tuple(int(p) for p in cast(Sequence[int], page_bytes))  # a bool fails here, as before
         if len(sizes) != layout.num_groups:
             raise LayoutError(f"page_bytes has {len(sizes)} entries, layout has "
                               f"{layout.num_groups} groups")

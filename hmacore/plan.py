@@ -30,7 +30,9 @@ __all__ = ["Region", "TransferPlan", "GroupFigures", "RequestFigures", "layer_so
            "describe_layout_plan"]
 
 SHARED = -1
-BLOCK_ID_DTYPE = _tables.BLOCK_ID_DTYPE    # tied to the kernels' C block_id_t
+# tied to the kernels' C block_id_t; BLOCK_ID_DTYPE and STATUS_CHANGED are missing from
+# _fast/_tables.pyi (owned with the kernels)
+BLOCK_ID_DTYPE = _tables.BLOCK_ID_DTYPE  # type: ignore[attr-defined]
 
 
 def layer_sort_key(name: str) -> tuple:
@@ -599,8 +601,9 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
         # (np.asarray([True, 1]) would silently turn True into block 1)
         out, status, i = _tables.seq_to_int32(x, 0)
         if status == _tables.STATUS_OK:
-            return out
-        if status == _tables.STATUS_CHANGED:
+            # an array whenever the status is OK (no cast(): a per-group conversion path)
+            return out  # type: ignore[return-value]
+        if status == _tables.STATUS_CHANGED:  # type: ignore[attr-defined]
             raise BlockTableError(f"block_ids[{g}] changed size while being converted (at "
                                   f"index {i}); pass ids nothing else mutates")
         if isinstance(x[i], (bool, np.bool_)):

@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from .errors import ArgumentTypeError, ConfigError, ConfigFileError, LayoutError, LayoutKeyError
 from .grain import cdiv
@@ -44,7 +44,7 @@ class MambaMode(str, enum.Enum):
     ALIGN = "align"
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     """A real int: bools (and floats, numpy scalars, strings) are not."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -261,15 +261,17 @@ class GroupSpec:
         """
         if self.kind != GroupKind.SLIDING_WINDOW:
             return 0
+        window = cast(int, self.sliding_window)  # an int >= 1 on SLIDING_WINDOW groups
         if exact:
-            return cdiv(self.sliding_window - 1 + self.extra_retained_tokens, self.block_size) + 1
-        return cdiv(self.sliding_window, self.block_size) + 1
+            return cdiv(window - 1 + self.extra_retained_tokens, self.block_size) + 1
+        return cdiv(window, self.block_size) + 1
 
     def hit_run_blocks(self) -> int:
         """Contiguous cached blocks a sliding-window hit needs: ``cdiv(window - 1, bs)``."""
         if self.kind != GroupKind.SLIDING_WINDOW:
             return 0
-        return cdiv(self.sliding_window - 1, self.block_size)
+        window = cast(int, self.sliding_window)  # an int >= 1 on SLIDING_WINDOW groups
+        return cdiv(window - 1, self.block_size)
 
     def merge_key(self) -> tuple:
         """Everything that makes two groups interchangeable for hit lookup (not their layers)."""

@@ -28,7 +28,8 @@ BlockTable = tuple  # tuple[np.ndarray[int32], ...], one entry per group
 BlockTableLike = Union[Sequence[Any], np.ndarray]
 
 #: NumPy dtype of block ids, tied to the kernels' C ``block_id_t`` (hmacore/_fast/_types.pxd).
-BLOCK_ID_DTYPE = _k.BLOCK_ID_DTYPE
+#: (BLOCK_ID_DTYPE and STATUS_CHANGED are missing from _fast/_tables.pyi, owned with the kernels)
+BLOCK_ID_DTYPE = _k.BLOCK_ID_DTYPE  # type: ignore[attr-defined]
 _INT32_MAX = 2**31 - 1
 _TOKEN_MAX = 2**63 - 1          # token counts are int64 in the store
 _EMPTY = np.empty(0, dtype=BLOCK_ID_DTYPE)
@@ -89,7 +90,7 @@ def _split_groups(block_ids: Any, num_groups: int, name: str) -> Sequence[Any]:
 def _raise_status(name: str, g: int, i: int, status: int, value: Any, hi: int,
                   offset: int = 0) -> None:
     where = f"{name}: group {g}, index {i + offset}"
-    if status == _k.STATUS_CHANGED:
+    if status == _k.STATUS_CHANGED:  # type: ignore[attr-defined]
         raise BlockTableError(f"{name}: group {g} changed size while being converted (at "
                               f"index {i + offset}); pass a table nothing else mutates")
     if status == _k.STATUS_NOT_INT:
@@ -136,7 +137,8 @@ def _as_group(x: Any, g: int, hi: int, name: str, offset: int = 0) -> np.ndarray
         out, status, i = _k.seq_to_int32(x, hi)
         if status != _k.STATUS_OK:
             _raise_status(name, g, i, status, x[i] if 0 <= i < len(x) else None, hi, offset)
-        return out
+        # an array: _raise_status raised unless the status is OK (no cast(): a per-group path)
+        return out  # type: ignore[return-value]
     if x is None:
         raise BlockTableError(f"{name}: group {g} is None (use an empty list for no blocks)")
     raise BlockTableError(f"{name}: group {g} must be a list/tuple/1-D array of ids, got "
@@ -602,6 +604,7 @@ class TrackerSet:
                 raise TrackerStateError(f"preempted: req_id {r!r} is not tracked")
             live[r] = PREEMPTED
         new_tables = []
+        item: Any   # a (req_id, ids) item of new, then a (req_id, ids, resumed) one of cached
         for item in new:
             if len(item) != 2:
                 raise TrackerStateError("new: items must be (req_id, block_ids)")
@@ -612,7 +615,7 @@ class TrackerSet:
             live[r] = NEW
         # cached_ops: (req_id, kind, payload); kind 0 = replace (int32 arrays), 1 = append
         # lists that passed check_int_table (None = nothing), 2 = append int32 arrays.
-        cached_ops = []
+        cached_ops: list[tuple[Hashable, int, Any]] = []
         for item in cached:
             if len(item) != 3:
                 raise TrackerStateError("cached: items must be (req_id, new_block_ids, resumed)")

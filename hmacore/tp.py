@@ -200,11 +200,11 @@ class TpMapping:
                     continue
                 h = self.shardings[g].num_heads
                 nl, nr = _per_rank(h, self.local_tp), _per_rank(h, self.remote_tp)
-                for s in ss:
-                    if not s.num_heads == nl == nr:
+                for hs in ss:
+                    if not hs.num_heads == nl == nr:
                         raise LayoutError(
                             f"page_layout {page_layout!r} puts heads innermost: group {g} needs "
-                            f"heads [{s.start}, {s.stop}) of remote rank {s.remote_rank} (local "
+                            f"heads [{hs.start}, {hs.stop}) of remote rank {hs.remote_rank} (local "
                             f"rank holds {nl} heads, remote {nr}), which are not whole pages; "
                             "head slices need a head-major layout (HND, LBHNC; vLLM: "
                             "VLLM_KV_CACHE_LAYOUT=HND) or equal heads per rank on both sides")

@@ -17,7 +17,8 @@ from .spec import GroupKind, KVLayout
 from .tables import BLOCK_ID_DTYPE, TrackerSet, _as_group, _split_groups, as_block_table
 
 __all__ = [
-    "clip_to_window", "clip_windows", "clip_tracked_spans", "clip_state_blocks", "window_plan", "clip_tracked", "trim_remote_to_local", "expand_to_kernel",
+    "clip_to_window", "clip_windows", "clip_tracked_spans", "clip_state_blocks", "window_plan",
+    "clip_tracked", "trim_remote_to_local", "expand_to_kernel",
     "expand_layout_to_kernel", "expand_group", "map_block_size",
 ]
 
@@ -159,7 +160,8 @@ def clip_windows(block_ids: Any, layout: KVLayout, *, exact: bool = False,
     return _k.clip_windows(block_ids, layout, exact, clip_state)
 
 
-def _compile(layout: Any) -> _k.LayoutClip:
+# LayoutClip / layout_clip: missing from _fast/_windows.pyi (owned with the kernels)
+def _compile(layout: Any) -> _k.LayoutClip:  # type: ignore[name-defined]
     """The layout's compiled clip plans, built once and stored on the layout object (a
     frozen KVLayout: valid for its lifetime; see ``_windows.LayoutClip``)."""
     layout = _check_layout(layout)
@@ -171,7 +173,7 @@ def _compile(layout: Any) -> _k.LayoutClip:
             plans.append(plan)
     state = np.array([s.kind == GroupKind.MAMBA for s in layout.groups], dtype=np.int8)
     state.flags.writeable = False
-    lc = _k.LayoutClip(plans, state, layout.num_blocks or 0)
+    lc = _k.LayoutClip(plans, state, layout.num_blocks or 0)  # type: ignore[attr-defined]
     object.__setattr__(layout, "_hmacore_windows", lc)   # the cache lives on the layout
     return lc
 
@@ -197,12 +199,12 @@ def window_plan(layout: KVLayout, *, exact: bool = False, clip_state: bool = Tru
 
 def _state_groups(layout: KVLayout) -> np.ndarray:
     """int8 per group: 1 for MAMBA (state slots), compiled once per layout object."""
-    return _k.layout_clip(layout).state_groups
+    return _k.layout_clip(layout).state_groups  # type: ignore[attr-defined]
 
 
 def _plan(layout: KVLayout, exact: bool, clip_state: bool) -> np.ndarray:
     """window_plan (read-only), compiled once per layout object (cached on the layout)."""
-    return _k.layout_clip(layout).plans[2 * bool(exact) + bool(clip_state)]
+    return _k.layout_clip(layout).plans[2 * bool(exact) + bool(clip_state)]  # type: ignore[attr-defined]
 
 
 def clip_tracked(trackers: TrackerSet, req_ids: Sequence[Any], *, exact: bool = False,
@@ -243,7 +245,8 @@ def trim_remote_to_local(local: Any, remote: Any, layout: KVLayout, *,
     D only pulls the uncached suffix. Attention groups with equal kernel ratios: end-align
     (``remote[len(remote) - len(local):]``), which drops P's leading null padding
     (``[0, p4, p5]`` vs ``[d4, d5]`` -> ``[p4, p5]``); every paired remote block must be real
-    (not 0); an empty local group gives an empty remote group (never the whole list). Unequal ratios (lists are
+    (not 0); an empty local group gives an empty remote group (never the whole list). Unequal ratios
+    (lists are
     kernel-granular): front-trim both to the shorter length, allowing a length difference of
     at most ``local_ratio + remote_ratio`` padding blocks. MAMBA groups pair state slots by
     position from the front, allowing ``|len(local) - len(remote)| <= 1``.

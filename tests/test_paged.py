@@ -4,7 +4,8 @@ import pytest
 
 from hmacore.errors import BlockTableError, LayoutError
 from hmacore.paged import layer_geometry
-from hmacore.demo.paged_memory import allocate_paged_kv, expected_bytes, fill_pattern, read_page, verify_pattern
+from hmacore.demo.paged_memory import (allocate_paged_kv, expected_bytes, fill_pattern, read_page,
+                                       verify_pattern)
 from hmacore.presets import get_preset
 
 

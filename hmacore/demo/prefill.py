@@ -10,7 +10,6 @@ notification arrives, and exits after the last one (every wait bounded).
 from __future__ import annotations
 
 import json
-import os
 import queue
 import sys
 import time

@@ -24,7 +24,8 @@ def report_dict(sc, decode, final: dict) -> dict:
         "hma": {"descriptors": moved_d, "bytes": moved_b,
                 "plan_descriptors": decode.plan_hma_descriptors, "plan_bytes": decode.plan_hma_bytes},
         "non_hma": {"descriptors": decode.non_hma_descriptors, "bytes": decode.non_hma_bytes},
-        "saving": {"descriptors": 1 - moved_d / decode.non_hma_descriptors if decode.non_hma_descriptors else 0.0,
+        "saving": {"descriptors": (1 - moved_d / decode.non_hma_descriptors
+                                    if decode.non_hma_descriptors else 0.0),
                    "bytes": 1 - moved_b / decode.non_hma_bytes if decode.non_hma_bytes else 0.0},
         "transfer": {"seconds": decode.transfer_s,
                      "throughput_gib_s": moved_b / decode.transfer_s / 2**30 if decode.transfer_s else 0.0},

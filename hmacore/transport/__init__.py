@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 
 def configure_ucx_env() -> None:
@@ -57,7 +58,7 @@ def new_nixl_agent(name: str, backends, *, progress_thread: bool = True,
                                  backends=list(backends))
     if not progress_thread or progress_delay_us == 0:
         return api.nixl_agent(name, conf)
-    base = api.nixlBind.nixlAgentConfig
+    base: Any = api.nixlBind.nixlAgentConfig   # NIXL's (untyped) pybind class
     delay = int(progress_delay_us)
 
     class _DelayedConfig(base):

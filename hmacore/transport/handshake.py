@@ -245,6 +245,8 @@ class HandshakePayload:
 
     def check_compatible(self, other: HandshakePayload) -> None:
         """Raise HandshakeError naming the first field on which the peers disagree."""
+        a: Any   # the compared values: ints, strings, tuples
+        b: Any
         for field, a, b in (("version", self.version, other.version),
                             ("HMA on/off", self.hma, other.hma)):
             if a != b:
@@ -274,7 +276,7 @@ class HandshakePayload:
         who = f"peer {other.agent_name!r}"
         mine = dict(tp_fingerprint_fields(me))
         for field, b in tp_fingerprint_fields(them):
-            a = mine.get(field)
+            a: Any = mine.get(field)
             if a != b:
                 if field.endswith("layer names"):
                     diff = next((f"first difference at index {i}: {x!r} vs {y!r}"

@@ -133,7 +133,7 @@ class DescAgent:
     def notifs_by_agent(self) -> list[tuple[str, bytes]]:
         """New notifications as ``(sender agent name, message)``, consumed. The sender name is
         what NIXL reports (map it to a TP rank with what that peer's handshake said)."""
-        out = []
+        out: list[tuple[str, bytes]] = []
         for agent, msgs in self._agent.get_new_notifs().items():
             name = agent.decode() if isinstance(agent, bytes) else str(agent)
             out.extend((name, bytes(m)) for m in msgs)

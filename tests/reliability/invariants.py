@@ -15,7 +15,8 @@ KV cache group; id 0 is the null block) and the transfer / store inputs derived 
 5. null blocks are never transferred (desc-id inputs) or stored (store puts touching a
    group's block-0 bytes).
 
-The reliability tests call the checker directly. Every violation raises :class:`InvariantError` naming the request,
+The reliability tests call the checker directly. Every violation raises :class:`InvariantError`
+naming the request,
 group and block id.
 """
 from __future__ import annotations

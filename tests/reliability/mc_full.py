@@ -107,7 +107,7 @@ def main(port):
                            local_buffer_size=16 << 20, connect_timeout_s=20)
         st.register_group_segments(segs)
         st.register_group_segments(dsegs)
-        written_keys, refused_keys = set(), set()
+        refused_keys = set()
         reports = []
         for r in range(REQUESTS):
             rid = f"req-{r}"
@@ -137,7 +137,6 @@ def main(port):
         flat = [k for r in range(REQUESTS) for k in all_keys[r]]
         ex = st.batch_exists(flat)
         exists = {k for k, e in zip(flat, ex) if e == 1}
-        written_keys = {k for k in flat if k not in refused_keys and k in exists}
         out["keys_total"] = len(flat)
         out["refused_total"] = len(refused_keys)
         out["refused_present"] = len(refused_keys & exists)          # must be 0

@@ -10,7 +10,6 @@ import resource
 import selectors
 import subprocess
 import sys
-import time
 
 import numpy as np
 

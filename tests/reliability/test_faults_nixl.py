@@ -126,7 +126,8 @@ def test_peer_killed_mid_transfer_deterministic():
 
     The doomed peer and this decoder run UCX over TCP only, so every byte of a READ or WRITE
     needs the peer's UCX worker (with shared memory or CMA, a frozen peer's memory is still
-    read and written: 3 of 4 transfers completed in that setup); after the handshake and one verified warm-up READ it is frozen (SIGSTOP), then
+    read and written: 3 of 4 transfers completed in that setup); after the handshake and one
+    verified warm-up READ it is frozen (SIGSTOP), then
     4 transfers (2 READ, 2 WRITE, 1,200-token requests) are posted to it and polled: all must
     still be in flight 0.3 s later. Then the peer is SIGKILLed (by PID) and reaped. Every
     one of those requests must fail, named, with nothing marked valid, within a bounded

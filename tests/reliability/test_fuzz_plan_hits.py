@@ -260,7 +260,8 @@ def test_key_builder_adversarial(data):
     d = np.frombuffer(data.draw(st.binary(min_size=n * width, max_size=n * width)),
                       np.uint8).reshape(n, width) if width else np.zeros((n, 0), np.uint8)
     ok, keys = call(kb.keys, g, d)
-    good_g = isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= 2**31 - 1  # the ids ExistenceSet takes
+    # the ids ExistenceSet takes
+    good_g = isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= 2**31 - 1
     if not good_g or width not in (16, 32):
         assert not ok
         return
@@ -298,7 +299,6 @@ def test_embedded_store_protocol_vs_dict(data):
             off += s
         if wild and parts:
             parts[0] = [(data.draw(st.sampled_from([0, -8, 8, base + 10**9])), 4)]
-        before = dict(model)
         if op == "put":
             ok, r = call(store.batch_put, keys, parts)
         elif op == "get":

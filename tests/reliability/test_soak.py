@@ -10,7 +10,8 @@ and compared (rel_nixl.Decoder).
 
 CI form: HMACORE_SOAK_S (default 15) seconds and HMACORE_SOAK_MIN (default 300) requests
 per layout (a target: posting stops at the hard limit whatever the count; at least 200
-requests, 100 of them after the memory baseline, must have been verified) (the RSS bound is not checked under ASan, whose quarantine keeps freed
+requests, 100 of them after the memory baseline, must have been verified) (the RSS bound is not
+checked under ASan, whose quarantine keeps freed
 memory resident; tracemalloc and object counts still are). The
 `slow` form: 75 s and 2,000 requests per layout. Either stops posting at 6x its nominal
 time (at least 120 s) whatever the count."""

@@ -44,7 +44,8 @@ def test_nixl_config_errors_name_the_key(extra, match):
 @pytest.mark.parametrize("extra,match", [
     ({"load_asynch": True}, r"'load_asynch' \(did you mean 'load_async'\?\)"),
     ({"load_async": "yes"}, "load_async must be true or false"),
-    ({"store_capacity_bytes": "big", "store_name": "cfg-test"}, "store_capacity_bytes must be an integer >= 1"),
+    ({"store_capacity_bytes": "big", "store_name": "cfg-test"},
+     "store_capacity_bytes must be an integer >= 1"),
     ({"store": "mooncake"}, '"store": "mooncake" needs'),
     ({"store": "nowhere"}, "is not \"embedded\""),
     ({"model_name": 7}, "model_name must be a string"),

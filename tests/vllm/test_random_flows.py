@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import harness as H
-from test_scheduler_flows import CASES, setup
+from test_scheduler_flows import setup
 
 ACTIONS = st.lists(st.tuples(
     st.sampled_from(["add_p", "add_d", "abort", "recv", "fail", "send", "tick", "none"]),
@@ -22,7 +22,8 @@ ACTIONS = st.lists(st.tuples(
 
 # Each example drives a real Scheduler (~2-20 ms): 200 by default, raise it locally with
 # HMACORE_VLLM_EXAMPLES (the suite-wide HMACORE_EXAMPLES would be far too slow here).
-@settings(max_examples=int(os.environ.get("HMACORE_VLLM_EXAMPLES", "200")), deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("HMACORE_VLLM_EXAMPLES", "200")), deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(case=st.sampled_from(["gemma", "qwen3next", "dsv4"]), actions=ACTIONS)
 def test_random_flows_keep_invariants(case, actions):
     # pools sized so that any single request fits (else it waits forever, by design)

@@ -281,7 +281,7 @@ def test_preemption_and_resume_tables_match_vllm(case):
     while s.has_unfinished_requests() and steps < 500:
         d.step(finished_sending=set(d.conn.leases()), finished_recving=d.conn.awaiting())
         steps += 1
-        meta, tables = d.metas[-1], d.table_at_meta[-1]
+        _meta, tables = d.metas[-1], d.table_at_meta[-1]
         for rid, tracked in d.tracked_at_meta[-1].items():
             H.assert_mirror(tracked, tables[rid], kcc, (rid, steps))
     assert not s.has_unfinished_requests()

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-import torch  # noqa: E402
+import torch  # noqa: E402,F401  (initialise torch before tp_cases pulls in vLLM/NIXL)
 
 import tp_cases  # noqa: E402
 

@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from hmacore.errors import LayoutError  # noqa: E402
-from hmacore.hits import ExistenceSet, ExternalBlockPool, HitFinder  # noqa: E402
+from hmacore.hits import ExternalBlockPool, HitFinder  # noqa: E402
 from hmacore.presets import get_preset  # noqa: E402
 from hmacore.spec import GroupKind, KVLayout  # noqa: E402
 

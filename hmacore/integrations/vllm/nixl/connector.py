@@ -6,7 +6,8 @@ kv_connector_module_path="hmacore.integrations.vllm", kv_role=...)``; HMA stays 
 
 Scheduler role: :class:`~.nixl_scheduler.HmaNixlScheduler` (proven inside vLLM's Scheduler).
 Worker role: :class:`~.nixl_worker.HmaNixlWorker` (pull over NIXL/UCX; one worker per TP
-rank, PP = 1; prefill and decode engines may have different TP sizes: see docs/vllm.md). Each instance serves one role;
+rank, PP = 1; prefill and decode engines may have different TP sizes: see docs/vllm.md).
+Each instance serves one role;
 calling the other role's methods raises.
 
 ``kv_connector_extra_config.transfer_mode``: ``"pull"`` (default: D READs P's finished blocks)
@@ -22,7 +23,6 @@ from typing import Any
 from .. import _compat as C
 from .._roles import RoleDispatch, require_single_worker
 from ._tp import worker_tp
-from .metadata import HmaNixlConnectorMetadata
 from .scheduler import HmaNixlScheduler
 from .push_scheduler import HmaPushScheduler, transfer_mode
 

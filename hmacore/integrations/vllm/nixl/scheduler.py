@@ -182,13 +182,13 @@ class HmaNixlScheduler(TableFollower):
         request on a ``kv_producer``, a prefill-for-decode request on a ``kv_consumer``) runs
         as a plain request, with a warning: a mis-routed request must not hold blocks under a
         lease nobody reads, nor wait for a load nobody serves."""
-        for flag, allowed, role in (("do_remote_prefill", self.is_consumer, "kv_consumer"),
+        for param, allowed, role in (("do_remote_prefill", self.is_consumer, "kv_consumer"),
                                     ("do_remote_decode", self.is_producer, "kv_producer")):
-            if params.get(flag) and not allowed:
-                params[flag] = False
+            if params.get(param) and not allowed:
+                params[param] = False
                 logger.warning("request %s asks for %s but this engine's kv_role is %s (not "
                                "%s or kv_both); it runs without KV transfer",
-                               request.request_id, flag, self.kv_role, role)
+                               request.request_id, param, self.kv_role, role)
 
     def on_new_request(self, request: Any) -> None:
         """Enforce this engine's kv_role; P side: drop the trailing ``backoff`` prompt tokens

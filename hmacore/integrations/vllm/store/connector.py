@@ -26,7 +26,6 @@ from .. import _compat as C
 from .._roles import RoleDispatch, require_single_worker
 from .._config import STORE_KEYS, check_keys
 from .backend import open_store
-from .metadata import HmaStoreConnectorMetadata
 from .scheduler import HmaStoreScheduler, key_builder
 
 __all__ = ["HmaStoreConnector"]
