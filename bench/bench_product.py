@@ -13,8 +13,8 @@ shared and a wall-clock step that loses the core to another process gains a whol
 slice (~4 ms) -- and as wall time (``perf_counter_ns``, ``wall_*`` fields). Building the fake
 model output (and the worker reports a real worker would send: finished loads, completed
 offload jobs) is NOT timed. The variants run round-robin within each step, starting at a
-rotating offset, so machine noise hits all of them alike. ``gc.freeze()`` after warm-up (as vLLM's engine core does after
-start-up); gc stays enabled during the timed steps.
+rotating offset, so machine noise hits all of them alike. ``gc.freeze()`` after warm-up (as
+vLLM's engine core does after start-up); gc stays enabled during the timed steps.
 
 Cells: layout (``dsv4``: five groups 256/64/64/4/8 tokens per block, the harness's
 ``dsv4_like``; ``gptoss``: full attention + sliding window 128, block 16, 4 + 4 layers,
@@ -189,23 +189,27 @@ def blocks_needed(name: str, requests: int, prompt: int, extra_tokens: int) -> i
 
 
 BASE_GIB = 0.5          # RSS of the process with vLLM imported and nothing built (measured)
-EST_FACTOR = 1.6        # measured RSS / the model below (gptoss 1.47x, dsv4 1.6x at 32k)
+#: measured peak RSS (less BASE_GIB) / the model below, the largest over the 32k and 128k
+#: cells of a full run (decode 1.54-1.89, prefill 1.65-2.06)
+EST_FACTOR = {"decode": 1.9, "prefill": 2.1}
 
 
 def estimate_bytes(name: str, requests: int, prompt: int, nvariants: int,
                    kind: str = "decode") -> int:
-    """Python memory of one cell (bytes), calibrated on measured RSS: per variant, each
-    request's token list (8 B a token), its per-group tables (12 B a position, nulls
-    included), its hash list and the pool's block objects (~240 B a block with its cache
-    entry); shared: prompts and hashes; times EST_FACTOR, plus BASE_GIB. Prefill cells hold
-    half the requests at full length (the other half gets a few chunks)."""
+    """Python memory of one cell (bytes), calibrated on measured peak RSS: per variant, every
+    request's token list (8 B a token, waiting requests too) and, for the requests holding
+    KV, their per-group tables (12 B a position, nulls included), hash lists and the pool's
+    block objects (~240 B a block with its cache entry); shared: prompts and hashes; times
+    EST_FACTOR[kind], plus BASE_GIB. Prefill cells hold half the requests at full length
+    (the other half waits and gets a few chunks)."""
     hot = requests if kind == "decode" else requests // 2 + 2
     hash_bs = min(bs for bs, _ in layout_groups(name))
     positions = sum(cdiv(prompt, bs) for bs, _ in layout_groups(name))
-    per_variant = hot * (prompt * 8 + positions * 12 + cdiv(prompt, hash_bs) * 8) \
+    per_variant = requests * prompt * 8 \
+        + hot * (positions * 12 + cdiv(prompt, hash_bs) * 8) \
         + blocks_needed(name, hot, prompt, 0) * 240
     shared = requests * (prompt * 8 + cdiv(prompt, hash_bs) * 90)
-    return int(EST_FACTOR * (nvariants * per_variant + shared) + BASE_GIB * 2**30)
+    return int(EST_FACTOR[kind] * (nvariants * per_variant + shared) + BASE_GIB * 2**30)
 
 
 #: Variants that must share a lockstep run when a cell is split for memory: each hmacore
@@ -230,7 +234,7 @@ def plan_groups(cell, variants, mem_gib: float) -> tuple[list[tuple], str | None
     groups = []
     for names in SPLIT_GROUPS:
         g = tuple(by_name[n] for n in names if n in by_name)
-        if g:
+        if any(cell.kind in v.kinds for v in g):     # a group of "none" alone says nothing
             groups.append((by_name["none"],) + g)
     worst = max(len([v for v in g if cell.kind in v.kinds]) for g in groups)
     if est(worst) > limit:
@@ -357,7 +361,7 @@ def make_request(v: Variant, r: int, wl: Workload, kcc):
 def push_registration(kcc, wl: Workload):
     """What D's workers would report to a push P engine: every push id's D-side positional
     table (ids of D's namespace; window groups hold only their last window's blocks)."""
-    from hmacore.integrations.vllm.push_metadata import HmaPushWorkerMeta
+    from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
     reg = {}
     for r in range(wl.requests):
         table, nxt = [], 1 + r * 100000
@@ -617,26 +621,24 @@ def timed_steps(cell: Cell, engines: list[Engine], steps: int) -> tuple[dict[str
 
 
 def check_tables(e: Engine) -> str | None:
-    """hmacore variants: every tracked request's table equals vLLM's KV cache manager view.
-    None when equal (or not an hmacore connector), else a description of the first diff."""
+    """hmacore variants: every tracked request's followed table mirrors vLLM's KV cache
+    manager view (equal wherever vLLM's entry is not the null block; stale entries only where
+    vLLM nulled a block in place). None when it holds (or the connector tracks nothing: pull
+    mode follows no request), else the first difference."""
     conn = e.s.connector
     sched = getattr(conn, "scheduler", None) if conn is not None else None
     trk = getattr(sched, "trackers", None)
     if trk is None:
         return None
     mgr = e.s.kv_cache_manager
-    checked = 0
     for r in trk:
         if r not in e.s.requests:
             return f"{r}: tracked but not held by vLLM"
         want = [list(g) for g in mgr.get_block_ids(r)]
         got = [g.tolist() for g in trk.block_ids(r)]
-        if got != want:
-            g = next(i for i in range(len(want)) if got[i] != want[i])
-            return f"{r}: group {g} differs (tracker {len(got[g])} ids, vLLM {len(want[g])})"
-        checked += 1
-    if checked == 0:
-        return "no request tracked"
+        for g, (a, b) in enumerate(zip(got, want)):
+            if len(a) != len(b) or any(x != y and y != 0 for x, y in zip(a, b)):
+                return f"{r}: group {g} differs from vLLM's table"
     return None
 
 
@@ -782,8 +784,9 @@ HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
 
 def profile_hooks(engines: list[Engine], steps: int, top: int = 15) -> dict[str, str]:
     """cProfile of the scheduler-side connector hooks vLLM calls (``HOOKS``) of each hmacore
-    variant over ``steps`` more lockstep steps: the connector instance's bound hooks are
-    wrapped so the profiler runs only inside them. Top ``top`` by cumulative time."""
+    variant over ``steps`` more steps: the connector instance's bound hooks are wrapped so
+    the profiler runs only inside them; its clock is the thread's CPU time (seconds, with
+    the profiler's own overhead). Top ``top`` by cumulative time."""
     import cProfile
     import io
     import pstats
@@ -791,7 +794,7 @@ def profile_hooks(engines: list[Engine], steps: int, top: int = 15) -> dict[str,
     for e in engines:
         if not (e.v.connector or "").startswith("Hma"):
             continue
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.thread_time)
         conn = e.s.connector
         for name in HOOKS:
             fn = getattr(conn, name, None)
@@ -859,8 +862,8 @@ def worker_connector(e: Engine, tag: str):
     store is :class:`StubStore`."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from hmacore.integrations.vllm import HmaNixlConnector, HmaStoreConnector
-    from hmacore.integrations.vllm._store_backend import register_store
-    from hmacore.paged import allocate_paged_kv
+    from hmacore.integrations.vllm.store.backend import register_store
+    from hmacore.demo.paged_memory import allocate_paged_kv
     v = e.v
     if v.connector == "HmaStoreConnector":
         name = f"stub-{tag}"

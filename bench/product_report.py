@@ -132,6 +132,21 @@ def wall_table(records: list[dict], order: list[str] | None = None) -> list[str]
     return lines
 
 
+def alloc_table(records: list[dict], order: list[str] | None = None) -> list[str]:
+    """Python object growth: median ``sys.getallocatedblocks()`` delta per step, per variant."""
+    names = _variant_names(records, order)
+    lines = ["| layout | reqs | prompt | step | " + " | ".join(names) + " |",
+             "|" + "---|" * (4 + len(names))]
+    for rec in records:
+        if rec.get("status") != "ran":
+            continue
+        vs = rec["variants"]
+        cols = [f"{vs[n]['alloc_blocks_per_step']:+.0f}" if vs.get(n, {}).get("status") == "ran"
+                else "n/a" for n in names]
+        lines.append(f"| {_cell_name(rec)} | " + " | ".join(cols) + " |")
+    return lines
+
+
 def worker_table(records: list[dict]) -> list[str]:
     """Worker-side bookkeeping ms per step (if the run measured it)."""
     rows = [r for r in records if r.get("worker")]
@@ -167,6 +182,9 @@ def render(doc: dict) -> str:
     out += ratio_table(records, order)
     out += ["", "## Wall-clock median ms per step (shared machine: noisy)", ""]
     out += wall_table(records, order)
+    out += ["", "## Python allocated blocks per step (median sys.getallocatedblocks() delta "
+            "across schedule() + update_from_output())", ""]
+    out += alloc_table(records, order)
     wt = worker_table(records)
     if wt:
         out += ["", "## Worker-side bookkeeping per step (store transport stubbed), thread CPU "

@@ -3,8 +3,8 @@
 Asserts every variant ran (D variants are n/a for prefill steps, by design) and produced
 finite timings, and the benchmark's correctness preconditions: in every timed step each
 variant scheduled the same requests with the same num_scheduled_tokens as the no-connector
-scheduler, and every hmacore scheduler side ends with tables equal to vLLM's KV cache manager
-view. No assertion on time (the machine is shared)."""
+scheduler, and every table an hmacore scheduler side follows mirrors vLLM's KV cache
+manager view (bench_product.check_tables). No assertion on time (the machine is shared)."""
 import json
 import math
 import os

@@ -63,8 +63,9 @@ class PushSave:
 
     ``local_block_ids[g][i]`` (P's block) goes to ``remote_block_ids[g][i]`` (D's block): the
     block positions whose tokens (fully or partly) become computed in this step, pairs with a
-    null id on either side left out; one int32 array per group. ``step``: 0, 1, ... per request; ``final``: the prompt's
-    last step (after it every layer's notification and ``done`` go to D).
+    null id on either side left out; one int32 array per group. ``step``: 0, 1, ... per
+    request; ``final``: the prompt's last step (after it every layer's notification and
+    ``done`` go to D).
     """
 
     request_id: str
