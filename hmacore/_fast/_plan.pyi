@@ -4,6 +4,7 @@ import numpy.typing as npt
 
 BLOCK_ID_DTYPE: np.dtype[np.int32]
 DESC_ID_DTYPE: np.dtype[np.int64]
+GROUP_ID_DTYPE: np.dtype[np.int32]
 
 def count_desc_ids(block_ids: tuple[npt.NDArray[np.int32], ...],
                    region_ratio: npt.NDArray[np.int32], region_group: npt.NDArray[np.int32],
