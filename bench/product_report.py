@@ -117,8 +117,9 @@ def notes(records: list[dict]) -> list[str]:
     return out
 
 
-def wall_table(records: list[dict], order: list[str] | None = None) -> list[str]:
-    """Wall-clock median ms per step, per variant (noisy on a shared machine)."""
+def _per_variant_table(records: list[dict], order: list[str] | None, cell) -> list[str]:
+    """One row per cell that ran, one column per variant: ``cell(variant_row)`` where the
+    variant ran, n/a elsewhere."""
     names = _variant_names(records, order)
     lines = ["| layout | reqs | prompt | step | " + " | ".join(names) + " |",
              "|" + "---|" * (4 + len(names))]
@@ -126,25 +127,20 @@ def wall_table(records: list[dict], order: list[str] | None = None) -> list[str]
         if rec.get("status") != "ran":
             continue
         vs = rec["variants"]
-        cols = [_ms(vs.get(n, {}).get("wall_median_ms")) if vs.get(n, {}).get("status") == "ran"
-                else "n/a" for n in names]
+        cols = [cell(vs[n]) if vs.get(n, {}).get("status") == "ran" else "n/a" for n in names]
         lines.append(f"| {_cell_name(rec)} | " + " | ".join(cols) + " |")
     return lines
+
+
+def wall_table(records: list[dict], order: list[str] | None = None) -> list[str]:
+    """Wall-clock median ms per step, per variant (noisy on a shared machine)."""
+    return _per_variant_table(records, order, lambda row: _ms(row.get("wall_median_ms")))
 
 
 def alloc_table(records: list[dict], order: list[str] | None = None) -> list[str]:
     """Python object growth: median ``sys.getallocatedblocks()`` delta per step, per variant."""
-    names = _variant_names(records, order)
-    lines = ["| layout | reqs | prompt | step | " + " | ".join(names) + " |",
-             "|" + "---|" * (4 + len(names))]
-    for rec in records:
-        if rec.get("status") != "ran":
-            continue
-        vs = rec["variants"]
-        cols = [f"{vs[n]['alloc_blocks_per_step']:+.0f}" if vs.get(n, {}).get("status") == "ran"
-                else "n/a" for n in names]
-        lines.append(f"| {_cell_name(rec)} | " + " | ".join(cols) + " |")
-    return lines
+    return _per_variant_table(records, order,
+                              lambda row: f"{row['alloc_blocks_per_step']:+.0f}")
 
 
 def worker_table(records: list[dict]) -> list[str]:

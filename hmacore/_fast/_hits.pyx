@@ -140,6 +140,19 @@ def _check_digests(object digests, int ds, str name="digests"):
     return digests
 
 
+cdef bint _one_key(ExistenceSet es, group, digest, bint drop) except -1:
+    """``drop`` (discard) or look up one key under the set's lock, arguments checked first."""
+    cdef group_id_t g = _check_group(group)
+    cdef bytes b = _check_digest(digest, es.digest_size)
+    cdef const uint8_t* p = <const uint8_t*><char*>b
+    cdef bint r
+    with nogil:
+        es.lock()
+        r = es.drop(g, p) if drop else es.has(g, p)
+        es.unlock()
+    return r
+
+
 cdef class ExistenceSet:
     """Set of (group id, block hash) keys with bulk, allocation-free membership.
 
@@ -375,27 +388,11 @@ cdef class ExistenceSet:
 
     def discard(self, group, digest):
         """Remove key (group, digest) if present; True if it was there."""
-        cdef group_id_t g = _check_group(group)
-        cdef bytes b = _check_digest(digest, self.digest_size)
-        cdef const uint8_t* p = <const uint8_t*><char*>b
-        cdef bint r
-        with nogil:
-            self.lock()
-            r = self.drop(g, p)
-            self.unlock()
-        return r
+        return _one_key(self, group, digest, True)
 
     def contains(self, group, digest):
         """True if key (group, digest) is in the set."""
-        cdef group_id_t g = _check_group(group)
-        cdef bytes b = _check_digest(digest, self.digest_size)
-        cdef const uint8_t* p = <const uint8_t*><char*>b
-        cdef bint r
-        with nogil:
-            self.lock()
-            r = self.has(g, p)
-            self.unlock()
-        return r
+        return _one_key(self, group, digest, False)
 
     def __contains__(self, key):
         if not isinstance(key, tuple) or len(key) != 2:
