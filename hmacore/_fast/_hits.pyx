@@ -140,15 +140,27 @@ def _check_digests(object digests, int ds, str name="digests"):
     return digests
 
 
-cdef bint _one_key(ExistenceSet es, group, digest, bint drop) except -1:
-    """``drop`` (discard) or look up one key under the set's lock, arguments checked first."""
+cdef enum KeyOp:
+    KEY_HAS = 0
+    KEY_DROP = 1
+    KEY_PUT = 2
+
+
+cdef int _one_key(ExistenceSet es, group, digest, KeyOp op) except -2:
+    """One key under the set's lock, arguments checked first: has / drop (1 or 0) or put
+    (1 new, 0 present, -1 out of memory)."""
     cdef group_id_t g = _check_group(group)
     cdef bytes b = _check_digest(digest, es.digest_size)
     cdef const uint8_t* p = <const uint8_t*><char*>b
-    cdef bint r
+    cdef int r
     with nogil:
         es.lock()
-        r = es.drop(g, p) if drop else es.has(g, p)
+        if op == KEY_PUT:
+            r = es.put(g, p)
+        elif op == KEY_DROP:
+            r = es.drop(g, p)
+        else:
+            r = es.has(g, p)
         es.unlock()
     return r
 
@@ -374,25 +386,18 @@ cdef class ExistenceSet:
 
     def add(self, group, digest):
         """Insert key (group, digest); True if it was new."""
-        cdef group_id_t g = _check_group(group)
-        cdef bytes b = _check_digest(digest, self.digest_size)
-        cdef const uint8_t* p = <const uint8_t*><char*>b
-        cdef int rc
-        with nogil:
-            self.lock()
-            rc = self.put(g, p)
-            self.unlock()
+        cdef int rc = _one_key(self, group, digest, KEY_PUT)
         if rc < 0:
             raise MemoryError("ExistenceSet: cannot grow the table")
         return rc == 1
 
     def discard(self, group, digest):
         """Remove key (group, digest) if present; True if it was there."""
-        return _one_key(self, group, digest, True)
+        return _one_key(self, group, digest, KEY_DROP) == 1
 
     def contains(self, group, digest):
         """True if key (group, digest) is in the set."""
-        return _one_key(self, group, digest, False)
+        return _one_key(self, group, digest, KEY_HAS) == 1
 
     def __contains__(self, key):
         if not isinstance(key, tuple) or len(key) != 2:
