@@ -4,8 +4,8 @@ disaggregation over NIXL with hmacore's multi-group bookkeeping.
 Load it with ``KVTransferConfig(kv_connector="HmaNixlConnector",
 kv_connector_module_path="hmacore.integrations.vllm", kv_role=...)``; HMA stays on.
 
-Scheduler role: :class:`~.nixl_scheduler.HmaNixlScheduler` (proven inside vLLM's Scheduler).
-Worker role: :class:`~.nixl_worker.HmaNixlWorker` (pull over NIXL/UCX; one worker per TP
+Scheduler role: :class:`~.scheduler.HmaNixlScheduler` (proven inside vLLM's Scheduler).
+Worker role: :class:`~.worker.HmaNixlWorker` (pull over NIXL/UCX; one worker per TP
 rank, PP = 1; prefill and decode engines may have different TP sizes: see docs/vllm.md).
 Each instance serves one role;
 calling the other role's methods raises.

@@ -8,15 +8,15 @@ kv_connector_extra_config={...})``. Keys of ``kv_connector_extra_config``:
 * ``store``: ``"embedded"`` (default; one process-wide in-process store per ``store_name``,
   ``store_capacity_bytes`` default 1 GiB) or ``"mooncake"`` (``master``: ``"host:port"``,
   optional ``local_hostname``, ``protocol``, ``global_segment_size``, ``local_buffer_size``,
-  ``connect_timeout_s``), or a name given to ``_store_backend.register_store``.
+  ``connect_timeout_s``), or a name given to ``backend.register_store``.
 * ``load_async`` (default False): False loads inside ``start_load_kv`` before the forward pass
   (``get_num_new_matched_tokens`` returns ``(n, False)``); True parks the request in
   WAITING_FOR_REMOTE_KVS and reports ``finished_recving`` / ``failed_recving``.
 * ``model_name``, ``cache_prefix``, ``store_namespace``: key parts (``hmacore.keys``).
 
 ``kv_role``: ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does both.
-Scheduler role: :class:`~.store_scheduler.HmaStoreScheduler`; worker role:
-:class:`~.store_worker.HmaStoreWorker` (TP = PP = 1).
+Scheduler role: :class:`~.scheduler.HmaStoreScheduler`; worker role:
+:class:`~.worker.HmaStoreWorker` (TP = PP = 1).
 """
 from __future__ import annotations
 

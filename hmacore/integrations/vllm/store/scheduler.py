@@ -81,7 +81,7 @@ class HmaStoreScheduler(TableFollower):
     Args:
         vllm_config: the engine's ``VllmConfig`` (``kv_transfer_config`` set).
         kv_cache_config: the scheduler's ``KVCacheConfig``.
-        store: the ``KVStore`` lookups probe (see ``_store_backend.open_store``).
+        store: the ``KVStore`` lookups probe (see ``backend.open_store``).
     """
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, store: Any) -> None:
