@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-import socket
+import sys
 import zlib
 from contextlib import contextmanager
 from collections.abc import Callable
@@ -11,17 +11,14 @@ from pathlib import Path
 from hmacore.demo.engine_driver import EngineProcess, make_prompts
 from hmacore.demo.tiny_model import write_tiny_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: shared helpers
+from ports import free_port  # noqa: E402,F401  (E.free_port: the engines' ports)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # 10 and 37 tokens fit in the 64-token window; 100 and 150 do not; 150 also takes 3 prefill
 # steps on a producer with a 64-token budget.
 LENGTHS = [10, 100, 150, 37]
 MAX_TOKENS = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_dir(root: Path, family: str) -> Path:

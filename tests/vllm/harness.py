@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Any
 
 import torch
@@ -25,6 +26,9 @@ from vllm.v1.request import Request, RequestStatus  # noqa: F401 (re-exported fo
 from vllm.v1.structured_output import StructuredOutputManager
 
 from hmacore.integrations.vllm import _compat as C
+
+# tests/ on the path: the shared test helpers (ports) live there
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 GEMMA_DIR = os.path.join(FIXTURES, "gemma2_tiny")

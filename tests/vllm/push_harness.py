@@ -9,12 +9,12 @@ the way vLLM's attention layers do; then ``start_load_kv``, ``wait_for_save``,
 """
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
 
 import harness as H
+from ports import free_port
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
@@ -22,12 +22,6 @@ from hmacore.demo.paged_memory import _write_pages, allocate_paged_kv, expected_
 from hmacore.plan import layer_sort_key
 
 JUNK = 0xAA
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Engine:

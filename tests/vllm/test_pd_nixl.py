@@ -3,12 +3,12 @@ Scheduler with a SCHEDULER-role HmaNixlConnector and a WORKER-role one over page
 P prefills and holds its blocks; D pulls them by READ; the bytes D holds equal P's; P frees
 on D's notification; neither engine leaks a block."""
 import os
-import socket
 import time
 
 import pytest
 
 import harness as H
+from ports import free_port
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
@@ -17,12 +17,6 @@ from hmacore.windows import trim_remote_to_local
 
 pytestmark = pytest.mark.nixl
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Engine:

@@ -7,9 +7,7 @@ import base64
 import json
 import os
 import pickle
-import random
 import selectors
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,42 +18,10 @@ import harness as H
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
 import tp_cases
+from ports import free_ports
 
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_rank.py")
 
-
-_HANDED_OUT: set[int] = set()   # ports given to engines of this process (bound later)
-
-
-def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free loopback ports (handshake port + rank), none
-    handed out before by this process (rank processes bind them only when they start, so a
-    port merely free now may already belong to an engine that is still starting). Drawn
-    below the kernel's ephemeral range, which outgoing connections (UCX, gloo) take from."""
-    lo = 10000
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            eph = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        eph = 32768
-    for _ in range(200):
-        base = random.randrange(lo, max(lo + 1000, eph) - n)
-        if _HANDED_OUT & set(range(base, base + n)):
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            _HANDED_OUT.update(range(base, base + n))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 class RankProc:
