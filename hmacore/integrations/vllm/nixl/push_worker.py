@@ -56,6 +56,10 @@ from .push_metadata import PUSH_AGENT_SUFFIX, HmaPushConnectorMetadata, HmaPushW
 
 logger = logging.getLogger(__name__)
 
+#: D's first handshake with a prefill engine: P's side adds D's agent to NIXL while D waits,
+#: which on a loaded host can take several seconds the first time (5 s timed out in CI)
+FIRST_CONTACT_TIMEOUT_S = 30.0
+
 __all__ = ["HmaPushWorker"]
 
 _REG = b"REG:"
@@ -270,7 +274,8 @@ class HmaPushWorker:
         ptp = 1
         r = 0
         while r < ptp:
-            payload = exchange_handshake(host, int(port) + r, self._me)
+            payload = exchange_handshake(host, int(port) + r, self._me,
+                                         timeout=FIRST_CONTACT_TIMEOUT_S)
             pname = payload.agent_name
             if not pname.endswith(PUSH_AGENT_SUFFIX):
                 raise HandshakeError(
