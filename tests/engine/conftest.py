@@ -17,7 +17,10 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "hmacore-vllm-cache"))
 
-_HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# a real vllm package (tests/vllm itself is importable as a namespace package named vllm
+# once tests/ is on sys.path: it has no origin)
+_VLLM_SPEC = importlib.util.find_spec("vllm")
+_HAVE_VLLM = _VLLM_SPEC is not None and _VLLM_SPEC.origin is not None
 HERE = os.path.dirname(__file__)
 
 
