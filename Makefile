@@ -46,12 +46,16 @@ test-fast: build
 	$(PY) -m pytest -q -m "not nixl and not mooncake and not vllm and not slow"
 
 LINT_PATHS := hmacore tests bench docs/examples scripts
+# every compiled module with a .pyi stub: stubtest checks the stub against the built module
+STUB_MODULES := $(patsubst %.pyi,%,$(subst /,.,$(wildcard hmacore/_fast/*.pyi)))
 
 # ruff (pyproject [tool.ruff]) over the whole tree; mypy (pyproject [tool.mypy]) over the typed
-# surface: the core and hmacore/transport
-lint: $(VENV)/.stamp-base
+# surface: the core and hmacore/transport; stubtest checks every .pyi against its compiled module
+lint: $(VENV)/.stamp-base build
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m mypy
+	$(PY) -m mypy.stubtest --mypy-config-file pyproject.toml \
+		--allowlist scripts/stubtest-allowlist.txt $(STUB_MODULES)
 
 demo: $(VENV)/.stamp-base build
 	$(VENV)/bin/hmacore demo $(DEMO_ARGS)

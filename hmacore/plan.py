@@ -284,9 +284,11 @@ class TransferPlan:
         return cls._from_parts(layout, parts, int(nb), kernel_block_size, "DRAM", 0)
 
     @classmethod
-    def _from_parts(cls, layout, parts, num_blocks, kernel_block_size, mem_type, dev_id):
+    def _from_parts(cls, layout: KVLayout, parts: Mapping[str, list[tuple[int, int, int, int]]],
+                    num_blocks: int, kernel_block_size: int | None, mem_type: str,
+                    dev_id: int) -> TransferPlan:
         l2g = layout.layer_to_group
-        ratios = {}
+        ratios: dict[int, int] = {}
         for g in layout.transfer_group_ids:
             spec = layout.groups[g]
             if spec.kind == GroupKind.MAMBA:

@@ -1,4 +1,5 @@
 """Existence set of (group id, block hash) keys and the longest-hit kernel (see _hits.pyx)."""
+from typing_extensions import disjoint_base
 import numpy as np
 import numpy.typing as npt
 
@@ -10,12 +11,13 @@ MAX_KEYS: int
 GROUP_ID_DTYPE: np.dtype[np.int32]
 TOKEN_DTYPE: np.dtype[np.int64]
 
+@disjoint_base
 class ExistenceSet:
     digest_size: int
     def __init__(self, digest_size: int = 32, capacity: int = 0) -> None: ...
     def __reduce__(self) -> tuple[object, tuple[int, bytes]]: ...
     def __len__(self) -> int: ...
-    def __contains__(self, key: tuple[int, bytes]) -> bool: ...
+    def __contains__(self, key: tuple[int, bytes], /) -> bool: ...
     @property
     def capacity(self) -> int: ...
     @property
@@ -36,6 +38,7 @@ def longest_hit(es: ExistenceSet | None, hashes: npt.NDArray[np.uint8], max_leng
                 hash_block: int, align: int, partial: bool, unitary: bool,
                 out: npt.NDArray[np.int64]) -> int: ...
 
+@disjoint_base
 class HitKernel:
     num_spec_groups: int
     def __init__(self, specs: npt.NDArray[np.int64], members: npt.NDArray[np.int32],

@@ -1,4 +1,5 @@
 """Typed stub of hmacore._fast._plan (descriptor-id flattening)."""
+from typing_extensions import disjoint_base
 import numpy as np
 import numpy.typing as npt
 
@@ -18,6 +19,7 @@ def flatten_desc_ids(block_ids: tuple[npt.NDArray[np.int32], ...],
                      group_major: bool, kernel_ids: bool = ..., allow_null: bool = ...,
                      out: npt.NDArray[np.int64] | None = ...) -> npt.NDArray[np.int64]: ...
 
+@disjoint_base
 class DescPlan:
     def __init__(self, region_offset: npt.NDArray[np.int64], region_logical: npt.NDArray[np.int64],
                  region_ratio: npt.NDArray[np.int32], region_group: npt.NDArray[np.int32],

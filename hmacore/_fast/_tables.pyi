@@ -1,4 +1,5 @@
 """Typed kernels behind hmacore.tables (see _tables.pyx)."""
+from typing_extensions import disjoint_base
 import numpy as np
 import numpy.typing as npt
 
@@ -34,10 +35,11 @@ STEP_UNKNOWN: int
 STEP_TABLE: int
 STEP_STATE: int
 
+@disjoint_base
 class TableStore:
     num_groups: int
     index: dict[object, int]
-    def __init__(self, num_groups: int) -> None: ...
+    def __new__(cls, num_groups: int) -> TableStore: ...
     def __len__(self) -> int: ...
     def __reduce__(self) -> tuple[object, tuple[int, list[tuple[object, int, tuple[int, ...],
                                                                 tuple[npt.NDArray[np.int32], ...]]]]]: ...

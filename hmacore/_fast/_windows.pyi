@@ -1,4 +1,5 @@
 """Typed kernels behind hmacore.windows (see _windows.pyx)."""
+from typing_extensions import disjoint_base
 import numpy as np
 import numpy.typing as npt
 
@@ -16,6 +17,7 @@ def trim_groups(local: object, remote: object, is_state: npt.NDArray[np.int8], n
 def clip_keep_form(groups: object, plan: npt.NDArray[np.int64], num_blocks: int
                    ) -> tuple[object, ...] | None: ...
 
+@disjoint_base
 class LayoutClip:
     plans: tuple[npt.NDArray[np.int64], ...]
     state_groups: npt.NDArray[np.int8]

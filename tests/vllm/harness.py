@@ -284,9 +284,11 @@ class Driver:
                                    list(meta.reqs_to_recv)
                                    if rid in self.s.requests
                                    and rid in mgr.coordinator.single_type_managers[0].req_to_blocks})
-        trk = self.s.connector.scheduler.trackers
+        # only push mode follows tables (its P-side push requests); pull follows none
+        trk = getattr(self.s.connector.scheduler, "trackers", None)
         self.tracked_at_meta.append({rid: [list(map(int, g)) for g in trk.block_ids(rid)]
-                                     for rid in so.num_scheduled_tokens if rid in trk})
+                                     for rid in so.num_scheduled_tokens
+                                     if trk is not None and rid in trk})
         self.table_at_meta[-1].update({rid: mgr.get_block_ids(rid)
                                        for rid in so.num_scheduled_tokens})
         self.preempted |= set(so.preempted_req_ids or ())

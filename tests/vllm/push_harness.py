@@ -42,6 +42,7 @@ class Engine:
         self.metas: list = []
         self.outputs: list = []
         self.forward = True
+        self.mirror_checks = 0
 
     @property
     def conn(self):
@@ -71,6 +72,13 @@ class Engine:
     def step(self):
         so = self.s.schedule()
         self.metas.append(so.kv_connector_metadata)
+        # the push follower's tables (P-side push requests) against vLLM's own, every step
+        trk, mgr = getattr(self.conn, "trackers", None), self.s.kv_cache_manager
+        for rid in so.num_scheduled_tokens:
+            if trk is not None and rid in trk:
+                H.assert_mirror(trk.block_ids(rid), mgr.get_block_ids(rid), self.kcc,
+                                (rid, len(self.metas)))
+                self.mirror_checks += 1
         self.w.bind_connector_metadata(so.kv_connector_metadata)
         if so.total_num_scheduled_tokens and self.forward:
             self._forward(so)

@@ -110,6 +110,9 @@ def test_push_moves_every_byte(case, order):
         assert [s.step for s in steps] == list(range(len(steps)))
         assert steps[-1].final and not any(s.final for s in steps[:-1])
         assert len(steps) == _expected_steps(P, n, CASES[case][3])
+        # P follows p-req until its final WRITE is planned (inside schedule()): every
+        # earlier push step's table was checked against vLLM's
+        assert P.mirror_checks >= len(steps) - 1
         stats = P.w.stats()
         assert stats and stats[-1]["ok"] and stats[-1]["push_id"] == "push-1", stats
         assert stats[-1]["steps"] == len(steps)

@@ -263,8 +263,9 @@ def test_failed_recving_recompute_policy(case):
 
 @pytest.mark.parametrize("case", ["gemma", "qwen3next"])
 def test_preemption_and_resume_tables_match_vllm(case):
-    # A small pool + long decodes force preemptions. Every step, every tracked request's
-    # connector table must equal vLLM's own table, and producers' emitted ids its clip.
+    # A small pool + long decodes force preemptions. Producers' emitted ids must be the clip
+    # of vLLM's own table (pull mode follows no table per step; push mode's follower is
+    # checked every step in push_harness.Engine.step).
     nb = {"gemma": 34, "qwen3next": 14}[case]
     s, kcc, _ = setup(case, num_blocks=nb)
     d = H.Driver(s)
@@ -281,14 +282,18 @@ def test_preemption_and_resume_tables_match_vllm(case):
     while s.has_unfinished_requests() and steps < 500:
         d.step(finished_sending=set(d.conn.leases()), finished_recving=d.conn.awaiting())
         steps += 1
-        _meta, tables = d.metas[-1], d.table_at_meta[-1]
-        for rid, tracked in d.tracked_at_meta[-1].items():
-            H.assert_mirror(tracked, tables[rid], kcc, (rid, steps))
     assert not s.has_unfinished_requests()
     assert d.preempted, "the pool was meant to force a preemption"
+    if case == "gemma":
+        # each producer's params name its final table (after its preemptions), clipped
+        finished = d.finished_params()
+        assert sorted(finished) == ["p0", "p1", "p2"]
+        for rid, params in finished.items():
+            last = [t[rid] for t in d.table_at_meta if rid in t][-1]
+            assert params["remote_block_ids"] == H.oracle_clip(last, kcc), rid
+            assert all(b > 0 for g in params["remote_block_ids"] for b in g), rid
     d.step(finished_sending=set(d.conn.leases()))
     H.assert_no_leak(s)
-    assert len(d.conn.trackers) == 0
 
 
 def test_p_to_d_roundtrip_params():

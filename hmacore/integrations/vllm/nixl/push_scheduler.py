@@ -32,11 +32,12 @@ from typing import Any
 import numpy as np
 
 from ....errors import ConfigError, HmacoreError
-from ....tables import from_wire
+from ....tables import TrackerSet, from_wire
 from ....spec import GroupKind
 from .._config import number
 from .. import _compat as C
 from .._clip import clip_table
+from .._roles import TableFollower
 from .scheduler import HmaNixlScheduler
 from .push_metadata import (TRANSFER_MODES, HmaPushConnectorMetadata, PushRegistration,
                             PushSave, check_push_id)
@@ -67,7 +68,7 @@ def _positional(ids: Any, pid: str) -> tuple[np.ndarray, ...] | None:
         return None
 
 
-class HmaPushScheduler(HmaNixlScheduler):
+class HmaPushScheduler(TableFollower, HmaNixlScheduler):
     """Push-mode bookkeeping of one engine (scheduler process); see the module docstring.
 
     Extra ``kv_connector_extra_config`` keys: ``push_register_timeout`` (P: seconds a push
@@ -93,6 +94,8 @@ class HmaPushScheduler(HmaNixlScheduler):
         extra = dict(ktc.kv_connector_extra_config or {})
         self.register_timeout = number(extra, "push_register_timeout", 30.0, positive=True)
         self.recv_timeout = number(extra, "push_recv_timeout", 60.0, positive=True)
+        # P side push requests, followed until their final WRITE (TableFollower)
+        self.trackers = TrackerSet(self.layout)
         # D side
         self._regs_pending: dict[str, PushRegistration] = {}
         # P side

@@ -29,13 +29,12 @@ from typing import Any
 
 from ....errors import BlockTableError, ConfigError
 from ....spec import GroupKind
-from ....tables import TrackerSet, as_block_table, count_hashed, fill_blocks, \
+from ....tables import as_block_table, count_hashed, fill_blocks, \
     from_wire
 from ....transport import DEFAULT_PROGRESS_DELAY_US
 from .. import _compat as C
 from .._clip import clip_table
 from .._config import NIXL_KEYS, check_keys, flag, number, text
-from .._roles import TableFollower
 from ..layout import layout_from_kv_cache_config
 from .metadata import HmaNixlConnectorMetadata, RecvRequest, RemotePeer
 
@@ -46,7 +45,7 @@ __all__ = ["HmaNixlScheduler"]
 _REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
-class HmaNixlScheduler(TableFollower):
+class HmaNixlScheduler:
     """Per-request P/D bookkeeping for one engine (scheduler process).
 
     Args:
@@ -93,9 +92,8 @@ class HmaNixlScheduler(TableFollower):
         has_mamba = any(s.kind == GroupKind.MAMBA for s in self.layout.groups)
         # Tokens D recomputes itself (Mamba needs h(N-1) to derive h(N)); P stops short.
         self.backoff = max(1 if has_mamba else 0, C.prefill_lookahead_tokens(vllm_config) - 1)
-        # Pull mode follows no request per step (D reads its table at allocation, P gets its
-        # table from request_finished); push mode tracks its P-side push requests.
-        self.trackers = TrackerSet(self.layout)
+        # Pull mode follows no request per step: D reads its table at allocation, P gets its
+        # table from request_finished (push mode's follower is in push_scheduler.py).
         # D side
         self._recv_pending: dict[str, RecvRequest] = {}
         self._awaiting: dict[str, tuple[str, str]] = {}   # req -> (P engine, P request id)
@@ -296,10 +294,6 @@ class HmaNixlScheduler(TableFollower):
         for rid in connector_output.failed_recving or ():
             self._awaiting.pop(rid, None)
             self.failed_recving.add(rid)
-            if rid in self.trackers:
-                # vLLM frees (recompute policy, nothing valid) and reallocates the table:
-                # the next full table replaces ours, as after a preemption.
-                self.trackers.preempt(rid)
 
     def _expire_leases(self, now: float, sending: set[str]) -> None:
         """P side: every lease whose deadline (clock seconds) is ``<= now`` ends; its request
@@ -323,8 +317,6 @@ class HmaNixlScheduler(TableFollower):
         """
         params = request.kv_transfer_params
         rid = request.request_id
-        if rid in self.trackers:
-            self.trackers.finish(rid)
         self._local_tokens.pop(rid, None)
         self.failed_recving.discard(rid)
         if not params:
