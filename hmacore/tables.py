@@ -20,7 +20,7 @@ from .spec import KVLayout
 
 __all__ = [
     "BlockTable", "as_block_table", "to_wire", "from_wire", "to_tuple", "fill_blocks",
-    "count_hashed", "RequestState", "TrackerSet", "BLOCK_ID_DTYPE", "TokenCountError",
+    "count_hashed", "ids_from_objects", "RequestState", "TrackerSet", "BLOCK_ID_DTYPE", "TokenCountError",
     "TrackerThreadError",
 ]
 
@@ -143,6 +143,24 @@ def _as_group(x: Any, g: int, hi: int, name: str, offset: int = 0) -> np.ndarray
         raise BlockTableError(f"{name}: group {g} is None (use an empty list for no blocks)")
     raise BlockTableError(f"{name}: group {g} must be a list/tuple/1-D array of ids, got "
                           f"{type(x).__name__}")
+
+
+def ids_from_objects(objs: Sequence[Any], *, id_attr: str = "block_id",
+                     flag_attr: str = "block_hash", name: str = "blocks",
+                     group: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, flags)`` of a list of block objects in one C pass: int32 ``obj.<id_attr>``
+    (exact ints in ``[0, 2**31)``) and a bool mask of ``obj.<flag_attr> is not None``.
+
+    What a connector reads from a group of vLLM ``KVCacheBlock`` objects (ids, "has a block
+    hash") without a Python object per block. Raises BlockTableError naming ``name``, ``group``
+    and the index of the first bad id.
+    """
+    ids, flags, status, i = _k.objects_to_ids(objs, id_attr, flag_attr)
+    if status != _k.STATUS_OK:
+        value = getattr(objs[i], id_attr, None) if 0 <= i < len(objs) else None
+        _raise_status(f"{name} ({id_attr})", group, i, status, value, 0)
+    assert ids is not None and flags is not None
+    return ids, flags.view(np.bool_)
 
 
 def as_block_table(block_ids: BlockTableLike, num_groups: int, *, num_blocks: int | None = None,

@@ -17,7 +17,7 @@ from hmacore.errors import BlockTableError, HashInputError
 from hmacore.hits import ExistenceSet
 from hmacore.plan import TransferPlan
 from hmacore.spec import GroupKind, GroupSpec, KVLayout
-from hmacore.tables import TrackerSet, as_block_table, from_wire
+from hmacore.tables import TrackerSet, as_block_table, from_wire, ids_from_objects
 from hmacore.windows import clip_to_window, clip_windows, trim_remote_to_local
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,3 +213,48 @@ def test_existence_set_new_without_init_is_a_valid_empty_set():
         es.add(1, b"")
     es.add(1, b"y" * 32)
     assert es.contains(1, b"y" * 32)
+
+
+class _Block:
+    """A KVCacheBlock-like object (vLLM 0.32: ``block_id``, ``_block_hash``)."""
+    __slots__ = ("block_id", "_block_hash")
+
+    def __init__(self, block_id, block_hash=None):
+        self.block_id, self._block_hash = block_id, block_hash
+
+
+class _ShrinkingBlock:
+    """Its id property empties the list being read."""
+    victim: list = []
+    _block_hash = None
+
+    @property
+    def block_id(self):
+        _ShrinkingBlock.victim.clear()
+        return 7
+
+
+def test_ids_from_objects_reads_ids_and_hash_flags():
+    blocks = [_Block(i, b"h" if i % 3 else None) for i in range(5000)]
+    ids, hashed = ids_from_objects(blocks, flag_attr="_block_hash")
+    assert ids.dtype == np.int32 and ids.tolist() == list(range(5000))
+    assert hashed.dtype == np.bool_ and hashed.tolist() == [bool(i % 3) for i in range(5000)]
+    empty_ids, empty_hashed = ids_from_objects([], flag_attr="_block_hash")
+    assert empty_ids.shape == empty_hashed.shape == (0,)
+
+
+@pytest.mark.parametrize("bad, rule", [(-1, "negative"), (2**31, "int32"), (2**70, "int32"),
+                                       (1.0, "integers"), (True, "integers"),
+                                       (None, "integers")])
+def test_ids_from_objects_names_the_bad_block(bad, rule):
+    with pytest.raises(BlockTableError, match=rf"KVCacheBlocks \(block_id\): group 3, "
+                                              rf"index 1: .*{rule}"):
+        ids_from_objects([_Block(1), _Block(bad)], flag_attr="_block_hash",
+                         name="KVCacheBlocks", group=3)
+
+
+def test_ids_from_objects_list_shrunk_by_a_property_is_refused():
+    victim = [_Block(1), _ShrinkingBlock(), _Block(2), _Block(3)]
+    _ShrinkingBlock.victim = victim
+    with pytest.raises(BlockTableError, match="changed size"):
+        ids_from_objects(victim, flag_attr="_block_hash")

@@ -30,6 +30,7 @@ cdef extern from "Python.h":
     Py_ssize_t Py_REFCNT(PyObject*)
     bint PyUnicode_CheckExact(PyObject*)
     bint PyLong_CheckExact(PyObject*)
+    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
     Py_ssize_t PySequence_Fast_GET_SIZE(object)
     PyObject* PySequence_Fast_GET_ITEM(object, Py_ssize_t)
 
@@ -83,6 +84,46 @@ def seq_to_int32(object seq, long long num_blocks):
     if status != ID_OK:
         return None, status, bad
     return out, ID_OK, -1
+
+
+def objects_to_ids(object seq, str id_attr, str flag_attr):
+    """Read ``id_attr`` (an exact int id) and whether ``flag_attr`` is not None from every
+    object of a list/tuple, in one C pass: ``(ids int32, flags uint8, ID_OK, -1)`` or
+    ``(None, None, status, index)`` for the first object whose id is bad.
+
+    What a connector needs from vLLM's ``KVCacheBlock`` objects (``block_id``, ``block_hash``)
+    without a Python object per block. ``getattr`` may run user code (a property): the
+    list is re-measured before every element (ID_CHANGED if it shrank), each object is held
+    by a strong reference while it is read, and the outputs are fresh arrays held here.
+    Terminates: ``i`` runs once over the list's length at entry.
+    """
+    cdef Py_ssize_t n, i
+    cdef long long v
+    cdef int overflow = 0
+    if not is_list_or_tuple(seq):
+        seq = list(seq)
+    n = PySequence_Fast_GET_SIZE(seq)
+    cdef cnp.npy_intp dim = n
+    ids = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)
+    flags = cnp.PyArray_EMPTY(1, &dim, FLAG_NPY, 0)
+    cdef block_id_t* dst = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
+    cdef flag_t* fdst = <flag_t*>cnp.PyArray_DATA(<cnp.ndarray>flags)
+    cdef object obj, x
+    for i in range(n):
+        if PySequence_Fast_GET_SIZE(seq) <= i:
+            return None, None, ID_CHANGED, i
+        obj = <object>PySequence_Fast_GET_ITEM(seq, i)
+        x = getattr(obj, id_attr)
+        if not PyLong_CheckExact(<PyObject*>x):
+            return None, None, ID_NOT_INT, i
+        v = PyLong_AsLongLongAndOverflow(x, &overflow)
+        if overflow > 0 or v > BLOCK_ID_MAX:
+            return None, None, ID_PAST_INT32, i
+        if overflow < 0 or v < 0:
+            return None, None, ID_NEGATIVE, i
+        dst[i] = <block_id_t>v
+        fdst[i] = getattr(obj, flag_attr) is not None
+    return ids, flags, ID_OK, -1
 
 
 cdef int _check_int_seq(object seq, long long num_blocks, Py_ssize_t* bad) except -2:

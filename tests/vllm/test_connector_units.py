@@ -263,3 +263,37 @@ def test_push_scheduler_starts_only_when_every_prefill_rank_reported():
     assert sched.registered() == {"x"} and sched._reg_partial == {}
     report(HmaPushWorkerMeta(registered={"y": ids}, registered_by={"y": [0, 1]}))
     assert sched.registered() == {"x", "y"}
+
+
+def test_push_scheduler_drops_only_unclaimed_stale_registrations():
+    """A complete registration no request of this engine claims within kv_lease_duration is
+    dropped; one a request claimed stays however long its request runs; the sweep visits only
+    unclaimed registrations (claimed ones are not re-scanned every step)."""
+    from types import SimpleNamespace
+
+    from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
+    vc = H.vllm_config(extra={"transfer_mode": "push", "kv_lease_duration": 10})
+    sched = HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.gemma_like()).scheduler
+    now = [100.0]
+    sched.clock = lambda: now[0]
+    ids = [[1, 2]] * sched.layout.num_groups
+
+    def report(meta=None):
+        sched.update_connector_output(SimpleNamespace(
+            finished_recving=None, failed_recving=None, finished_sending=None,
+            kv_connector_worker_meta=meta))
+
+    claimer = SimpleNamespace(request_id="p-y", kv_transfer_params={
+        "do_remote_decode": True, "transfer_mode": "push", "push_id": "y"})
+    assert sched._is_push_producer(claimer) == "y"
+    report(HmaPushWorkerMeta(registered={"x": ids, "y": ids}))
+    now[0] += 5
+    report(HmaPushWorkerMeta(registered={"z": ids}))
+    assert sched.registered() == {"x", "y", "z"}
+    assert list(sched._unclaimed_at) == ["x", "z"]
+    now[0] += 6                       # x: 11 s unclaimed; z: 6 s
+    report()
+    assert sched.registered() == {"y", "z"}
+    now[0] += 100
+    report()
+    assert sched.registered() == {"y"} and sched._unclaimed_at == {}

@@ -245,6 +245,34 @@ def test_lease_renewal_and_expiry_frees_blocks(case):
     H.assert_no_leak(s)
 
 
+def test_renewed_lease_does_not_shield_an_older_one():
+    # leases expire in deadline order; a renewal moves a lease behind the others, so the
+    # walk that stops at the first running lease still reaches every expired one
+    s, kcc, n = setup("gemma", extra={"kv_lease_duration": 10})
+    now = [1000.0]
+    s.connector.scheduler.clock = lambda: now[0]
+    d = H.Driver(s)
+    req(s, "a", n, params={"do_remote_decode": True}, max_tokens=1)
+    while "a" not in d.finished_params():
+        d.step()
+    now[0] = 1002.0
+    req(s, "b", n, params={"do_remote_decode": True}, max_tokens=1, base=300)
+    while "b" not in d.finished_params():
+        d.step()
+    assert d.conn.leases() == {"a": pytest.approx(1010.0), "b": pytest.approx(1012.0)}
+    now[0] = 1009.0
+    d.step(worker_meta=HmaNixlWorkerMeta(renewed={"a"}))       # a: 1019, now after b
+    now[0] = 1012.5
+    d.step()
+    assert "b" in d.metas[-1].expired or "b" not in d.conn.leases()
+    assert list(d.conn.leases()) == ["a"]
+    now[0] = 1019.5
+    d.step()
+    d.step()
+    assert d.conn.leases() == {}
+    H.assert_no_leak(s)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_failed_recving_recompute_policy(case):
     s, kcc, n = setup(case, load_failure_policy="recompute")

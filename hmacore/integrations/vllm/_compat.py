@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ...tables import ids_from_objects
+
 TARGET_VLLM_VERSION = "0.32.0"
 
 import vllm  # noqa: E402
@@ -36,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 # -- KV cache spec classes (0.32 names) -------------------------------------------------------
@@ -104,16 +107,22 @@ def prefill_lookahead_tokens(vllm_config: Any) -> int:
 
 
 # -- block tables -------------------------------------------------------------------------------
+# vLLM 0.32's KVCacheBlock stores its hash in the slot ``_block_hash`` behind a ``block_hash``
+# property: reading the slot skips a Python call per block (the property where it is absent).
+_BLOCK_HASH_ATTR = ("_block_hash" if "_block_hash" in getattr(KVCacheBlock, "__slots__", ())
+                    else "block_hash")
+
+
 def table_and_hashed(blocks: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """A ``KVCacheBlocks`` as (per-group int32 ids, per-group bool "has a block hash").
 
-    The one place that reads ``KVCacheBlock`` attributes (``block_id``, ``block_hash``).
+    The one place that reads ``KVCacheBlock`` attributes (``block_id``, ``block_hash``): one
+    C pass per group, no Python object per block.
     """
     ids, hashed = [], []
-    for group in blocks.blocks:
-        n = len(group)
-        a = np.fromiter((b.block_id for b in group), dtype=np.int32, count=n)
-        h = np.fromiter((b.block_hash is not None for b in group), dtype=np.bool_, count=n)
+    for g, group in enumerate(blocks.blocks):
+        a, h = ids_from_objects(group, flag_attr=_BLOCK_HASH_ATTR, name="KVCacheBlocks",
+                                group=g)
         ids.append(a)
         hashed.append(h)
     return tuple(ids), tuple(hashed)

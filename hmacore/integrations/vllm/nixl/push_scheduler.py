@@ -102,7 +102,10 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         self._push_reqs: dict[str, tuple[Any, str]] = {}   # rid -> (Request, push id)
         self._hold_since: dict[str, float] = {}
         self._registered: dict[str, list[list[int]]] = {}  # push id -> D's positional table
-        self._registered_at: dict[str, float] = {}         # push id -> arrival (clock s)
+        self._claimed: set[str] = set()                    # push ids of this engine's requests
+        # complete registrations no request claimed yet: push id -> arrival (clock s), in
+        # arrival order (the stale sweep stops at the first fresh one)
+        self._unclaimed_at: dict[str, float] = {}
         # push id -> (D's table, P ranks that reported it, first report): not all ranks yet
         self._reg_partial: dict[str, tuple[list[list[int]], set[int], float]] = {}
         self._unpushed: set[str] = set()                   # registration timed out / bad
@@ -147,6 +150,8 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             self._unpushed.add(rid)
             return None
         self._push_reqs[rid] = (request, pp["push_id"])
+        self._claimed.add(pp["push_id"])
+        self._unclaimed_at.pop(pp["push_id"], None)
         return pp["push_id"]
 
     # -- scheduler hooks ----------------------------------------------------------------------
@@ -189,16 +194,18 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """P: track a push request's table (its steps push their new blocks); D: queue the
         registration (first call with params)."""
-        tracked = self._alloc_table(request, blocks)
-        if tracked is None:
+        params = request.kv_transfer_params
+        if not params:
             return
-        params, rid, table, hashed = tracked
         if params.get("do_remote_decode"):
             if self._is_push_producer(request) is not None:
-                self._track_full(rid, table, request.num_prompt_tokens)
+                table, _ = C.table_and_hashed(blocks)
+                self._track_full(request.request_id, table, request.num_prompt_tokens)
             return
         if not params.get("do_remote_prefill"):
             return
+        rid = request.request_id
+        table, hashed = C.table_and_hashed(blocks)
         pp = self._push_params(params, decode_side=True)
         if pp is not None:
             start = self._local_tokens.pop(rid, 0)
@@ -222,7 +229,9 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         out = []
         for ids, h, keep, spec in zip(sliced, hashed, clipped, self.layout.groups):
             lo = max(start // spec.block_size, len(ids) - len(keep))
-            out.append([int(b) if p >= lo and not h[p] else 0 for p, b in enumerate(ids)])
+            pos = np.where(h[:len(ids)], 0, ids)     # hashed positions: D's local hit
+            pos[:lo] = 0
+            out.append(pos.tolist())
         return out
 
     def build_connector_meta(self, scheduler_output: Any) -> HmaPushConnectorMetadata:
@@ -291,7 +300,8 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             if ranks >= set(range(self.tp_size)):    # every prefill rank has its consumers
                 self._reg_partial.pop(pid, None)
                 self._registered[pid] = table
-                self._registered_at[pid] = self.clock()
+                if pid not in self._claimed:
+                    self._unclaimed_at[pid] = self.clock()
             else:
                 self._reg_partial[pid] = (table, ranks, first)
         now = self.clock()
@@ -308,17 +318,20 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
 
     def _drop_stale_registrations(self, now: float) -> None:
         """A registration no request of this engine claimed within ``kv_lease_duration``
-        seconds (P's request never came, or was refused) is forgotten."""
-        claimed = {pid for _, pid in self._push_reqs.values()}
-        for pid, (_, _, t) in list(self._reg_partial.items()):
-            if pid not in claimed and now - t > self.lease_s:
-                del self._reg_partial[pid]
-        for pid, t in list(self._registered_at.items()):
-            if pid not in claimed and now - t > self.lease_s:
-                del self._registered_at[pid]
-                self._registered.pop(pid, None)
-                logger.warning("push %s: registration unclaimed for %.1f s; dropped", pid,
-                               self.lease_s)
+        seconds (P's request never came, or was refused) is forgotten. Work per step: the
+        stale entries plus one (partial registrations last only until every rank reported)."""
+        if self._reg_partial:
+            for pid, (_, _, t) in list(self._reg_partial.items()):
+                if pid not in self._claimed and now - t > self.lease_s:
+                    del self._reg_partial[pid]
+        while self._unclaimed_at:
+            pid, t = next(iter(self._unclaimed_at.items()))
+            if now - t <= self.lease_s:
+                break
+            del self._unclaimed_at[pid]
+            self._registered.pop(pid, None)
+            logger.warning("push %s: registration unclaimed for %.1f s; dropped", pid,
+                           self.lease_s)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """P: hold the blocks (True) while a registered push may still be writing from them;
@@ -344,7 +357,8 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             return False, None
         pid = entry[1]
         registered = self._registered.pop(pid, None) is not None
-        self._registered_at.pop(pid, None)
+        self._claimed.discard(pid)
+        self._unclaimed_at.pop(pid, None)
         if self._reg_partial.pop(pid, None) is not None:
             self._aborts.add(pid)        # some ranks hold registrations: they tell D
         if unpushed or not registered or ended:

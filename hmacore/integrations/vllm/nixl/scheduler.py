@@ -161,16 +161,6 @@ class HmaNixlScheduler:
             out_h.append(h)
         return tuple(out_t), tuple(out_h)
 
-    def _alloc_table(self, request: Any, blocks: Any):
-        """The shared start of ``update_state_after_alloc``: None for a request without
-        ``kv_transfer_params``; else ``(params, rid, table, hashed)`` (per-group int32 ids and
-        hash flags of the allocated table, :func:`_compat.table_and_hashed`)."""
-        params = request.kv_transfer_params
-        if not params:
-            return None
-        table, hashed = C.table_and_hashed(blocks)
-        return params, request.request_id, table, hashed
-
     def _empty(self) -> list[list[int]]:
         return [[] for _ in range(self.layout.num_groups)]
 
@@ -223,15 +213,13 @@ class HmaNixlScheduler:
         return (count, not self.sync_load) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Schedule the D-side load on the first call with params (P: note the producer)."""
-        tracked = self._alloc_table(request, blocks)
-        if tracked is None:
-            return
-        params, rid, table, hashed = tracked
-        if params.get("do_remote_decode"):
-            return
-        if not params.get("do_remote_prefill"):
-            return  # second call of an async load, or a D request already handled
+        """Schedule the D-side load on the first call with params (P: nothing to do; its
+        table comes with request_finished)."""
+        params = request.kv_transfer_params
+        if not params or params.get("do_remote_decode") or not params.get("do_remote_prefill"):
+            return  # P, a plain request, a second call of an async load or a handled D request
+        rid = request.request_id
+        table, hashed = C.table_and_hashed(blocks)
         remote = self._remote(params)
         if remote is not None:
             computed = count_hashed(table, hashed)
@@ -275,7 +263,7 @@ class HmaNixlScheduler:
         now = self.clock()
         wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
         for rid in getattr(wmeta, "renewed", None) or ():
-            if rid in self._leases:
+            if self._leases.pop(rid, None) is not None:    # re-inserted: see _expire_leases
                 self._leases[rid] = self._new_leases[rid] = now + self.lease_s
         sending = set()
         for rid in connector_output.finished_sending or ():
@@ -297,15 +285,22 @@ class HmaNixlScheduler:
 
     def _expire_leases(self, now: float, sending: set[str]) -> None:
         """P side: every lease whose deadline (clock seconds) is ``<= now`` ends; its request
-        joins ``sending`` (vLLM then frees the blocks) and a later worker report is dropped."""
-        for rid, deadline in list(self._leases.items()):
-            if deadline <= now:
-                del self._leases[rid]
-                self._new_leases.pop(rid, None)
-                self._expired_pending.add(rid)
-                sending.add(rid)
-                logger.warning("lease of %s expired after %.1f s; freeing its blocks", rid,
-                               self.lease_s)
+        joins ``sending`` (vLLM then frees the blocks) and a later worker report is dropped.
+
+        Every lease is (re)inserted with deadline ``clock() + lease_s`` (a renewal deletes it
+        first), so with a monotonic clock ``_leases`` is in deadline order: the walk stops at
+        the first lease still running (work per step: the expired leases plus one)."""
+        leases = self._leases
+        while leases:
+            rid, deadline = next(iter(leases.items()))
+            if deadline > now:
+                break
+            del leases[rid]
+            self._new_leases.pop(rid, None)
+            self._expired_pending.add(rid)
+            sending.add(rid)
+            logger.warning("lease of %s expired after %.1f s; freeing its blocks", rid,
+                           self.lease_s)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """Called exactly once, before the blocks are freed, with one id list per group.
