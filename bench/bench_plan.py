@@ -77,8 +77,7 @@ def test_desc_ids(benchmark, preset_plan, tokens, impl):
         lists = [t.tolist() for t in table]
         regions = [(r.logical_blocks, r.ratio, r.group, r.state) for r in plan.regions]
         gstate = [s.kind.name == "MAMBA" for s in plan.layout.groups]
-        got = benchmark.pedantic(oracle_desc_ids, args=(regions, gstate, lists),
-                                 kwargs={"group_major": plan.group_major}, rounds=3, iterations=1)
+        got = benchmark(oracle_desc_ids, regions, gstate, lists, group_major=plan.group_major)
     assert np.array_equal(np.asarray(got, dtype=np.int64), want)
 
 

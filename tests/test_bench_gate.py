@@ -67,3 +67,22 @@ def test_gate_cli_exit_codes(tmp_path):
     assert run("ok.json").returncode == 0
     bad = run("bad.json")
     assert bad.returncode == 1 and "FAIL" in bad.stdout
+
+
+def test_plot_places_every_recorded_case(tmp_path):
+    """bench/plot.py draws every case of the recorded run (none skipped by its name) and
+    refuses a name it cannot place."""
+    import plot
+    rep = json.loads((ROOT / "bench" / "results" / "latest.json").read_text())
+    placed = [plot.parse(c["name"]) for c in rep["cases"]]
+    assert len(placed) == len(rep["cases"]) > 50
+    assert plot.parse("clip-2groups-128k-lists") == ("clip", "2groups-lists", 131072,
+                                                     "request tokens")
+    assert plot.parse("sched_step-dsv4-256req") == ("sched_step", "dsv4", 256, "requests")
+    assert plot.parse("keys-4k") == ("keys", "keys", 4096, "request tokens")
+    import pytest
+    with pytest.raises(ValueError, match="no size part"):
+        plot.parse("mystery-case")
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    assert plot.main([str(tmp_path / "r.json"), "-o", str(tmp_path)]) == 0
+    assert (tmp_path / "bench_ratios.png").stat().st_size > 10000
