@@ -10,6 +10,12 @@ exists; each request's lookup hits only written keys, and the hit loads byte-ide
 other memory. Then removes the first requests' keys and re-saves a refused request: it is
 written, hit and loaded byte-identical (the store keeps serving). Prints one JSON line;
 kills everything it started by PID.
+
+The master runs with eviction off. With Mooncake's default (evict 5% of objects once the
+pool passes 90%, objects whose 10 s lease expired), the re-saved request's keys were evicted
+before its lookup when the machine was slow: the lookup then correctly missed (hit 0), and
+the test flaked. Reproduced by sleeping 12 s between that save and the lookup: default
+flags hit 0, eviction off hits 768 (25 Nov).
 """
 from __future__ import annotations
 
@@ -92,7 +98,11 @@ def load_and_compare(finder, keys, st, hashes, hit, src, src_t, dst, dsegs, dst_
 def main(port):
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     log = master_log("mc_full")
-    master = start_master(port, log)
+    # eviction off: this test is about NO_SPACE refusals, and Mooncake evicts objects in the
+    # background past its high watermark (default 90%), which made "hit after removal"
+    # depend on timing (keys written after the removal were evicted before the lookup)
+    master = start_master(port, log, "--eviction_high_watermark_ratio=1.0",
+                          "--eviction_ratio=0.0")
     st = None
     out = {"requests": []}
     try:
