@@ -394,11 +394,40 @@ class Engine:
         self.vc = vllm_config(v, max_len=max_len, requests=wl.requests, extra=extra,
                               engine_id=f"{v.name}-{tag}")
         self.s = H.make_scheduler(self.vc, self.kcc)
+        self.hook_ns = 0          # thread CPU ns inside the connector's scheduler-side hooks
+        self._hook_depth = 0
+        if self.s.connector is not None:
+            self._time_hooks(self.s.connector)
         self._threshold = self.vc.scheduler_config.long_prefill_token_threshold
         self.reports_loads = v.side == "D"
         self.reports_jobs = v.connector == "OffloadingConnector"
         if v.side == "P" and v.mode == "push":
             self._register_pushes()
+
+    def _time_hooks(self, conn) -> None:
+        """Wrap every scheduler-side hook vLLM's Scheduler calls (``TIMED_HOOKS``) on this
+        connector instance, vLLM's and hmacore's alike, to add its thread CPU time to
+        ``hook_ns`` (outermost call only: a hook calling another counts once). The same
+        wrapper cost (two clock reads per call) lands on both sides of a comparison."""
+        clock = time.thread_time_ns
+
+        def timed(fn):
+            def wrapper(*a, **kw):
+                if self._hook_depth:
+                    return fn(*a, **kw)
+                self._hook_depth = 1
+                t0 = clock()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.hook_ns += clock() - t0
+                    self._hook_depth = 0
+            return wrapper
+
+        for name in TIMED_HOOKS:
+            fn = getattr(conn, name, None)
+            if callable(fn):
+                setattr(conn, name, timed(fn))
 
     def _register_pushes(self) -> None:
         """D's registrations reach P before P's requests do (fed through the real hook)."""
@@ -443,13 +472,17 @@ class Engine:
         between the two timed calls and not counted."""
         cpu, wall = time.thread_time_ns, time.perf_counter_ns
         a0 = sys.getallocatedblocks()
+        h0 = self.hook_ns
         c0, w0 = cpu(), wall()
         so = self.s.schedule()
         c1, w1 = cpu(), wall()
+        h1 = self.hook_ns
         out = self.fake_output(so)
+        h2 = self.hook_ns
         c2, w2 = cpu(), wall()
         self.s.update_from_output(so, out)
         c3, w3 = cpu(), wall()
+        self.last_hook_ns = (h1 - h0) + (self.hook_ns - h2)
         return so, (c1 - c0) + (c3 - c2), (w1 - w0) + (w3 - w2), sys.getallocatedblocks() - a0
 
     def set_budget(self, per_step: int, per_request: int | None) -> None:
@@ -583,10 +616,11 @@ def warm_engines(cell: Cell, engines: list[Engine], na: dict[str, str]) -> list[
 
 @dataclass
 class Samples:
-    """Per-variant timed samples of one cell (thread CPU ns and wall ns per step,
-    allocated-block deltas)."""
+    """Per-variant timed samples of one cell (thread CPU ns and wall ns per step, thread
+    CPU ns inside the connector's hooks, allocated-block deltas)."""
 
     ns: list[int] = field(default_factory=list)
+    hook: list[int] = field(default_factory=list)
     wall: list[int] = field(default_factory=list)
     alloc: list[int] = field(default_factory=list)
     sched_mismatch: int = 0
@@ -608,6 +642,7 @@ def timed_steps(cell: Cell, engines: list[Engine], steps: int) -> tuple[dict[str
             outs[e.v.name] = so
             s = samples[e.v.name]
             s.ns.append(ns)
+            s.hook.append(e.last_hook_ns)
             s.wall.append(wall)
             s.alloc.append(alloc)
         want = dict(outs["none"].num_scheduled_tokens)
@@ -665,6 +700,10 @@ def summarize(cell: Cell, samples: dict[str, Samples], na: dict[str, str], varia
                "mean_ms": sum(ms) / len(ms), "wall_median_ms": percentile(wall, 50),
                "wall_p90_ms": percentile(wall, 90),
                "alloc_blocks_per_step": percentile([float(a) for a in s.alloc], 50),
+               # the connector's own scheduler-side work, measured directly (no noisy
+               # difference of two whole steps): mean over the timed steps
+               "hook_mean_ms": sum(s.hook) / len(s.hook) / 1e6,
+               "hook_median_ms": percentile([x / 1e6 for x in s.hook], 50),
                "sched_mismatch_steps": s.sched_mismatch}
         if v.name != "none" and base:
             row["overhead_ms"] = med - base_med
@@ -780,6 +819,13 @@ def run_group(cell: Cell, wl: Workload, steps: int, variants, keep: bool) -> dic
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
          "update_connector_output", "request_finished_all_groups", "on_new_request",
          "has_pending_block_frees")
+# every connector method vLLM 0.32's Scheduler calls per step or per request (timed for all
+# connector variants; `grep -o "connector\.[a-z_]*(" vllm/v1/core/sched/scheduler.py`)
+TIMED_HOOKS = HOOKS + ("request_finished", "has_pending_push_work", "take_events",
+                       "get_kv_connector_stats", "get_loaded_kv_cache_group_ids",
+                       "take_unavailable_requests", "update_state_after_free",
+                       "register_finished_partial_tail", "get_external_cache_hit_sources",
+                       "take_output", "ensure_cache_available", "has_cache_item")
 
 
 def profile_hooks(engines: list[Engine], steps: int, top: int = 15) -> dict[str, str]:
@@ -796,14 +842,18 @@ def profile_hooks(engines: list[Engine], steps: int, top: int = 15) -> dict[str,
             continue
         prof = cProfile.Profile(time.thread_time)
         conn = e.s.connector
+        saved = {name: conn.__dict__.get(name) for name in HOOKS}
         for name in HOOKS:
             fn = getattr(conn, name, None)
             if fn is not None:
                 setattr(conn, name, _profiled(prof, fn))
         for _ in range(steps):
             e.step()
-        for name in HOOKS:
-            conn.__dict__.pop(name, None)
+        for name, fn in saved.items():       # back to the timing wrappers (or the class's)
+            if fn is None:
+                conn.__dict__.pop(name, None)
+            else:
+                setattr(conn, name, fn)
         buf = io.StringIO()
         st = pstats.Stats(prof, stream=buf)
         st.sort_stats("cumulative").print_stats(top)

@@ -143,6 +143,40 @@ def alloc_table(records: list[dict], order: list[str] | None = None) -> list[str
                               lambda row: f"{row['alloc_blocks_per_step']:+.0f}")
 
 
+def hook_table(records: list[dict], order: list[str] | None = None) -> list[str]:
+    """Thread CPU ms per step inside the connector's own scheduler-side hooks (mean over the
+    timed steps; median in brackets): the connector's work measured directly."""
+    return _per_variant_table(records, order, lambda row: (
+        f"{row['hook_mean_ms']:.3f} ({row['hook_median_ms']:.3f})"
+        if "hook_mean_ms" in row else "n/a"))
+
+
+def target_rows(records: list[dict]) -> list[str]:
+    """Issue 15's targets per cell on the directly measured hook time: an HmaNixl variant's
+    hooks <= its vLLM NixlConnector counterpart's + 2% of the no-connector step; the store's
+    hooks <= 0.5x the OffloadingConnector's."""
+    lines = ["| layout | reqs | prompt | step | variant | hook ms | vLLM same kind hook ms | "
+             "bound ms | met |", "|" + "---|" * 9]
+    for rec in records:
+        if rec.get("status") != "ran":
+            continue
+        vs = rec["variants"]
+        none = vs.get("none", {}).get("median_ms")
+        for n, row in vs.items():
+            base = vs.get(row.get("ratio_vs") or "", {})
+            if not n.startswith("hma_") or "hook_mean_ms" not in row \
+                    or "hook_mean_ms" not in base or none is None:
+                continue
+            if n == "hma_store":
+                bound = 0.5 * base["hook_mean_ms"]
+            else:
+                bound = base["hook_mean_ms"] + 0.02 * none
+            met = "yes" if row["hook_mean_ms"] <= bound else "**no**"
+            lines.append(f"| {_cell_name(rec)} | {n} | {row['hook_mean_ms']:.3f} | "
+                         f"{base['hook_mean_ms']:.3f} ({row['ratio_vs']}) | {bound:.3f} | {met} |")
+    return lines if len(lines) > 2 else []
+
+
 def worker_table(records: list[dict]) -> list[str]:
     """Worker-side bookkeeping ms per step (if the run measured it)."""
     rows = [r for r in records if r.get("worker")]
@@ -176,6 +210,13 @@ def render(doc: dict) -> str:
     out += ["", "## hmacore vs vLLM connector of the same kind (median step ratio; < 1: "
             "hmacore faster)", ""]
     out += ratio_table(records, order)
+    out += ["", "## Connector hooks: thread CPU ms per step inside the connector's scheduler-side "
+            "hooks, mean (median)", ""]
+    out += hook_table(records, order)
+    tr = target_rows(records)
+    if tr:
+        out += ["", "## Targets on hook time (HmaNixl: <= vLLM NixlConnector + 2% of the "
+                "no-connector step; store: <= 0.5x OffloadingConnector)", ""] + tr
     out += ["", "## Wall-clock median ms per step (shared machine: noisy)", ""]
     out += wall_table(records, order)
     out += ["", "## Python allocated blocks per step (median sys.getallocatedblocks() delta "

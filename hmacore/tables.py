@@ -20,8 +20,8 @@ from .spec import KVLayout
 
 __all__ = [
     "BlockTable", "as_block_table", "to_wire", "from_wire", "to_tuple", "fill_blocks",
-    "count_hashed", "ids_from_objects", "RequestState", "TrackerSet", "BLOCK_ID_DTYPE", "TokenCountError",
-    "TrackerThreadError",
+    "count_hashed", "ids_from_objects", "pair_block_spans", "RequestState", "TrackerSet",
+    "BLOCK_ID_DTYPE", "TokenCountError", "TrackerThreadError",
 ]
 
 BlockTable = tuple  # tuple[np.ndarray[int32], ...], one entry per group
@@ -161,6 +161,29 @@ def ids_from_objects(objs: Sequence[Any], *, id_attr: str = "block_id",
         _raise_status(f"{name} ({id_attr})", group, i, status, value, 0)
     assert ids is not None and flags is not None
     return ids, flags.view(np.bool_)
+
+
+def pair_block_spans(mine: Sequence[np.ndarray], theirs: Sequence[np.ndarray],
+                     block_sizes: Sequence[int], start: int,
+                     end: int) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """Pair two positional tables over the tokens ``[start, end)``: per group g, the blocks
+    at positions ``start // bs .. cdiv(end, bs) - 1`` of ``mine[g]`` and ``theirs[g]``, skipping
+    positions where either holds the null block 0 or that lie past either table. Returns
+    ``(local, remote)``, int32 arrays per group. One C call for all groups (push mode's
+    per-step WRITE pairs; no Python object per block). Tables: any form
+    :func:`as_block_table` accepts; contiguous int32 arrays pass as they are, unscanned (the
+    kernel reads only the span's positions and refuses a negative id there), so the cost
+    follows the span, not the tables' length."""
+    n = len(block_sizes)
+
+    def ready(t: Sequence[Any]) -> bool:
+        return isinstance(t, tuple) and len(t) == n and all(
+            type(x) is np.ndarray and x.dtype == BLOCK_ID_DTYPE and x.ndim == 1
+            and x.flags.c_contiguous for x in t)
+
+    a = mine if ready(mine) else as_block_table(mine, n, name="mine")
+    b = theirs if ready(theirs) else as_block_table(theirs, n, name="theirs")
+    return _k.pair_block_spans(a, b, tuple(block_sizes), int(start), int(end))
 
 
 def as_block_table(block_ids: BlockTableLike, num_groups: int, *, num_blocks: int | None = None,

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from hmacore.errors import BlockTableError
-from hmacore.tables import as_block_table, count_hashed, fill_blocks, from_wire, to_tuple, to_wire
+from hmacore.tables import (as_block_table, count_hashed, fill_blocks, from_wire,
+                            pair_block_spans, to_tuple, to_wire)
 from tests import oracle_core as oracle
 
 
@@ -271,3 +272,31 @@ def test_table_store_guards():
     st.pop("x")
     with pytest.raises(IndexError, match="slot 0 is not in use"):
         st.length(s, 0)
+
+
+def test_pair_block_spans_matches_a_plain_python_pairing():
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        ng = int(rng.integers(1, 5))
+        bss = [int(rng.choice([1, 4, 16, 64])) for _ in range(ng)]
+        mine = [rng.integers(0, 4, int(rng.integers(0, 30))).astype(np.int32) for _ in bss]
+        theirs = [rng.integers(0, 4, int(rng.integers(0, 30))).astype(np.int32) for _ in bss]
+        start = int(rng.integers(0, 400))
+        end = start + int(rng.integers(0, 400))
+        local, remote = pair_block_spans(mine, theirs, bss, start, end)
+        for g, bs in enumerate(bss):
+            lo, hi = start // bs, -(-end // bs)
+            want = [(int(mine[g][p]), int(theirs[g][p])) for p in range(lo, hi)
+                    if p < len(mine[g]) and p < len(theirs[g])
+                    and mine[g][p] and theirs[g][p]]
+            assert list(zip(local[g].tolist(), remote[g].tolist())) == want
+            assert local[g].dtype == remote[g].dtype == np.int32
+    with pytest.raises(BlockTableError, match="mine: group 0"):
+        pair_block_spans([[-1]], [[1]], [16], 0, 16)
+    with pytest.raises(ValueError, match="bad token span"):
+        pair_block_spans([[1]], [[1]], [16], 10, 5)
+    with pytest.raises(ValueError, match="block size 0"):
+        pair_block_spans([[1]], [[1]], [0], 0, 5)
+    with pytest.raises(ValueError, match="negative block id at position 1"):
+        pair_block_spans((np.array([1, -3], np.int32),), (np.array([1, 2], np.int32),),
+                         [16], 0, 32)

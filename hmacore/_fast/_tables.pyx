@@ -126,6 +126,58 @@ def objects_to_ids(object seq, str id_attr, str flag_attr):
     return ids, flags, ID_OK, -1
 
 
+cdef tuple _pair_span(const block_id_t[::1] mine, const block_id_t[::1] theirs,
+                      Py_ssize_t lo, Py_ssize_t hi):
+    """``(mine[p], theirs[p])`` for ``lo <= p < hi`` where both are non-null, as two fresh
+    int32 arrays (``hi`` already clipped to both lengths)."""
+    cdef Py_ssize_t p, n = 0
+    for p in range(lo, hi):
+        if mine[p] < 0 or theirs[p] < 0:
+            raise ValueError(f"pair_block_spans: negative block id at position {p}")
+        n += mine[p] != 0 and theirs[p] != 0
+    cdef cnp.npy_intp dim = n
+    a = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)
+    b = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)
+    cdef block_id_t* pa = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>a)
+    cdef block_id_t* pb = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>b)
+    n = 0
+    for p in range(lo, hi):
+        if mine[p] != 0 and theirs[p] != 0:
+            pa[n] = mine[p]
+            pb[n] = theirs[p]
+            n += 1
+    return a, b
+
+
+def pair_block_spans(tuple mine, tuple theirs, tuple block_sizes, token_t start,
+                     token_t end):
+    """Per group g, the blocks covering tokens ``[start, end)`` paired position by position
+    between two positional tables (``mine[g]``, ``theirs[g]``: contiguous int32), skipping a
+    position where either side holds the null block: ``(local, remote)``, tuples of int32
+    arrays. One call per request and step (push mode's WRITE pairs): no Python object per
+    block. ``block_sizes[g] >= 1`` tokens; positions past either table are not paired.
+    Terminates: one bounded pass per group. The GIL is held (the arrays cannot go away)."""
+    cdef Py_ssize_t g, ng = len(block_sizes)
+    cdef token_t bs, lo, hi
+    if len(mine) != ng or len(theirs) != ng:
+        raise ValueError(f"pair_block_spans: {len(mine)} / {len(theirs)} tables for {ng} groups")
+    if start < 0 or end < start:
+        raise ValueError(f"pair_block_spans: bad token span [{start}, {end})")
+    local, remote = [], []
+    for g in range(ng):
+        bs = block_sizes[g]
+        if bs < 1:
+            raise ValueError(f"pair_block_spans: group {g} block size {bs} < 1")
+        m, t = mine[g], theirs[g]
+        lo = start // bs
+        hi = end // bs + (end % bs != 0)
+        hi = max(lo, min(hi, <token_t>len(m), <token_t>len(t)))
+        a, b = _pair_span(m, t, lo, hi)
+        local.append(a)
+        remote.append(b)
+    return tuple(local), tuple(remote)
+
+
 cdef int _check_int_seq(object seq, long long num_blocks, Py_ssize_t* bad) except -2:
     """Status of a list/tuple of exact Python ints; -1 = not a list/tuple of exact ints
     (the general path decides)."""

@@ -114,9 +114,18 @@ class TableFollower:
     """
 
     trackers: TrackerSet
+    # requests whose full table update_state_after_alloc gave in this scheduling pass: the
+    # same pass's scheduler output repeats that table (vLLM builds both from one allocation),
+    # so _follow_step skips re-reading it
+    _fresh: set[str]
 
-    def _track_full(self, rid: str, table: Any, num_prompt_tokens: int) -> None:
-        """A full per-group table: new request, resumed request (replace) or a repeat (suffix)."""
+    def _track_full(self, rid: str, table: Any, num_prompt_tokens: int, *,
+                    at_alloc: bool = False) -> None:
+        """A full per-group table: new request, resumed request (replace) or a repeat (suffix).
+        ``at_alloc``: given by ``update_state_after_alloc`` (see ``_fresh``)."""
+        if at_alloc:
+            fresh = self.__dict__.setdefault("_fresh", set())
+            fresh.add(rid)
         if rid not in self.trackers:
             self.trackers.add(rid, table, num_prompt_tokens=num_prompt_tokens)
         elif self.trackers.state(rid) == RequestState.PREEMPTED:
@@ -128,6 +137,7 @@ class TableFollower:
         """Apply one step's preemptions and allocations to the tracked requests; yield the
         tracked scheduled ids (untracked ones are skipped with one membership test)."""
         trackers = self.trackers
+        fresh = self.__dict__.pop("_fresh", None) or ()
         if not len(trackers):
             return
         for rid in C.preempted_ids(scheduler_output):
@@ -140,7 +150,8 @@ class TableFollower:
                 continue
             scheduled.append(rid)
             if full:
-                self._track_full(rid, ids, trackers.num_prompt_tokens(rid))
+                if rid not in fresh:
+                    self._track_full(rid, ids, trackers.num_prompt_tokens(rid))
             elif ids is not None:
                 rids.append(rid)
                 new_ids.append(ids)

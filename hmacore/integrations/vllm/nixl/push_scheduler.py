@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ....errors import ConfigError, HmacoreError
-from ....tables import TrackerSet, from_wire
+from ....tables import TrackerSet, from_wire, pair_block_spans
 from ....spec import GroupKind
 from .._config import number
 from .. import _compat as C
@@ -96,6 +96,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         self.recv_timeout = number(extra, "push_recv_timeout", 60.0, positive=True)
         # P side push requests, followed until their final WRITE (TableFollower)
         self.trackers = TrackerSet(self.layout)
+        self._block_sizes = tuple(s.block_size for s in self.layout.groups)
         # D side
         self._regs_pending: dict[str, PushRegistration] = {}
         # P side
@@ -200,7 +201,8 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         if params.get("do_remote_decode"):
             if self._is_push_producer(request) is not None:
                 table, _ = C.table_and_hashed(blocks)
-                self._track_full(request.request_id, table, request.num_prompt_tokens)
+                self._track_full(request.request_id, table, request.num_prompt_tokens,
+                                 at_alloc=True)
             return
         if not params.get("do_remote_prefill"):
             return
@@ -262,24 +264,16 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         end = min(int(request.num_computed_tokens) + scheduled, total)
         if start >= end:
             return None
-        views = self.trackers.block_ids(rid, copy=False)
-        local, rem = [], []
-        for g, spec in enumerate(self.layout.groups):
-            # only this step's positions, paired in C: the work does not grow with the
-            # prompt and makes no Python object per block
-            lo, hi = start // spec.block_size, -(-end // spec.block_size)
-            theirs = remote[g]
-            hi = max(lo, min(hi, views[g].shape[0], theirs.shape[0]))
-            mine, yours = views[g][lo:hi], theirs[lo:hi]
-            keep = (mine != 0) & (yours != 0)
-            local.append(mine[keep])
-            rem.append(yours[keep])
+        # only this step's positions, paired in C for all groups at once: the work does not
+        # grow with the prompt and makes no Python object per block
+        local, rem = pair_block_spans(self.trackers.block_ids(rid, copy=False), remote,
+                                      self._block_sizes, start, end)
         self._push_steps[rid] = step + 1
         if end >= total:
             # the prompt's last push: nothing more to follow for this request
             self.trackers.finish(rid)
-        return PushSave(request_id=rid, push_id=pid, step=step, local_block_ids=local,
-                        remote_block_ids=rem, final=end >= total)
+        return PushSave(request_id=rid, push_id=pid, step=step, local_block_ids=list(local),
+                        remote_block_ids=list(rem), final=end >= total)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the workers' report: D loads finished/failed; P registrations, pushes ended

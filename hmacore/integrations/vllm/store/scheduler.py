@@ -140,7 +140,7 @@ class HmaStoreScheduler(TableFollower):
         table = blocks.get_block_ids()
         if self.do_save:     # saves read each step's new blocks: follow the table
             self._requests[rid] = request
-            self._track_full(rid, table, int(request.num_prompt_tokens))
+            self._track_full(rid, table, int(request.num_prompt_tokens), at_alloc=True)
         if num_external_tokens <= 0:
             return
         cached = self._hits.get(rid)
