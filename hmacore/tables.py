@@ -10,7 +10,7 @@ import copy as _copy
 import enum
 from _thread import get_ident as _get_ident
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Hashable, Union
+from typing import Any, Hashable, Union, cast
 
 import numpy as np
 
@@ -181,8 +181,8 @@ def pair_block_spans(mine: Sequence[np.ndarray], theirs: Sequence[np.ndarray],
             type(x) is np.ndarray and x.dtype == BLOCK_ID_DTYPE and x.ndim == 1
             and x.flags.c_contiguous for x in t)
 
-    a = mine if ready(mine) else as_block_table(mine, n, name="mine")
-    b = theirs if ready(theirs) else as_block_table(theirs, n, name="theirs")
+    a = cast(tuple, mine) if ready(mine) else as_block_table(mine, n, name="mine")
+    b = cast(tuple, theirs) if ready(theirs) else as_block_table(theirs, n, name="theirs")
     return _k.pair_block_spans(a, b, tuple(block_sizes), int(start), int(end))
 
 

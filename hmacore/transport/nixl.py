@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BlockTableError, HandshakeError, TransferError
+from ..errors import BlockTableError, HandshakeError, HmacoreError, TransferError
 from ..plan import TransferPlan
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 from .handshake import HandshakePayload
@@ -150,18 +150,34 @@ class NixlAgent:
         descriptors get their own local and remote dlists and reads to this peer use
         ``pair.desc_ids`` (remote ids are the peer's own block ids)."""
         name = self._load_peer(payload)
-        if pair is None:
-            plan = payload.remote_plan(self.plan.layout)
-            dlist = self._agent.prep_xfer_dlist(name, plan.descriptors(), plan.mem_type)
-            self._peers[name] = _Peer(name, payload, plan, dlist, plan._desc,
-                                      self._ids32 and plan.num_descs <= _INT32_MAX + 1)
-        else:
-            local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", pair.local.descriptors(),
-                                                pair.local.mem_type)
-            dlist = self._agent.prep_xfer_dlist(name, pair.remote.descriptors(),
-                                                pair.remote.mem_type)
-            self._peers[name] = _Peer(name, payload, None, dlist, pair=pair, local=local)
+        try:
+            if pair is None:
+                plan = payload.remote_plan(self.plan.layout)
+                dlist = self._agent.prep_xfer_dlist(name, plan.descriptors(), plan.mem_type)
+                self._peers[name] = _Peer(name, payload, plan, dlist, plan._desc,
+                                          self._ids32 and plan.num_descs <= _INT32_MAX + 1)
+            else:
+                local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT",
+                                                    pair.local.descriptors(),
+                                                    pair.local.mem_type)
+                dlist = self._agent.prep_xfer_dlist(name, pair.remote.descriptors(),
+                                                    pair.remote.mem_type)
+                self._peers[name] = _Peer(name, payload, None, dlist, pair=pair, local=local)
+        except HmacoreError:
+            self._forget_remote(name)
+            raise
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
+            self._forget_remote(name)
+            raise HandshakeError(f"peer {name!r}: NIXL could not prepare its descriptors: "
+                                 f"{type(e).__name__}: {e}") from e
         return name
+
+    def _forget_remote(self, name: str) -> None:
+        """Drop a remote agent whose peer entry was never completed (best effort)."""
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception:  # noqa: BLE001 - nothing more to undo
+            pass
 
     def add_notify_peer(self, payload: HandshakePayload) -> str:
         """Accept a peer only to send it notifications (no dlist: transfers to it raise).
@@ -174,7 +190,11 @@ class NixlAgent:
         self.handshake_payload().check_compatible(payload)
         if payload.agent_name in self._peers:
             self.remove_peer(payload.agent_name)
-        name = self._agent.add_remote_agent(payload.agent_metadata)
+        try:
+            name = self._agent.add_remote_agent(payload.agent_metadata)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
+            raise HandshakeError(f"NIXL refused peer {payload.agent_name!r}'s agent metadata: "
+                                 f"{type(e).__name__}: {e}") from e
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != payload.agent_name:
             raise HandshakeError(f"agent metadata names {name!r}, payload says {payload.agent_name!r}")
@@ -410,10 +430,19 @@ class NixlAgent:
         """Send ``b"<request_id>:<msg>"`` to a peer."""
         if peer not in self._peers:
             raise TransferError(f"unknown peer {peer!r}", request_id=request_id)
-        self._agent.send_notif(peer, request_id.encode() + b":" + bytes(msg))
+        try:
+            self._agent.send_notif(peer, request_id.encode() + b":" + bytes(msg))
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
+            # e.g. nixlRemoteDisconnectError when the peer's process is gone
+            raise TransferError(f"notification to {peer!r} not sent: {type(e).__name__}: {e}",
+                                request_id=request_id) from e
 
     def _drain_notifs(self) -> None:
-        for msgs in self._agent.get_new_notifs().values():
+        try:
+            new = self._agent.get_new_notifs()
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
+            raise TransferError(f"reading notifications failed: {type(e).__name__}: {e}") from e
+        for msgs in new.values():
             for m in msgs:
                 rid, sep, body = bytes(m).partition(b":")
                 self._notifs.setdefault(rid.decode(errors="replace"), []).append(body if sep else b"")

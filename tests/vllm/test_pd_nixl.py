@@ -176,3 +176,97 @@ def test_d_abort_before_scheduling_still_frees_p():
     finally:
         P.close()
         D.close()
+
+
+def _load_from(P, D, rid, n, base=1):
+    """D loads P's prefill of an ``n``-token prompt; returns (finished ok, bytes equal)."""
+    prompt = [base + i % 900 for i in range(n)]
+    P.s.add_request(H.make_request(rid, prompt, 16, params={"do_remote_decode": True},
+                                   max_tokens=1))
+    while rid not in P.d.finished_params():
+        P.d.step()
+    fill_pattern(P.paged, P.s.kv_cache_manager.get_block_ids(rid))
+    params = P.d.finished_params()[rid]
+    d_req = H.make_request("d-" + rid, prompt, 16, params=params, max_tokens=2)
+    D.s.add_request(d_req)
+    D.d.step()
+    rr = D.d.metas[-1].reqs_to_recv["d-" + rid]
+    deadline = time.monotonic() + 20
+    while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
+        assert time.monotonic() < deadline, "the load never ended"
+        D.d.step()
+    ok = "d-" + rid not in D.s.connector.scheduler.failed_recving
+    local, remote = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids, D.w.layout)
+    same = all((read_pages(D.paged.kv_caches[name], local[g]) ==
+                read_pages(P.paged.kv_caches[name], remote[g])).all()
+               for g, spec in enumerate(D.w.layout.groups) for name in spec.layer_names)
+    D.d.run()
+    return ok, same
+
+
+def test_restarted_prefill_engine_is_handshaken_afresh():
+    # a prefill engine restarts on the same host:port with a new engine id: D drops the
+    # stale agent and handshakes again (keyed by address alone, it kept reading from the
+    # dead agent and every load failed)
+    port = free_port()
+    make = lambda: H.gemma_like(num_blocks=64)  # noqa: E731
+    D = Engine(make, load_failure_policy="recompute")
+    P1 = Engine(make, extra={"side_channel_port": port}, engine_id="prefill-1")
+    P2 = None
+    try:
+        assert _load_from(P1, D, "a", 150) == (True, True)
+        drain_p(P1)
+        P1.close()
+        P2 = Engine(make, extra={"side_channel_port": port}, engine_id="prefill-2")
+        assert _load_from(P2, D, "b", 150, base=7) == (True, True)
+        assert set(D.w.worker._engine_peers) == {"prefill-2"}
+        drain_p(P2)
+        H.assert_no_leak(D.s)
+    finally:
+        for e in (P1, P2, D):
+            if e is not None:
+                e.close()
+
+
+def test_notify_only_load_to_a_dead_prefill_does_not_raise():
+    # D aborted before scheduling queues a notify-only entry; P is gone: the notification
+    # fails inside the hook and is logged, the step goes on
+    P = Engine(lambda: H.gemma_like(num_blocks=64))
+    D = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute")
+    try:
+        prompt, params = p_prefill(P, 150)
+        P.close()
+        D.s.add_request(H.make_request("d", prompt, 16, params=params))
+        D.s.finish_requests("d", H.RequestStatus.FINISHED_ABORTED)
+        D.d.step()
+        D.d.step()
+        H.assert_no_leak(D.s)
+    finally:
+        D.close()
+
+
+def test_a_bug_while_starting_a_load_is_a_failed_recv(monkeypatch):
+    # any exception inside the worker's load start (here a stand-in bug) ends that load in
+    # failed_recving; it never escapes the hook and kills the engine
+    from hmacore.integrations.vllm.nixl import worker as W
+    P = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute")
+    D = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute")
+    try:
+        prompt, params = p_prefill(P, 150)
+
+        def broken(*a, **kw):
+            raise KeyError("stand-in bug")
+        monkeypatch.setattr(W, "trim_remote_to_local", broken)
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        deadline = time.monotonic() + 20
+        while "d" not in D.s.connector.scheduler.failed_recving:
+            assert time.monotonic() < deadline, "the failure was never reported"
+            D.d.step()
+        monkeypatch.undo()
+        D.d.run()
+        assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED   # recomputed, finished
+        H.assert_no_leak(D.s)
+    finally:
+        P.close()
+        D.close()

@@ -112,6 +112,12 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         w = self._work()
         return w.stats() if hasattr(w, "stats") else []
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of failed sync loads (single-group models; see HmaNixlWorker._sync_failed)."""
+        w = self.worker
+        return w.take_invalid_blocks() if w is not None and hasattr(w, "take_invalid_blocks") \
+            else set()
+
     def build_connector_worker_meta(self):
         return self._work().build_worker_meta()
 

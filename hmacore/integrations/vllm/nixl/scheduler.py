@@ -85,6 +85,12 @@ class HmaNixlScheduler:
                               f"in [1, 65535], got {self.port}")
         self.tp_size = int(pc.tensor_parallel_size)
         self.sync_load = flag(extra, "sync_load", False)
+        if self.sync_load and self.layout.num_groups > 1:
+            logger.warning(
+                "sync_load with %d KV cache groups: vLLM 0.32 has no per-request failure path "
+                "for synchronous loads of multi-group models (it refuses invalid_block_ids), so "
+                "a failed sync load stops the engine; async loads (the default) report "
+                "failures per request", self.layout.num_groups)
         # the workers' NIXL progress-thread poll delay (see hmacore.transport.new_nixl_agent;
         # 0: NIXL's own thread, which spins a core)
         self.progress_delay_us = number(extra, "nixl_progress_delay_us",

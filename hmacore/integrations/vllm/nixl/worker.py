@@ -77,6 +77,7 @@ class _Source:
 
     readers: tuple[str, ...]
     peers: tuple[str, ...]
+    engine_id: str = ""
 
 
 @dataclasses.dataclass
@@ -85,6 +86,8 @@ class _Load:
 
     transfers: list[Transfer]
     failed: bool = False
+    source: tuple[str, int, int] | None = None     # _sources key (dropped if the load fails)
+    local_ids: tuple = ()                          # sync loads: blocks to report on failure
 
 
 class HmaNixlWorker:
@@ -125,6 +128,8 @@ class HmaNixlWorker:
         self._sending: dict[str, float] = {}                  # P rid -> local deadline
         self._done_from: dict[str, tuple[int, set[int]]] = {}  # P rid -> (D tp, D ranks done)
         self._renewed: set[str] = set()
+        self._invalid_blocks: set[int] = set()   # single-group sync loads that failed
+        self._stale_peers: set[str] = set()      # agents of dropped sources, to remove
 
     # -- registration -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> TransferPlan:
@@ -137,14 +142,53 @@ class HmaNixlWorker:
                                       port=self.port, on_peer=self.agent.add_notify_peer)
         return plan
 
+    @staticmethod
+    def _key(remote: RemotePeer) -> tuple[str, int, int]:
+        return (remote.host, int(remote.port), int(remote.tp_size or 1))
+
     def _source(self, remote: RemotePeer) -> _Source:
-        key = (remote.host, int(remote.port), int(remote.tp_size or 1))
+        """The connected engine at the params' address. Keyed by address and checked by
+        engine id: another engine id at a known address (a restarted prefill engine) is
+        handshaken afresh and the stale agent dropped."""
+        key = self._key(remote)
         src = self._sources.get(key)
+        if src is not None and src.engine_id != remote.engine_id:
+            logger.info("engine %s at %s:%d replaces %s; handshaking afresh",
+                        remote.engine_id, key[0], key[1], src.engine_id)
+            self._drop_source(key)
+            src = None
         if src is None:
             src = self._connect(*key)
+            src.engine_id = remote.engine_id
             self._sources[key] = src
             self._engine_peers[remote.engine_id] = src.peers
         return src
+
+    def _drop_source(self, key: tuple[str, int, int]) -> None:
+        """Forget a remote engine: the next load from that address handshakes again. Called
+        when it was replaced or a transfer with it failed. Its agents are removed once no
+        READ in flight uses them (:meth:`_reap_stale_peers`): releasing a peer's descriptor
+        list under a posted READ is not safe."""
+        src = self._sources.pop(key, None)
+        if src is None:
+            return
+        if self._engine_peers.get(src.engine_id) == src.peers:
+            del self._engine_peers[src.engine_id]
+        self._stale_peers.update(src.peers)
+
+    def _reap_stale_peers(self) -> None:
+        live = {p for src in self._sources.values() for p in src.peers}
+        busy = {t.peer for load in self._recving.values() for t in load.transfers}
+        for peer in list(self._stale_peers):
+            if peer in busy:
+                continue
+            self._stale_peers.discard(peer)
+            if peer in live:                 # re-handshaken under the same agent name
+                continue
+            try:
+                self.agent.remove_peer(peer)
+            except Exception as e:  # noqa: BLE001 - best effort: the agent may be gone
+                logger.warning("dropping peer %s: %s", peer, e)
 
     def _connect(self, host: str, port: int, remote_tp: int) -> _Source:
         """Handshake with every rank of a remote engine (rank r at ``port + r``); add the
@@ -201,22 +245,47 @@ class HmaNixlWorker:
 
     def _finish_sync(self, rid: str, load: _Load) -> None:
         err = None
-        for t in load.transfers:        # every READ leaves flight before anything is raised
+        for t in load.transfers:        # every READ leaves flight before anything is reported
             try:
                 self.agent.wait(t, timeout=self.sync_timeout)
             except TransferError as e:
                 err = err or e
         if err is not None or load.failed:
-            raise RuntimeError(f"sync KV load of {rid!r} failed: {err or 'a READ failed'}")
+            self._sync_failed(rid, load.local_ids, err or "a READ failed", load.source)
+
+    def _sync_failed(self, rid: str, local_ids, err, source) -> None:
+        """A sync load that failed: its blocks go to vLLM as invalid (recomputed or the
+        request failed, by kv_load_failure_policy). vLLM 0.32 takes invalid block ids only
+        for single-group models; with several groups it has no per-request path for a sync
+        load, so the step must fail (why the scheduler warns about sync_load with HMA)."""
+        if source is not None:
+            self._drop_source(source)
+        if self.layout.num_groups == 1:
+            logger.warning("sync KV load of %s failed (%s); its blocks are reported invalid",
+                           rid, err)
+            self._invalid_blocks.update(int(b) for g in local_ids for b in g)
+            return
+        raise RuntimeError(f"sync KV load of {rid!r} failed: {err} (sync_load with several KV "
+                           "cache groups has no failure path in vLLM 0.32; use async loads)")
+
+    def take_invalid_blocks(self) -> set[int]:
+        """Blocks of failed sync loads since the last call (single-group models)."""
+        out, self._invalid_blocks = self._invalid_blocks, set()
+        return out
 
     def _start_read(self, rid: str, rr) -> None:
+        """Post this load's READs. Never raises for an async load: any failure (handshake,
+        NIXL error, a bug) ends it in failed_recving; a sync load's failure goes to
+        :meth:`_sync_failed`."""
         remote = rr.remote
         if remote is None:
             return
         posted: list[Transfer] = []
+        key = self._key(remote)
+        nothing = not any(len(g) for g in rr.local_block_ids)
         try:
             src = self._source(remote)
-            if not any(len(g) for g in rr.local_block_ids):
+            if nothing:
                 for peer in src.peers:                       # nothing to read
                     self.agent.send_notif(peer, remote.request_id, self._done_msg)
                 if rr.awaiting:
@@ -229,18 +298,26 @@ class HmaNixlWorker:
             for peer in src.peers:
                 if peer not in src.readers:
                     self.agent.send_notif(peer, remote.request_id, self._done_msg)
-            self._recving[rid] = _Load(posted)
-        except HmacoreError as e:
-            logger.warning("KV load of %s failed to start: %s", rid, e)
-            if posted:       # READs already in flight write into our blocks: let them end
-                self._recving[rid] = _Load(posted, failed=True)
+            self._recving[rid] = _Load(posted, source=key, local_ids=tuple(local))
+        except Exception as e:  # noqa: BLE001 - a hook must not raise: report the failure
+            if isinstance(e, HmacoreError):
+                logger.warning("KV load of %s failed to start: %s", rid, e)
+            else:
+                logger.exception("KV load of %s failed to start", rid)
+            self._drop_source(key)          # the next load handshakes again
+            if nothing:      # only P's "free your blocks" was lost: its lease frees them
+                if rr.awaiting:
+                    self._done_recving.add(rid)
+            elif posted:       # READs already in flight write into our blocks: let them end
+                self._recving[rid] = _Load(posted, failed=True, local_ids=tuple(
+                    rr.local_block_ids))
                 if not rr.awaiting:
                     self._finish_sync(rid, self._recving.pop(rid))
             elif rr.awaiting:
                 self._done_recving.add(rid)
                 self._failed_recving.add(rid)
             else:
-                raise RuntimeError(f"sync KV load of {rid!r} failed: {e}") from e
+                self._sync_failed(rid, rr.local_block_ids, e, None)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` of this rank since the
@@ -261,10 +338,15 @@ class HmaNixlWorker:
                 recving.add(rid)
                 if load.failed:
                     failed.add(rid)
+                    if load.source is not None:
+                        self._drop_source(load.source)   # reconnect on the next load
         sending = set()
         now = time.perf_counter()
         if self._sending:
-            self.agent.fetch_notifs()     # once per step, not once per request
+            try:
+                self.agent.fetch_notifs()     # once per step, not once per request
+            except TransferError as e:        # leases still end by expiry
+                logger.warning("notifications not read this step: %s", e)
         for rid, deadline in list(self._sending.items()):
             if self._heard_from_all(rid):
                 sending.add(rid)
@@ -272,6 +354,8 @@ class HmaNixlWorker:
             elif deadline < now - 1.0:    # the scheduler side frees it; stop watching
                 del self._sending[rid]
                 self._done_from.pop(rid, None)
+        if self._stale_peers:
+            self._reap_stale_peers()
         return sending, recving, failed
 
     def _heard_from_all(self, rid: str) -> bool:
