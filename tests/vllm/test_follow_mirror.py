@@ -50,6 +50,12 @@ def test_followed_tables_mirror_vllm(case, seed):
             so = sched.schedule()
             meta = so.kv_connector_metadata
             mgr = sched.kv_cache_manager
+            # the tracked-lookup path of _follow_step gives iter_scheduled's entries
+            some = [r for r in so.num_scheduled_tokens if rng.random() < 0.5] + ["absent"]
+            want = sorted((e for e in H.C.iter_scheduled(so) if e[0] in some),
+                          key=lambda e: e[0])
+            got = sorted(H.C.scheduled_entries(so, some), key=lambda e: e[0])
+            assert got == want, steps
             for rid in so.num_scheduled_tokens:
                 if rid in conn.trackers:
                     H.assert_mirror(conn.trackers.block_ids(rid), mgr.get_block_ids(rid), kcc,

@@ -142,6 +142,30 @@ def iter_scheduled(scheduler_output: Any) -> Iterator[tuple[str, Sequence | None
         yield req_id, new_ids, req_id in resumed
 
 
+def scheduled_entries(scheduler_output: Any, rids: Iterator[str]
+                      ) -> Iterator[tuple[str, Sequence | None, bool]]:
+    """:func:`iter_scheduled`'s entries of only the scheduled requests among ``rids`` (a few
+    tracked ones): one dict probe each, plus a C-level ``list.index`` for a cached request,
+    instead of a Python pass over every scheduled request."""
+    sched = scheduler_output.num_scheduled_tokens
+    new = None
+    cached = scheduler_output.scheduled_cached_reqs
+    for rid in rids:
+        if rid not in sched:
+            continue
+        if new is None:
+            new = {r.req_id: r for r in scheduler_output.scheduled_new_reqs}
+        req = new.get(rid)
+        if req is not None:
+            yield rid, req.block_ids, True
+            continue
+        try:
+            i = cached.req_ids.index(rid)
+        except ValueError:
+            continue
+        yield rid, cached.new_block_ids[i], rid in cached.resumed_req_ids
+
+
 def preempted_ids(scheduler_output: Any) -> set[str]:
     return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
 

@@ -143,11 +143,15 @@ class TableFollower:
         for rid in C.preempted_ids(scheduler_output):
             if rid in trackers:
                 trackers.preempt(rid)
-        # running requests' appended ids go in one C call; new and resumed ones bring tables
+        # running requests' appended ids go in one C call; new and resumed ones bring tables.
+        # Few tracked requests among many scheduled (push: P's requests still pushing): look
+        # those up; else one pass over the scheduled ones with a membership test each.
+        if 4 * len(trackers) < len(scheduler_output.num_scheduled_tokens):
+            entries = C.scheduled_entries(scheduler_output, list(trackers))
+        else:
+            entries = (e for e in C.iter_scheduled(scheduler_output) if e[0] in trackers)
         rids, new_ids, scheduled = [], [], []
-        for rid, ids, full in C.iter_scheduled(scheduler_output):
-            if rid not in trackers:
-                continue
+        for rid, ids, full in entries:
             scheduled.append(rid)
             if full:
                 if rid not in fresh:
