@@ -133,11 +133,32 @@ class TableFollower:
         else:
             self.trackers.update_after_alloc(rid, table)
 
+    def _follow_from_output(self, rid: str, num_prompt_tokens: int) -> None:
+        """Start following ``rid`` from the full table the scheduler output of its first
+        scheduled step carries (vLLM's lists, converted in one C pass), instead of reading
+        ``KVCacheBlocks`` at allocation: for a request scheduled in the step it is allocated
+        in (a prefill-side request)."""
+        self.__dict__.setdefault("_pending", {})[rid] = int(num_prompt_tokens)
+
+    def _unfollow(self, rid: str) -> None:
+        """Stop following ``rid`` (finished, or pending and never scheduled)."""
+        pending = self.__dict__.get("_pending")
+        if pending:
+            pending.pop(rid, None)
+        if rid in self.trackers:
+            self.trackers.finish(rid)
+
     def _follow_step(self, scheduler_output: Any):
         """Apply one step's preemptions and allocations to the tracked requests; yield the
         tracked scheduled ids (untracked ones are skipped with one membership test)."""
         trackers = self.trackers
         fresh = self.__dict__.pop("_fresh", None) or ()
+        pending: dict[str, int] = self.__dict__.get("_pending") or {}
+        if pending:
+            for rid, ids, full in C.scheduled_entries(scheduler_output, list(pending)):
+                if full:
+                    trackers.add(rid, ids, num_prompt_tokens=pending.pop(rid))
+                    fresh = {*fresh, rid}
         if not len(trackers):
             return
         for rid in C.preempted_ids(scheduler_output):

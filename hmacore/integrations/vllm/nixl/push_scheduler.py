@@ -200,9 +200,8 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             return
         if params.get("do_remote_decode"):
             if self._is_push_producer(request) is not None:
-                table, _ = C.table_and_hashed(blocks)
-                self._track_full(request.request_id, table, request.num_prompt_tokens,
-                                 at_alloc=True)
+                # followed from its first scheduled step's full table (same allocation)
+                self._follow_from_output(request.request_id, request.num_prompt_tokens)
             return
         if not params.get("do_remote_prefill"):
             return
@@ -333,8 +332,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         aborted while its push is awaited vLLM itself keeps the blocks until the worker
         reports it in ``finished_recving``)."""
         rid = request.request_id
-        if rid in self.trackers:
-            self.trackers.finish(rid)
+        self._unfollow(rid)
         self._local_tokens.pop(rid, None)
         self._awaiting.pop(rid, None)
         # a queued registration stays queued: vLLM keeps an aborted WAITING_FOR_REMOTE_KVS
