@@ -159,22 +159,28 @@ class LookupPlan:
         return es
 
 
-#: vLLM KVCacheSpec fields that hmacore's GroupSpec does not carry (yet). When a spec object
-#: has them (a GroupSpec subclass, or a future GroupSpec), they are part of the merge key;
-#: without them two groups that differ only there are merged by page bytes alone.
-SPEC_HEAD_FIELDS = ("num_kv_heads", "head_size", "head_size_v", "dtype", "attn_type")
-
-
 def _merge_key(spec) -> tuple:
-    """vLLM merges groups whose KVCacheSpec objects are equal (dataclass equality): kind,
-    block size, window / chunk, extra retained tokens, Mamba mode and speculative slots, the
-    MLA flag, and the head shape (num_kv_heads, head_size(_v), dtype, attention type). Page
-    bytes stay in the key as the stand-in for head fields a spec does not carry (equal head
-    fields give equal page bytes, so it never splits what vLLM merges). ``eagle`` is a
-    property of the group (is_eagle_group), not of the spec, so it is not part of the key."""
+    """The groups the hit rule looks up together: vLLM merges groups whose KVCacheSpec objects
+    are equal (dataclass equality), hmacore those whose keys are.
+
+    The key is the kind, block size, window / chunk, extra retained tokens, Mamba mode and
+    speculative slots, the MLA flag, the head shape (``num_kv_heads``, ``head_size``,
+    ``head_size_v``, ``dtype``, ``attn_type``: None when unknown) and ``page_bytes``.
+
+    Rule: never split what vLLM merges. Every key field is a function of the vLLM spec
+    (``layout_from_kv_cache_config`` reads each from it; page bytes are the spec's
+    ``page_size_bytes``), so equal specs always give equal keys. That is also why page bytes
+    stay in the key when the head fields are known: they cannot split equal specs, and they
+    tell apart specs that differ in fields GroupSpec does not carry whenever those change the
+    page size (page padding, KV quantization scales, Mamba state shapes). The converse (two
+    specs equal in every key field but different elsewhere, which hmacore alone would merge)
+    is refused by ``layout_from_kv_cache_config(for_store=True)``. ``eagle`` is a property of
+    the group (vLLM's ``is_eagle_group``), not of the spec: merged groups share the eagle
+    drop."""
     return (spec.kind, spec.block_size, spec.sliding_window, spec.chunk_size,
             spec.extra_retained_tokens, spec.mamba_mode, spec.mla, spec.num_speculative_blocks,
-            spec.page_bytes, *(getattr(spec, f, None) for f in SPEC_HEAD_FIELDS))
+            spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.dtype, spec.attn_type,
+            spec.page_bytes)
 
 
 class HitFinder:
@@ -185,8 +191,16 @@ class HitFinder:
         coarse: ``"last"`` (vLLM >= 0.32: block i of a group is named by its last hash row) or
             ``"concat"`` (older vLLM: key strings concatenate the block's rows). Only key
             strings differ; ``concat`` cannot be combined with fine-grained Mamba hits.
-        eagle: vLLM's ``use_eagle``: when True and no group sets ``GroupSpec.eagle``, every
-            group drops its last matched block (vLLM's conservative fallback).
+        eagle: vLLM's ``use_eagle`` as its coordinator receives it (the scheduler passes
+            ``speculative_config.use_eagle_block_drop()``): the groups with
+            ``GroupSpec.eagle`` drop their last matched block, or every group when none is
+            flagged (vLLM's conservative fallback). Flagged groups drop it even when False.
+        alignment: the hit grain in tokens, vLLM's ``KVCacheConfig.cache_hit_alignment_tokens``.
+            None: what vLLM's coordinator derives with prefix caching on (the hash block size
+            when fine-grained Mamba hits apply, else the scheduler block size; one group: its
+            block size). An int must be a grain vLLM can resolve for this layout: the
+            scheduler block size (always; turns fine-grained hits off, as vLLM does when
+            prefix caching is off) or that derived default.
 
     Attributes: ``hash_block_size`` (tokens per hash row), ``scheduler_block_size`` (lcm,
     tokens), ``partial`` (fine-grained hits), ``alignment`` (tokens every hit is a multiple
@@ -195,8 +209,8 @@ class HitFinder:
     Threads: immutable after construction (attributes cannot be rebound; the compiled
     kernel keeps private read-only tables and no scratch buffer), so one finder may serve
     any number of threads at once, also with a shared :class:`ExistenceSet` (thread-safe).
-    Picklable (rebuilt from ``layout``, ``coarse`` and ``eagle``); ``copy`` gives an equal,
-    independent finder.
+    Picklable (rebuilt from ``layout``, ``coarse``, ``eagle`` and ``alignment``); ``copy``
+    gives an equal, independent finder.
     """
 
     def __setattr__(self, name, value):
@@ -205,14 +219,15 @@ class HitFinder:
         object.__setattr__(self, name, value)
 
     def __reduce__(self):
-        return _finder, (self.layout, self.coarse, self._eagle)
+        return _finder, (self.layout, self.coarse, self._eagle, self.alignment)
 
     def __repr__(self) -> str:
         return (f"HitFinder(groups={self.group_ids}, spec_groups={len(self.spec_groups)}, "
                 f"alignment={self.alignment}, hash_block_size={self.hash_block_size}, "
                 f"partial={self.partial}, coarse={self.coarse!r})")
 
-    def __init__(self, layout: KVLayout, *, coarse: str = "last", eagle: bool = False) -> None:
+    def __init__(self, layout: KVLayout, *, coarse: str = "last", eagle: bool = False,
+                 alignment: int | None = None) -> None:
         if not isinstance(layout, KVLayout):
             raise LayoutError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if coarse not in ("last", "concat"):
@@ -238,11 +253,16 @@ class HitFinder:
         if partial and any(layout.groups[g].kind not in _FINE_KINDS and self.block_sizes[g] != h
                            for g in cacheable_all):
             partial = False   # SW / chunked-local need block-aligned lookups
-        self.partial = partial
         if self.unitary:
-            self.alignment = self.block_sizes[0]
+            derived = self.block_sizes[0]
         else:
-            self.alignment = h if partial else self.scheduler_block_size
+            derived = h if partial else self.scheduler_block_size
+        if alignment is not None:
+            _check_alignment(alignment, derived, self.scheduler_block_size)
+            if alignment != derived:
+                partial = False     # the scheduler block size: vLLM's block-aligned lookups
+        self.partial = partial
+        self.alignment = derived if alignment is None else int(alignment)
         if partial and coarse == "concat":
             raise LayoutError("coarse='concat' (vLLM < 0.32 keys) cannot be combined with "
                               "fine-grained Mamba hits, which probe single hash rows")
@@ -496,9 +516,23 @@ class HitFinder:
         return int(group)
 
 
-def _finder(layout: KVLayout, coarse: str, eagle: bool) -> HitFinder:
+def _finder(layout: KVLayout, coarse: str, eagle: bool, alignment: int | None = None) -> HitFinder:
     """Unpickle a HitFinder."""
-    return HitFinder(layout, coarse=coarse, eagle=eagle)
+    return HitFinder(layout, coarse=coarse, eagle=eagle, alignment=alignment)
+
+
+def _check_alignment(alignment, derived: int, scheduler_block_size: int) -> None:
+    """LayoutError unless ``alignment`` is a hit grain vLLM can resolve for the layout."""
+    if isinstance(alignment, bool) or not isinstance(alignment, (int, np.integer)):
+        raise LayoutError(f"alignment must be None or an int (tokens), got "
+                          f"{type(alignment).__name__} {alignment!r}")
+    if alignment in (derived, scheduler_block_size):
+        return
+    grains = sorted({derived, scheduler_block_size})
+    raise LayoutError(
+        f"alignment must be None or a hit grain vLLM resolves for this layout: "
+        f"{' or '.join(map(str, grains))} tokens (the scheduler block size, or the hash block "
+        f"size when fine-grained Mamba hits apply), got {alignment!r}")
 
 
 def _width(hashes) -> int:

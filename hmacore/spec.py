@@ -19,7 +19,10 @@ from typing import Any, TypeGuard, cast
 from .errors import ArgumentTypeError, ConfigError, ConfigFileError, LayoutError, LayoutKeyError
 from .grain import cdiv
 
-__all__ = ["GroupKind", "MambaMode", "GroupSpec", "KVLayout"]
+__all__ = ["GroupKind", "MambaMode", "GroupSpec", "KVLayout", "HEAD_FIELDS"]
+
+#: GroupSpec's optional head-shape fields (None = unknown), in declaration order.
+HEAD_FIELDS = ("num_kv_heads", "head_size", "head_size_v", "dtype", "attn_type")
 
 
 class GroupKind(enum.IntEnum):
@@ -103,6 +106,19 @@ class GroupSpec:
         page_bytes: bytes of one block of one layer (0 = unknown; plans need it).
         transfer: vLLM ``enable_kv_transfer``; groups with False are never moved.
         name: a label for printing.
+        num_kv_heads: KV heads of one layer (attention groups; vLLM: per TP rank).
+        head_size: K head size in elements (attention groups).
+        head_size_v: V head size in elements (attention groups; 0 = no separate V, as MLA).
+            Left None with ``head_size`` given, it becomes vLLM's default: ``head_size``, or
+            0 with ``mla=True``.
+        dtype: the cache element type, e.g. ``"bfloat16"`` (a leading ``"torch."`` is
+            dropped; Mamba groups from vLLM: the state dtypes joined by commas).
+        attn_type: the engine's name for the layer type (vLLM: the KVCacheSpec class, e.g.
+            ``"SlidingWindowSpec"``; Mamba specs add the backend, ``"MambaSpec:GDN_ATTN"``).
+
+    The last five fields describe the head shape; ``None`` means unknown. With them the hit
+    rule merges groups exactly when vLLM's specs are equal (see ``hmacore.hits._merge_key``);
+    give them for every group or for none (an unknown field only equals an unknown field).
 
     Every field is checked on construction (and by ``dataclasses.replace``); a broken rule
     raises :class:`~hmacore.errors.LayoutError` naming the field and the rule, e.g.
@@ -111,7 +127,9 @@ class GroupSpec:
     take real bools only (``"no"`` is refused, not truthy); ``layer_names`` is a sequence of
     distinct non-empty strings (a plain string is refused, not split into characters);
     ``sliding_window`` / ``chunk_size`` / ``extra_retained_tokens`` / ``num_speculative_blocks``
-    / a non-``align`` ``mamba_mode`` are only valid on their kinds.
+    / a non-``align`` ``mamba_mode`` are only valid on their kinds; ``num_kv_heads`` /
+    ``head_size`` / ``head_size_v`` only on attention groups (``head_size_v`` needs
+    ``head_size``); ``dtype`` / ``attn_type`` are None or non-empty strings.
     """
 
     kind: GroupKind
@@ -128,6 +146,11 @@ class GroupSpec:
     page_bytes: int = 0
     transfer: bool = True
     name: str = ""
+    num_kv_heads: int | None = None
+    head_size: int | None = None
+    head_size_v: int | None = None
+    dtype: str | None = None
+    attn_type: str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -217,6 +240,36 @@ class GroupSpec:
         integer("page_bytes", 0)
         if not isinstance(self.name, str):
             raise _spec_error("name", "a str", self.name)
+        self._validate_head(kind, label)
+
+    def _validate_head(self, kind: GroupKind, label: str) -> None:
+        """The head-shape fields: None (unknown) or in range; shapes on attention groups only."""
+        put = object.__setattr__
+        for field, lo in (("num_kv_heads", 1), ("head_size", 1), ("head_size_v", 0)):
+            v = getattr(self, field)
+            if v is None:
+                continue
+            if not _is_int(v) or v < lo:
+                raise _spec_error(field, f"None (unknown) or an int >= {lo}", v)
+            if kind == GroupKind.MAMBA:
+                raise LayoutError(f"GroupSpec.{field} is only valid for attention groups (FULL, "
+                                  f"SLIDING_WINDOW, CHUNKED_LOCAL), got {v!r} for {label}")
+            put(self, field, int(v))
+        if self.head_size_v is not None and self.head_size is None:
+            raise LayoutError(f"GroupSpec.head_size_v needs head_size (vLLM's specs carry both), "
+                              f"got head_size_v={self.head_size_v!r} and head_size=None")
+        if self.head_size is not None and self.head_size_v is None:
+            # vLLM's AttentionSpec default; MLA specs store one latent, no separate V
+            put(self, "head_size_v", 0 if self.mla else self.head_size)
+        for field in ("dtype", "attn_type"):
+            raw = v = getattr(self, field)
+            if v is None:
+                continue
+            if field == "dtype" and isinstance(v, str):
+                v = v.removeprefix("torch.")    # str(torch.float16) is accepted as is
+            if not isinstance(v, str) or not v.strip():
+                raise _spec_error(field, "None (unknown) or a non-empty str", raw)
+            put(self, field, v)
 
     def __repr__(self) -> str:
         """Non-default fields only, enums by name: ``eval``-able with hmacore's names."""
@@ -274,7 +327,10 @@ class GroupSpec:
         return cdiv(window - 1, self.block_size)
 
     def merge_key(self) -> tuple:
-        """Everything that makes two groups interchangeable for hit lookup (not their layers)."""
+        """What a group's layers must share (kind, block size, window, chunk, eagle, Mamba
+        mode ...): not the head shape or page bytes, which the layers of one vLLM
+        ``UniformTypeKVCacheSpecs`` group may differ in. The hit rule's stricter key is
+        ``hmacore.hits._merge_key``."""
         return (self.kind, self.block_size, self.sliding_window, self.chunk_size,
                 self.extra_retained_tokens, self.eagle, self.mamba_mode, self.mla,
                 self.num_speculative_blocks)
@@ -291,7 +347,7 @@ class GroupSpec:
     DOCUMENT_KEYS = ("kind", "block_size", "layer_names", "num_layers", "sliding_window",
                      "chunk_size", "extra_retained_tokens", "eagle", "mamba_mode",
                      "num_speculative_blocks", "mla", "kernel_block_size", "page_bytes",
-                     "transfer", "name")
+                     "transfer", "name", *HEAD_FIELDS)
     REQUIRED_KEYS = ("kind", "block_size")
 
     @classmethod
@@ -493,19 +549,24 @@ class KVLayout:
                 raise LayoutError(f"group {g}: Mamba cache mode {spec.mamba_mode.value!r} is not "
                                   "hash-addressable; use mamba_cache_mode='align' for stores and hits")
 
-    def fingerprint(self) -> str:
-        """Stable hex digest of everything two peers must agree on (not num_blocks)."""
-        doc = {"groups": [s.to_dict() for s in self.groups], "cp": self.context_parallel,
-               "pmu": self.prefix_match_unit}
-        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
-
-    def pairing_fingerprint(self) -> str:
-        """Like :meth:`fingerprint` without page bytes: what two engines must agree on to
-        exchange blocks whatever their TP sizes (a rank's page bytes scale with the KV heads
-        it holds; the NIXL handshake checks bytes per head)."""
-        groups = [{k: v for k, v in s.to_dict().items() if k != "page_bytes"} for s in self.groups]
+    def _digest(self, drop: tuple[str, ...] = ()) -> str:
+        # unknown head fields are left out: a layout that gives none keeps the digest it had
+        # before GroupSpec carried them
+        groups = [{k: v for k, v in s.to_dict().items()
+                   if k not in drop and not (k in HEAD_FIELDS and v is None)}
+                  for s in self.groups]
         doc = {"groups": groups, "cp": self.context_parallel, "pmu": self.prefix_match_unit}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+
+    def fingerprint(self) -> str:
+        """Stable hex digest of everything two peers must agree on (not num_blocks)."""
+        return self._digest()
+
+    def pairing_fingerprint(self) -> str:
+        """Like :meth:`fingerprint` without page bytes and KV heads: what two engines must
+        agree on to exchange blocks whatever their TP sizes (a rank's page bytes scale with
+        the KV heads it holds; the NIXL handshake checks bytes per head)."""
+        return self._digest(drop=("page_bytes", "num_kv_heads"))
 
     def to_dict(self) -> dict[str, Any]:
         return {"groups": [s.to_dict() for s in self.groups], "num_blocks": self.num_blocks,

@@ -129,7 +129,7 @@ def mamba(hashes, h, max_length, gids, cached, bs, align, coarse):
 class OracleFinder:
     """vLLM's coordinator over a Python set, configured straight from a KVLayout."""
 
-    def __init__(self, layout: KVLayout, coarse="last", eagle=False):
+    def __init__(self, layout: KVLayout, coarse="last", eagle=False, alignment=None):
         cp = layout.context_parallel
         self.layout, self.coarse = layout, coarse
         self.bs = [s.block_size * cp for s in layout.groups]
@@ -145,8 +145,12 @@ class OracleFinder:
                 if layout.groups[g].kind not in (GroupKind.FULL, GroupKind.MAMBA) \
                         and self.bs[g] != self.h:
                     partial = False
+        derived = self.bs[0] if self.G == 1 else (self.h if partial else lcm)
+        if alignment is not None and alignment != derived:
+            assert alignment == lcm, "vLLM resolves the hash or the scheduler block size"
+            partial = False         # vLLM's coordinator without fine-grained hits
         self.partial = partial
-        self.align = self.bs[0] if self.G == 1 else (self.h if partial else lcm)
+        self.align = derived if alignment is None else alignment
         flagged = {g for g in looked_up if layout.groups[g].eagle}
         if eagle and not flagged:
             flagged = set(looked_up)
@@ -156,8 +160,7 @@ class OracleFinder:
             # vLLM merges groups whose KVCacheSpec objects are equal (head fields included)
             key = (s.kind, s.block_size, s.sliding_window, s.chunk_size, s.extra_retained_tokens,
                    s.mamba_mode, s.mla, s.num_speculative_blocks, s.page_bytes,
-                   *(getattr(s, f, None) for f in ("num_kv_heads", "head_size", "head_size_v",
-                                                   "dtype", "attn_type")))
+                   s.num_kv_heads, s.head_size, s.head_size_v, s.dtype, s.attn_type)
             for entry in self.spec_groups:
                 if entry[0] == key:
                     entry[1].append(g)

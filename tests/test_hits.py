@@ -253,3 +253,57 @@ def test_eagle_flag_spreads_to_merged_members():
     f = HitFinder(layout)
     assert f.eagle_group_ids == {1, 2}
     assert f.store_masks(16)[2].tolist() == f.store_masks(16)[1].tolist()
+
+
+def test_alignment_option_turns_fine_grained_hits_off():
+    # vLLM resolves cache_hit_alignment_tokens = scheduler block size when prefix caching is
+    # off: the same state then gives a block-aligned hit only
+    layout = KVLayout(groups=(FA(16, "f"), MB(16, "m"), FA(4, "g")))
+    hs = make_hashes(12, 16, 7)
+    es = ExistenceSet(16)
+    es.add_many(0, np.ascontiguousarray(hs[[3, 5, 7]]))
+    es.add_many(2, np.ascontiguousarray(hs[:8]))
+    es.add_many(1, np.ascontiguousarray(hs[[3, 5]]))     # states at 16 and 24 tokens
+    assert HitFinder(layout).longest_hit(hs, es, 47).tokens == 24
+    assert HitFinder(layout, alignment=4).partial            # the derived default, given
+    f = HitFinder(layout, alignment=16)
+    assert (f.partial, f.alignment) == (False, 16)
+    r = f.longest_hit(hs, es, 47)
+    assert r.tokens == 16 and r.masks[1].tolist() == [1]
+    assert f.align_length(47) == 32 and f.lookup_rows(12, 47)[1].tolist() == [3, 7]
+    # concatenated keys need block-aligned lookups: allowed once fine-grained hits are off
+    assert HitFinder(layout, alignment=16, coarse="concat").coarse == "concat"
+
+
+@pytest.mark.parametrize("alignment, rule", [
+    (8, "alignment must be None or a hit grain vLLM resolves for this layout: 4 or 16 tokens"),
+    (32, "got 32"),
+    (0, "got 0"),
+    (16.0, "alignment must be None or an int \\(tokens\\), got float 16.0"),
+    (True, "got bool True"),
+    ("16", "got str '16'"),
+])
+def test_bad_alignment_is_rejected(alignment, rule):
+    with pytest.raises(LayoutError, match=rule):
+        HitFinder(KVLayout(groups=(FA(16, "f"), MB(16, "m"), FA(4, "g"))), alignment=alignment)
+
+
+def test_alignment_of_a_block_aligned_layout_is_its_scheduler_block():
+    gemma = KVLayout(groups=(FA(16, "f"), SW(32, 64, "s")))
+    assert HitFinder(gemma, alignment=32).alignment == 32 == HitFinder(gemma).alignment
+    with pytest.raises(LayoutError, match="32 tokens .* got 16"):
+        HitFinder(gemma, alignment=16)          # no fine-grained Mamba: the hash block is not a grain
+    one = KVLayout(groups=(FA(16, "f"),))
+    assert HitFinder(one, alignment=np.int64(16)).alignment == 16
+    with pytest.raises(LayoutError, match="16 tokens"):
+        HitFinder(one, alignment=8)
+
+
+def test_pickled_finder_keeps_eagle_and_alignment():
+    import pickle
+    layout = KVLayout(groups=(FA(16, "f"), MB(16, "m"), FA(4, "g")))
+    f = HitFinder(layout, eagle=True, alignment=16)
+    g = pickle.loads(pickle.dumps(f))
+    assert (g.alignment, g.partial, g.eagle_group_ids) == (16, False, f.eagle_group_ids)
+    hs = make_hashes(12, 16, 3)
+    assert g.longest_hit(hs, None, 47) == f.longest_hit(hs, None, 47)

@@ -71,21 +71,12 @@ def test_max_length_past_2_63_is_refused():
 
 
 # -- 4b. merge key = vLLM's spec equality -----------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class HeadSpec(GroupSpec):
-    """A GroupSpec carrying vLLM's head fields (hmacore's GroupSpec lacks them today)."""
-
-    num_kv_heads: int = 0
-    head_size: int = 0
-    dtype: str = ""
-
-
 def test_twin_groups_with_different_head_shapes_are_not_merged():
     # 8 heads x 128 and 16 heads x 64 have the same page bytes: vLLM's specs differ
-    a = HeadSpec(GroupKind.SLIDING_WINDOW, 16, ("a",), sliding_window=64, page_bytes=32768,
-                 num_kv_heads=8, head_size=128, dtype="bfloat16")
-    b = HeadSpec(GroupKind.SLIDING_WINDOW, 16, ("b",), sliding_window=64, page_bytes=32768,
-                 num_kv_heads=16, head_size=64, dtype="bfloat16")
+    a = GroupSpec(GroupKind.SLIDING_WINDOW, 16, ("a",), sliding_window=64, page_bytes=32768,
+                  num_kv_heads=8, head_size=128, dtype="bfloat16")
+    b = GroupSpec(GroupKind.SLIDING_WINDOW, 16, ("b",), sliding_window=64, page_bytes=32768,
+                  num_kv_heads=16, head_size=64, dtype="bfloat16")
     c = dataclasses.replace(a, layer_names=("c",))
     f = GroupSpec(GroupKind.FULL, 16, ("f",), page_bytes=32768)
     finder = HitFinder(KVLayout(groups=(f, a, b, c)))
@@ -105,10 +96,10 @@ def test_merge_key_without_head_fields_keeps_page_bytes_and_mla():
 
 
 def test_split_twins_hit_matches_the_oracle():
-    a = HeadSpec(GroupKind.SLIDING_WINDOW, 4, ("a",), sliding_window=9, page_bytes=64,
-                 num_kv_heads=2, head_size=8)
-    b = HeadSpec(GroupKind.SLIDING_WINDOW, 4, ("b",), sliding_window=9, page_bytes=64,
-                 num_kv_heads=4, head_size=4)
+    a = GroupSpec(GroupKind.SLIDING_WINDOW, 4, ("a",), sliding_window=9, page_bytes=64,
+                  num_kv_heads=2, head_size=8)
+    b = GroupSpec(GroupKind.SLIDING_WINDOW, 4, ("b",), sliding_window=9, page_bytes=64,
+                  num_kv_heads=4, head_size=4)
     layout = KVLayout(groups=(GroupSpec(GroupKind.FULL, 4, ("f",)), a, b))
     finder, oracle = HitFinder(layout, eagle=True), OracleFinder(layout, eagle=True)
     hashes = make_hashes(30, 16, 2)

@@ -295,6 +295,28 @@ BAD_SPECS = [
     (dict(kind=FULL, block_size=16, page_bytes=-1), "GroupSpec.page_bytes must be an int >= 0, got -1"),
     (dict(kind=FULL, block_size=16, page_bytes=1024.0), "GroupSpec.page_bytes must be an int >= 0"),
     (dict(kind=FULL, block_size=16, name=7), "GroupSpec.name must be a str, got 7"),
+    # head shape: None (unknown) or in range; shapes on attention groups only
+    (dict(kind=FULL, block_size=16, num_kv_heads=0),
+     "GroupSpec.num_kv_heads must be None \\(unknown\\) or an int >= 1, got 0"),
+    (dict(kind=FULL, block_size=16, num_kv_heads=8.0), "GroupSpec.num_kv_heads must be None"),
+    (dict(kind=FULL, block_size=16, num_kv_heads=True), "num_kv_heads must be None .* got True"),
+    (dict(kind=FULL, block_size=16, num_kv_heads="8"), "num_kv_heads must be None .* got '8'"),
+    (dict(kind=FULL, block_size=16, head_size=-128),
+     "GroupSpec.head_size must be None \\(unknown\\) or an int >= 1, got -128"),
+    (dict(kind=FULL, block_size=16, head_size=128, head_size_v=-1),
+     "GroupSpec.head_size_v must be None \\(unknown\\) or an int >= 0, got -1"),
+    (dict(kind=FULL, block_size=16, head_size_v=128),
+     "GroupSpec.head_size_v needs head_size .* got head_size_v=128 and head_size=None"),
+    (dict(kind=MAMBA, block_size=16, num_kv_heads=4),
+     "GroupSpec.num_kv_heads is only valid for attention groups .* got 4 for a MAMBA group"),
+    (dict(kind=MAMBA, block_size=16, head_size=64), "GroupSpec.head_size is only valid for attention"),
+    (dict(kind=FULL, block_size=16, dtype=""),
+     "GroupSpec.dtype must be None \\(unknown\\) or a non-empty str, got ''"),
+    (dict(kind=FULL, block_size=16, dtype="torch."), "GroupSpec.dtype must be None .* got 'torch.'"),
+    (dict(kind=FULL, block_size=16, dtype=2), "GroupSpec.dtype must be None .* got 2"),
+    (dict(kind=FULL, block_size=16, attn_type="  "),
+     "GroupSpec.attn_type must be None \\(unknown\\) or a non-empty str, got '  '"),
+    (dict(kind=FULL, block_size=16, attn_type=b"full"), "GroupSpec.attn_type must be None"),
 ]
 
 
@@ -313,6 +335,72 @@ def test_group_spec_normalises_but_never_truncates():
     import dataclasses as dc
     with pytest.raises(LayoutError, match="block_size must be an int >= 1"):
         dc.replace(g, block_size=-1)                                   # replace validates too
+
+
+def test_head_fields_follow_vllm_defaults():
+    g = full(16, num_kv_heads=8, head_size=128, dtype="torch.bfloat16", attn_type="FullAttentionSpec")
+    # vLLM's AttentionSpec sets head_size_v = head_size; MLA stores no separate V
+    assert (g.head_size_v, g.dtype) == (128, "bfloat16")
+    assert g == full(16, num_kv_heads=8, head_size=128, head_size_v=128, dtype="bfloat16",
+                     attn_type="FullAttentionSpec")
+    assert full(16, mla=True, head_size=576).head_size_v == 0
+    assert full(16, head_size=192, head_size_v=128).head_size_v == 128
+    m = GroupSpec(MAMBA, 64, dtype="float16,float32", attn_type="MambaSpec:GDN_ATTN")
+    assert m.num_kv_heads is m.head_size is m.head_size_v is None
+    unknown = full(16)
+    assert (unknown.num_kv_heads, unknown.head_size, unknown.head_size_v, unknown.dtype,
+            unknown.attn_type) == (None,) * 5
+
+
+def test_head_fields_in_documents_pickles_reprs_and_fingerprints():
+    import pickle
+    import hmacore
+    g = sw(16, 64, layer_names=("a",), num_kv_heads=8, head_size=128, dtype="bfloat16",
+           attn_type="SlidingWindowSpec", page_bytes=65536)
+    layout = lay(full(16, layer_names=("f",)), g)
+    assert KVLayout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
+    assert pickle.loads(pickle.dumps(layout)) == layout
+    assert eval(repr(g), vars(hmacore)) == g and "num_kv_heads=8" in repr(g)
+    doc = {"groups": [{"kind": "sliding_window", "block_size": 16, "sliding_window": 64,
+                       "num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16"}]}
+    assert KVLayout.from_dict(doc).groups[0].head_size_v == 128
+    with pytest.raises(LayoutError, match="group 0: GroupSpec.num_kv_heads must be None"):
+        KVLayout.from_dict({"groups": [{"kind": "full", "block_size": 16, "num_kv_heads": 0}]})
+    with pytest.raises(LayoutError, match="'num_kv_head' \\(did you mean 'num_kv_heads'\\?\\)"):
+        KVLayout.from_dict({"groups": [{"kind": "full", "block_size": 16, "num_kv_head": 8}]})
+    # unknown head fields leave the fingerprint as it was; known ones enter it, and the
+    # pairing fingerprint ignores the per-rank KV heads (they scale with TP, as page bytes)
+    import hashlib
+    from hmacore.spec import HEAD_FIELDS
+    base = lay(full(16, layer_names=("f",)), sw(16, 64, layer_names=("a",)))
+    before = {"groups": [{k: v for k, v in s.to_dict().items() if k not in HEAD_FIELDS}
+                         for s in base.groups], "cp": 1, "pmu": None}      # the old document
+    assert base.fingerprint() == \
+        hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:32]
+    import dataclasses as dc
+    heads = dc.replace(base, groups=(base.groups[0], dc.replace(base.groups[1], num_kv_heads=8)))
+    tp2 = dc.replace(base, groups=(base.groups[0], dc.replace(base.groups[1], num_kv_heads=4)))
+    assert heads.fingerprint() != base.fingerprint() != tp2.fingerprint()
+    assert heads.pairing_fingerprint() == tp2.pairing_fingerprint() == base.pairing_fingerprint()
+    dtyped = dc.replace(base, groups=(base.groups[0], dc.replace(base.groups[1], dtype="fp8")))
+    assert dtyped.pairing_fingerprint() != base.pairing_fingerprint()
+
+
+def test_toml_layout_with_head_fields(tmp_path):
+    p = tmp_path / "m.toml"
+    p.write_text('[[groups]]\nkind = "full"\nblock_size = 16\nnum_layers = 1\n'
+                 'num_kv_heads = 8\nhead_size = 128\ndtype = "bfloat16"\n'
+                 'attn_type = "FullAttentionSpec"\n'
+                 '[[groups]]\nkind = "sliding_window"\nblock_size = 16\nsliding_window = 64\n'
+                 'num_layers = 1\n')
+    a, b = KVLayout.from_file(p).groups
+    assert (a.num_kv_heads, a.head_size, a.head_size_v, a.dtype, a.attn_type) == \
+        (8, 128, 128, "bfloat16", "FullAttentionSpec")
+    assert b.num_kv_heads is None and b.dtype is None      # optional: absent = unknown
+    p.write_text('[[groups]]\nkind = "mamba"\nblock_size = 16\nhead_size = 64\n')
+    with pytest.raises(LayoutError, match="m.toml': group 0: GroupSpec.head_size is only valid "
+                                          "for attention groups"):
+        KVLayout.from_file(p)
 
 
 def test_layout_revalidates_groups_it_did_not_see_built():

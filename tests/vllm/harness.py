@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                         ParallelConfig, SchedulerConfig, VllmConfig)
+                         ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig)
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 GEMMA_DIR = os.path.join(FIXTURES, "gemma2_tiny")
+EAGLE_DIR = os.path.join(FIXTURES, "eagle_tiny")     # a one-layer llama: an EAGLE draft config
 MAX_LEN = 4096
 DT = torch.float16
 
@@ -47,8 +48,12 @@ def vllm_config(*, kv_role: str = "kv_both", block_size: int = 16, extra: dict |
                 load_failure_policy: str = "fail", mamba_cache_mode: str | None = None,
                 max_num_batched_tokens: int = 256, connector: bool = True,
                 kv_connector: str = "HmaNixlConnector", tp: int = 1,
-                engine_id: str | None = None, kv_cache_layout: str = "LBNHC") -> VllmConfig:
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+                engine_id: str | None = None, kv_cache_layout: str = "LBNHC",
+                speculative: str | None = None, eagle_block_drop: bool = True,
+                prefix_caching: bool = True) -> VllmConfig:
+    """``speculative``: a speculative method drafting with the ``eagle_tiny`` config (e.g.
+    ``"eagle"``; ``eagle_block_drop=False`` sets vLLM's ``disable_eagle_block_drop``)."""
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     if mamba_cache_mode is not None:
         cache.mamba_cache_mode = mamba_cache_mode
     ktc = None
@@ -59,13 +64,20 @@ def vllm_config(*, kv_role: str = "kv_both", block_size: int = 16, extra: dict |
                                kv_load_failure_policy=load_failure_policy)
         if engine_id is not None:   # rank processes must share the scheduler's engine id
             ktc.engine_id = engine_id
+    parallel = ParallelConfig(tensor_parallel_size=tp)
+    spec = None
+    if speculative is not None:
+        spec = SpeculativeConfig(method=speculative, model=EAGLE_DIR, num_speculative_tokens=1,
+                                 disable_eagle_block_drop=not eagle_block_drop,
+                                 target_model_config=model_config(),
+                                 target_parallel_config=parallel)
     vc = VllmConfig(model_config=model_config(),
                     scheduler_config=SchedulerConfig(max_num_seqs=16,
                                                      max_num_batched_tokens=max_num_batched_tokens,
                                                      max_model_len=MAX_LEN,
                                                      is_encoder_decoder=False),
                     cache_config=cache, kv_transfer_config=ktc, device_config=DeviceConfig("cpu"),
-                    parallel_config=ParallelConfig(tensor_parallel_size=tp))
+                    parallel_config=parallel, speculative_config=spec)
     vc.cache_config.kv_cache_layout = kv_cache_layout
     return vc
 

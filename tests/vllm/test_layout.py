@@ -148,12 +148,56 @@ def test_uniform_type_specs_unwrapped_and_checked():
                           kv_cache_groups=[H.group(["a", "b"], ok), H.group(["c"], H.swa(16, 64))])
     lay = to_layout(kcc)
     assert lay.groups[0].kind == GroupKind.FULL and lay.groups[0].page_bytes == 0  # mixed pages
+    g = lay.groups[0]       # layers disagree on KV heads: the head shape is unknown, not one's
+    assert (g.num_kv_heads, g.head_size, g.head_size_v, g.dtype, g.attn_type) == \
+        (None, None, None, "float16", "FullAttentionSpec")
     bad = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": H.swa(16, 64),
                                                                  "b": H.swa(16, 128)})
     kcc = H.KVCacheConfig(num_blocks=50, kv_cache_tensors=[],
                           kv_cache_groups=[H.group(["x"], H.attn(16)), H.group(["a", "b"], bad)])
     with pytest.raises(LayoutError, match=r"group 1: UniformTypeKVCacheSpecs mixes layers.*'b'"):
         to_layout(kcc)
+
+
+def test_head_fields_come_from_the_specs(vc):
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    import torch
+    mla = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    kcc = H.KVCacheConfig(num_blocks=50, kv_cache_tensors=[], kv_cache_groups=[
+        H.group(["f"], H.attn(16, heads=8, head=128)), H.group(["s"], H.swa(16, 64)),
+        H.group(["l"], mla), H.group(["m"], H.mamba(16, 4096))])
+    f, s, m_la, mb = to_layout(kcc, vllm_config=vc).groups
+    assert (f.num_kv_heads, f.head_size, f.head_size_v, f.dtype, f.attn_type) == \
+        (8, 128, 128, "float16", "FullAttentionSpec")
+    assert (s.num_kv_heads, s.head_size, s.attn_type) == (2, 16, "SlidingWindowSpec")
+    assert (m_la.mla, m_la.head_size, m_la.head_size_v, m_la.dtype) == (True, 576, 0, "bfloat16")
+    assert (mb.num_kv_heads, mb.dtype, mb.attn_type) == (None, "float16,float16",
+                                                         "MambaSpec:MAMBA2")
+
+
+def test_store_layouts_merge_exactly_what_vllm_merges():
+    """Twins vLLM looks up apart must be apart in hmacore too: head shapes at equal page
+    bytes are told apart; specs differing only where GroupSpec has no field are refused for
+    stores (their hits could differ), and accepted elsewhere."""
+    from hmacore.hits import HitFinder
+    twins = H.KVCacheConfig(num_blocks=50, kv_cache_tensors=[], kv_cache_groups=[
+        H.group(["f"], H.attn(16)), H.group(["a"], H.swa(16, 64, heads=2, head=16)),
+        H.group(["b"], H.swa(16, 64, heads=4, head=8)), H.group(["c"], H.swa(16, 64))])
+    lay = to_layout(twins, for_store=True)
+    assert len({g.page_bytes for g in lay.groups}) == 1
+    assert sorted(sg.group_ids for sg in HitFinder(lay).spec_groups) == [(0,), (1, 3), (2,)]
+    import dataclasses
+    other = dataclasses.replace(H.swa(16, 64), max_tp_shards=1)   # a field GroupSpec lacks
+    kcc = H.KVCacheConfig(num_blocks=50, kv_cache_tensors=[], kv_cache_groups=[
+        H.group(["f"], H.attn(16)), H.group(["a"], H.swa(16, 64)), H.group(["b"], other)])
+    with pytest.raises(LayoutError, match=r"groups 1 and 2: vLLM's hit rule looks them up apart "
+                                          r"\(their SlidingWindowSpecs differ in fields "
+                                          r"max_tp_shards\)"):
+        to_layout(kcc, for_store=True)
+    assert to_layout(kcc).num_groups == 3              # NIXL moves blocks, it has no hit rule
+    not_moved = H.KVCacheGroupSpec(["b"], other, enable_kv_transfer=False)
+    kcc.kv_cache_groups[2] = not_moved                 # not looked up: nothing to merge
+    assert to_layout(kcc, for_store=True).transfer_group_ids == (0, 1)
 
 
 def test_host_resident_group_rejected():

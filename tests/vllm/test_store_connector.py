@@ -433,3 +433,116 @@ def test_preemption_under_block_pressure(store_name):
     finally:
         CASES.pop("gemma_small", None)
         inst.close()
+
+
+# -- vLLM's hit rule for the engine's config: EAGLE drop and hit alignment --------------------
+def store_existence(conn, hashes):
+    """Every (group, block) key the store holds for these hash rows, as an ExistenceSet
+    (whatever a lookup would or would not probe)."""
+    from hmacore.hits import ExistenceSet
+    finder, keys = conn.scheduler.finder, conn.scheduler.keys
+    es = ExistenceSet(hashes.shape[1])
+    for g in finder.group_ids:
+        k = finder.block_sizes[g] // finder.hash_block_size
+        rows = (np.arange(hashes.shape[0] // k, dtype=np.int64) + 1) * k - 1
+        if rows.size:
+            ask = keys.lookup_keys(g, finder.key_digests(hashes, g, rows))
+            present = keys.fold_presence(g, conn.store.batch_exists(ask), rows.size)
+            es.add_many(g, np.ascontiguousarray(hashes[rows[present.astype(bool)]]))
+    return es
+
+
+def vllm_hit(kcc, vc, use_eagle, es, request):
+    """vLLM's own coordinator (the one its scheduler builds for this config) over ``es``."""
+    from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+    from hmacore.hits import ExternalBlockPool
+    sched_bs, hash_bs = H.C.resolve_kv_cache_block_sizes(kcc, vc)
+    coord = get_kv_cache_coordinator(
+        kcc, max_model_len=H.MAX_LEN, max_in_flight_tokens=1024, use_eagle=use_eagle,
+        enable_caching=True, enable_kv_cache_events=False, dcp_world_size=1, pcp_world_size=1,
+        scheduler_block_size=sched_bs, hash_block_size=hash_bs)
+    pool = ExternalBlockPool(hash_bs, es)
+    coord.block_pool = pool
+    for m in coord.single_type_managers:
+        m.block_pool = pool
+    return coord.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[1]
+
+
+@pytest.mark.vllm
+def test_eagle_speculative_config_gives_vllms_shorter_hit(store_name):
+    """An engine drafting with EAGLE drops the last matched block of its hits (vLLM's
+    use_eagle_block_drop), on the scheduler side and in the worker's masks."""
+    from hmacore.integrations.vllm.store.scheduler import hashes_array
+    case = "gemma"
+    _, make, n = CASES[case]
+    extra = {"store_name": store_name}
+    A = Instance(case, extra)                 # a plain engine saves the prompt
+    try:
+        prompt = [1 + i % 900 for i in range(n)]
+        A.s.add_request(H.make_request("a", prompt, A.hbs, max_tokens=2))
+        A.run(write=True)
+        configs = {"plain": H.vllm_config(kv_connector="HmaStoreConnector", extra=extra),
+                   "eagle": H.vllm_config(kv_connector="HmaStoreConnector", extra=extra,
+                                          speculative="eagle"),
+                   "no-drop": H.vllm_config(kv_connector="HmaStoreConnector", extra=extra,
+                                            speculative="eagle", eagle_block_drop=False)}
+        assert configs["eagle"].speculative_config.use_eagle()
+        kcc = make()
+        conns = {k: HmaStoreConnector(vc, KVConnectorRole.SCHEDULER, kcc)
+                 for k, vc in configs.items()}
+        r = H.make_request("b", prompt, A.hbs, max_tokens=2)
+        got = {k: c.get_num_new_matched_tokens(r, 0)[0] for k, c in conns.items()}
+        assert 0 < got["eagle"] < got["plain"] == got["no-drop"]
+        es = store_existence(conns["plain"], hashes_array(r.block_hashes))
+        assert got["plain"] == vllm_hit(kcc, configs["plain"], False, es, r)
+        assert got["eagle"] == vllm_hit(kcc, configs["eagle"], True, es, r)
+        # the worker saves and loads with the same finder (store / load masks use the drop)
+        w = HmaStoreConnector(configs["eagle"], KVConnectorRole.WORKER, kcc)
+        assert w.worker.finder.eagle_group_ids == {0, 1}
+        assert HmaStoreConnector(configs["plain"], KVConnectorRole.WORKER,
+                                 kcc).worker.finder.eagle_group_ids == frozenset()
+    finally:
+        A.close()
+
+
+def full_and_fine_mamba(num_blocks=64):
+    """Full attention at 16 tokens + align-mode Mamba at 64: hashes every 16 tokens, and
+    fine-grained (16-token) hits when prefix caching is on."""
+    fa = H.attn(16)
+    return H.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        H.group(["model.layers.3.attn"], fa),
+        H.group(["model.layers.0.linear_attn"], H.mamba(64, fa.page_size_bytes * 4))])
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("caching, resolved, want", [
+    (True, None, 16),       # vLLM's resolve: the hash block size (fine-grained Mamba hits)
+    (False, None, 64),      # prefix caching off: the scheduler block size
+    (True, 64, 64),         # the engine core's resolved value wins
+])
+def test_store_connector_hit_alignment_follows_vllm(store_name, caching, resolved, want):
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens
+    vc = H.vllm_config(kv_connector="HmaStoreConnector", extra={"store_name": store_name},
+                       mamba_cache_mode="align", prefix_caching=caching)
+    kcc = full_and_fine_mamba()
+    kcc.cache_hit_alignment_tokens = resolved
+    sched_bs, hash_bs = H.C.resolve_kv_cache_block_sizes(kcc, vc)
+    assert (sched_bs, hash_bs) == (64, 16)
+    if resolved is None:
+        assert resolve_cache_hit_alignment_tokens(kcc, vc, sched_bs, hash_bs) == want
+    s = HmaStoreConnector(vc, KVConnectorRole.SCHEDULER, kcc).scheduler
+    assert (s.finder.alignment, s.finder.partial) == (want, want == 16)
+    w = HmaStoreConnector(vc, KVConnectorRole.WORKER, kcc).worker
+    assert w.finder.alignment == want
+    # a request of 150 tokens asks at most its aligned length, never a finer boundary
+    assert s.finder.align_length(150) == 150 // want * want
+
+
+@pytest.mark.vllm
+def test_store_connector_refuses_an_alignment_vllm_cannot_have(store_name):
+    from hmacore.errors import LayoutError
+    vc = H.vllm_config(kv_connector="HmaStoreConnector", extra={"store_name": store_name})
+    kcc = H.gemma_like(num_blocks=64)
+    kcc.cache_hit_alignment_tokens = 8
+    with pytest.raises(LayoutError, match="alignment must be None or a hit grain .* 16 tokens"):
+        HmaStoreConnector(vc, KVConnectorRole.SCHEDULER, kcc)

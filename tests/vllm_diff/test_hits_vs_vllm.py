@@ -3,12 +3,16 @@
 vLLM's coordinator is built from real vLLM specs (no VllmConfig, vllm-hma.md §8 "No-config
 route"); its managers' block pool is replaced by vLLM's own ``ExternalCachedBlockPool`` over a
 Python set, so the hit rule under test is vLLM's code, and the cached set is the same blocks
-the ExistenceSet holds.
+the ExistenceSet holds. hmacore's layout is translated from those same specs
+(``group_from_spec``), so the spec groups vLLM merges (spec equality: head shape and dtype
+included) are the ones hmacore must merge.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -34,17 +38,26 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from hmacore.errors import LayoutError  # noqa: E402
 from hmacore.hits import ExternalBlockPool, HitFinder  # noqa: E402
+from hmacore.integrations.vllm.layout import group_from_spec  # noqa: E402
 from hmacore.presets import get_preset  # noqa: E402
-from hmacore.spec import GroupKind, KVLayout  # noqa: E402
+from hmacore.hits import ExistenceSet  # noqa: E402
+from hmacore.spec import GroupKind, GroupSpec, KVLayout  # noqa: E402
 
 from hits_scenarios import chunked_layouts, draw_max_length, layouts, make_hashes, populate  # noqa: E402
 from oracle_hits import OracleFinder  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
+#: (num_kv_heads, head_size, dtype): equal page bytes for a block size, unequal vLLM specs
+HEADS = ((1, 16, torch.float16), (2, 8, torch.float16), (4, 4, torch.float16),
+         (1, 16, torch.bfloat16))
+#: max_length past the rows (vLLM passes num_tokens - 1; hmacore takes any int < 2**63)
+HUGE = st.one_of(st.sampled_from([2**63 - 1, 2**62, 2**32 + 1]), st.integers(0, 2**63 - 1))
 
-def vllm_spec(s):
-    attn = dict(block_size=s.block_size, num_kv_heads=1, head_size=16, dtype=torch.float16)
+
+def vllm_spec(s, heads=HEADS[0]):
+    n, hs, dt = heads
+    attn = dict(block_size=s.block_size, num_kv_heads=n, head_size=hs, dtype=dt)
     if s.kind == GroupKind.FULL:
         return FullAttentionSpec(**attn)
     if s.kind == GroupKind.SLIDING_WINDOW:
@@ -55,15 +68,32 @@ def vllm_spec(s):
                      mamba_cache_mode="align")
 
 
-def vllm_coordinator(layout: KVLayout, eagle: bool):
-    groups = [KVCacheGroupSpec(list(s.layer_names), vllm_spec(s), is_eagle_group=s.eagle)
-              for s in layout.groups]
+def draw_heads(data, layout):
+    """One head shape per group: all the default (twins merge), or drawn per group (twins
+    of one kind / block size / window differ in head shape at equal page bytes)."""
+    if data.draw(st.booleans()):
+        return [HEADS[0]] * layout.num_groups
+    return [data.draw(st.sampled_from(HEADS)) for _ in layout.groups]
+
+
+def from_vllm(layout: KVLayout, heads):
+    """(vLLM KV cache groups, hmacore's translation of them) for a layout's shape."""
+    groups = [KVCacheGroupSpec(list(s.layer_names), vllm_spec(s, hd), is_eagle_group=s.eagle)
+              for s, hd in zip(layout.groups, heads)]
+    translated = tuple(group_from_spec(g, grp.kv_cache_spec, layer_names=grp.layer_names,
+                                       eagle=grp.is_eagle_group, transfer=s.transfer)
+                       for g, (grp, s) in enumerate(zip(groups, layout.groups)))
+    return groups, KVLayout(groups=translated, prefix_match_unit=layout.prefix_match_unit)
+
+
+def vllm_coordinator(groups, layout: KVLayout, eagle: bool, block_aligned: bool = False):
     config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
     lcm = math.lcm(*(s.block_size for s in layout.groups))
     return get_kv_cache_coordinator(
         config, max_model_len=1 << 20, max_in_flight_tokens=1 << 12, use_eagle=eagle,
         enable_caching=True, enable_kv_cache_events=False, dcp_world_size=1,
-        pcp_world_size=1, scheduler_block_size=lcm, hash_block_size=layout.hash_block_size)
+        pcp_world_size=1, scheduler_block_size=lcm, hash_block_size=layout.hash_block_size,
+        allow_partial_hash_hits=not block_aligned)
 
 
 def run_vllm(coord, h, cached, hashes, max_length):
@@ -75,29 +105,48 @@ def run_vllm(coord, h, cached, hashes, max_length):
     return hit, [[int(b is not pool.null_block) for b in blks] for blks in blocks]
 
 
-def compare(data, layout, eagle, ds, max_rows, min_rows=0):
+def partition(finder, coord):
+    """(hmacore's spec groups, vLLM's) as {member ids: eagle drop}."""
+    mine = {tuple(sg.group_ids): sg.eagle for sg in finder.spec_groups}
+    if not hasattr(coord, "attention_groups"):      # one group: the unitary coordinator
+        return mine, {(0,): 0 in coord.eagle_group_ids}
+    return mine, {tuple(g.group_ids): g.use_eagle for g in coord.attention_groups}
+
+
+def compare(data, layout, eagle, ds, max_rows, min_rows=0, heads=None, huge=False):
+    groups, layout = from_vllm(layout, heads or [HEADS[0]] * layout.num_groups)
+    block_aligned = data.draw(st.integers(0, 3)) == 0     # vLLM's alignment with caching off
     try:
         finder = HitFinder(layout, eagle=eagle)
+        if block_aligned:
+            finder = HitFinder(layout, eagle=eagle, alignment=finder.scheduler_block_size)
     except LayoutError:
         assume(False)
-    coord = vllm_coordinator(layout, eagle)
+    coord = vllm_coordinator(groups, layout, eagle, block_aligned)
+    mine, theirs = partition(finder, coord)
+    assert mine == theirs                      # same merges, same eagle drop per spec group
     if layout.num_groups > 1:
         assert coord.enable_partial_hash_hits == finder.partial
         assert coord._cache_hit_alignment_tokens == finder.alignment
-    oracle = OracleFinder(layout, "last", eagle)
+    oracle = OracleFinder(layout, "last", eagle, alignment=finder.alignment)
     n = data.draw(st.integers(min_rows, max_rows)) if data.draw(st.booleans()) else \
         data.draw(st.integers(0, max_rows))
     hashes = make_hashes(n, ds, data.draw(st.integers(0, 2**32 - 1)))
     es, py = populate(data, finder, oracle, hashes, ds)
     h = finder.hash_block_size
     max_length = draw_max_length(data, n, h)
+    if huge and data.draw(st.integers(0, 3)) == 0:
+        max_length = data.draw(HUGE)
+    # vLLM's managers only take caps within the request (num_tokens - 1): past the rows
+    # hmacore's hit is the one at the largest such cap
+    vllm_cap = min(max_length, n * h + h - 1)
     raw = [bytes(r) for r in hashes]
-    want_hit, want_masks = run_vllm(coord, h, py, raw, max_length)
+    want_hit, want_masks = run_vllm(coord, h, py, raw, vllm_cap)
     got = finder.longest_hit(hashes, es, max_length)
     assert got.tokens == want_hit
     assert [m.tolist() for m in got.masks] == want_masks
     # vLLM's manager classmethods over hmacore's duck-typed pool give the same hit too
-    hit2, masks2 = run_vllm_over_pool(coord, ExternalBlockPool(h, es), raw, max_length)
+    hit2, masks2 = run_vllm_over_pool(coord, ExternalBlockPool(h, es), raw, vllm_cap)
     assert (hit2, masks2) == (want_hit, want_masks)
 
 
@@ -111,7 +160,59 @@ def run_vllm_over_pool(coord, pool, raw, max_length):
 
 @given(data=st.data(), layout=layouts(), eagle=st.booleans(), ds=st.sampled_from([16, 32]))
 def test_random_layouts_match_vllm(data, layout, eagle, ds):
-    compare(data, layout, eagle, ds, max_rows=48)
+    compare(data, layout, eagle, ds, max_rows=48, heads=draw_heads(data, layout), huge=True)
+
+
+@given(data=st.data(), h=st.sampled_from([1, 2, 4]), window=st.integers(1, 17),
+       eagle=st.booleans(), flags=st.lists(st.booleans(), min_size=3, max_size=3))
+def test_twins_with_other_head_shapes_match_vllm(data, h, window, eagle, flags):
+    """Full attention + two sliding-window twins (same block size and window, equal page
+    bytes) whose head shapes may differ, each EAGLE-flagged or not: vLLM looks the twins up
+    apart unless their specs are equal; merged, they would share one eagle drop and (with
+    two spec groups) the single-pass shortcut, and the hit could differ."""
+    bs = h * data.draw(st.sampled_from([1, 2]))
+    fa, a, b = (data.draw(st.sampled_from(HEADS)) for _ in range(3))
+    layout = KVLayout(groups=(
+        GroupSpec(GroupKind.FULL, bs, ("f",), eagle=flags[0]),
+        GroupSpec(GroupKind.SLIDING_WINDOW, bs, ("a",), sliding_window=window, eagle=flags[1]),
+        GroupSpec(GroupKind.SLIDING_WINDOW, bs, ("b",), sliding_window=window, eagle=flags[2])))
+    compare(data, layout, eagle, 16, max_rows=40, heads=[fa, a, b], huge=True)
+
+
+def test_twins_with_other_head_shapes_are_looked_up_apart():
+    """A case merging by page bytes gets wrong: the eagle drop of the flagged twin must not
+    reach the other one."""
+    layout = KVLayout(groups=(GroupSpec(GroupKind.FULL, 4, ("f",)),
+                              GroupSpec(GroupKind.SLIDING_WINDOW, 4, ("a",), sliding_window=9),
+                              GroupSpec(GroupKind.SLIDING_WINDOW, 4, ("b",), sliding_window=9,
+                                        eagle=True)))
+    groups, layout = from_vllm(layout, [HEADS[0], HEADS[1], HEADS[2]])
+    a, b = layout.groups[1:]
+    assert a.page_bytes == b.page_bytes and (a.num_kv_heads, b.num_kv_heads) == (2, 4)
+    finder = HitFinder(layout)
+    assert [sg.group_ids for sg in finder.spec_groups] == [(0,), (1,), (2,)]
+    assert finder.eagle_group_ids == {2}
+    coord = vllm_coordinator(groups, layout, False)
+    assert partition(finder, coord)[0] == partition(finder, coord)[1]
+    hashes = make_hashes(12, 16, 5)
+    raw = [bytes(r) for r in hashes]
+    # bs = h = 4: block i is row i. Twin a holds blocks 0-5 and the 2-block run 9-10 its
+    # window needs; the flagged twin b needs 3 (one to drop) and holds every block.
+    rows = {0: range(12), 1: [*range(6), 9, 10], 2: range(12)}
+    py = {(g, raw[r]) for g, rs in rows.items() for r in rs}
+    es = ExistenceSet(16)
+    for g, rs in rows.items():
+        es.add_many(g, np.ascontiguousarray(hashes[list(rs)]))
+    want = run_vllm(coord, 4, py, raw, 47)
+    got = finder.longest_hit(hashes, es, 47)
+    assert want[0] == 44 and (got.tokens, [m.tolist() for m in got.masks]) == want
+    # merged by page bytes alone (the rule before GroupSpec carried head fields), twin a
+    # takes b's eagle drop and needs 3 blocks in a row: only blocks 0-5 qualify
+    merged = HitFinder(KVLayout(groups=(layout.groups[0],) + tuple(
+        dataclasses.replace(s, num_kv_heads=None, head_size=None, head_size_v=None)
+        for s in layout.groups[1:])))
+    assert [sg.group_ids for sg in merged.spec_groups] == [(0,), (1, 2)]
+    assert merged.longest_hit(hashes, es, 47).tokens == 20
 
 
 @given(data=st.data(), bs=st.sampled_from([2, 4, 8]), mult=st.integers(1, 4),
@@ -127,22 +228,27 @@ def test_presets_match_vllm(name, data, eagle):
     layout = get_preset(name)
     rows = {"deepseek-v4": 640, "qwen3-next-80b": 64}.get(name, 300)
     compare(data, layout, eagle, 32, max_rows=rows,
-            min_rows=HitFinder(layout).scheduler_block_size // HitFinder(layout).hash_block_size)
+            min_rows=HitFinder(layout).scheduler_block_size // HitFinder(layout).hash_block_size,
+            huge=True)
 
 
 @given(data=st.data(), layout=layouts(), eagle=st.booleans())
 def test_store_and_lookup_masks_match_vllm_mooncake_coordinator(data, layout, eagle):
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import (
         MooncakeStoreCoordinator)
+    groups, layout = from_vllm(layout, draw_heads(data, layout))
     try:
         finder = HitFinder(layout, eagle=eagle)
+        if data.draw(st.booleans()):
+            finder = HitFinder(layout, eagle=eagle, alignment=finder.scheduler_block_size)
     except LayoutError:
         assume(False)
-    groups = [KVCacheGroupSpec(list(s.layer_names), vllm_spec(s), is_eagle_group=s.eagle)
-              for s in layout.groups]
     coord = MooncakeStoreCoordinator(groups, finder.scheduler_block_size, finder.hash_block_size,
                                      use_eagle=eagle, enable_partial_hash_hits=finder.partial)
     assert coord.eagle_group_ids == set(finder.eagle_group_ids)
+    assert {tuple(g.group_ids) for g in coord.attention_groups} == \
+        {sg.group_ids for sg in finder.spec_groups}
+    assert coord.align_lookup_length(10**6 + 7) == finder.align_length(10**6 + 7)
     n_align = data.draw(st.integers(0, 12))
     tokens = n_align * finder.alignment
     start = data.draw(st.integers(0, tokens))

@@ -101,6 +101,36 @@ def hma_enabled(vllm_config: Any) -> bool:
     return not bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
 
 
+def eagle_block_drop(vllm_config: Any | None) -> bool:
+    """The ``use_eagle`` vLLM 0.32's scheduler hands its KV cache coordinator:
+    ``speculative_config.use_eagle_block_drop()``, True for the EAGLE-like methods (eagle,
+    eagle3, mtp, dflash, dspark) unless ``disable_eagle_block_drop`` is set. False without
+    a speculative config (or without a config)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return False
+    drop = getattr(spec, "use_eagle_block_drop", None)
+    if drop is None:         # before the opt-out existed, every EAGLE-like method dropped
+        return bool(spec.use_eagle())
+    return bool(drop())
+
+
+def cache_hit_alignment_tokens(kv_cache_config: Any, vllm_config: Any | None) -> int | None:
+    """vLLM's hit grain in tokens for this engine: the engine core's resolved
+    ``kv_cache_config.cache_hit_alignment_tokens``; for a config the engine core did not
+    resolve, vLLM's own ``resolve_cache_hit_alignment_tokens`` (the scheduler block size with
+    prefix caching off or one group, the hash block size when fine-grained Mamba hits apply);
+    None without a ``vllm_config`` (the hit finder then derives vLLM's default)."""
+    resolved = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
+    if resolved is not None:
+        return int(resolved)
+    if vllm_config is None:
+        return None
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens as f
+    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    return int(f(kv_cache_config, vllm_config, sched_bs, hash_bs))
+
+
 def prefill_lookahead_tokens(vllm_config: Any) -> int:
     """``vllm_config.num_prefill_lookahead_tokens`` (multi-module MTP), 0 when absent."""
     return int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)

@@ -14,6 +14,10 @@ kv_connector_extra_config={...})``. Keys of ``kv_connector_extra_config``:
   WAITING_FOR_REMOTE_KVS and reports ``finished_recving`` / ``failed_recving``.
 * ``model_name``, ``cache_prefix``, ``store_namespace``: key parts (``hmacore.keys``).
 
+Hits follow vLLM's rule for the engine's config (``scheduler.hit_finder``): the EAGLE
+last-block drop when ``speculative_config.use_eagle_block_drop()`` (and for groups vLLM
+flags ``is_eagle_group``), aligned to ``kv_cache_config.cache_hit_alignment_tokens``.
+
 ``kv_role``: ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does both.
 Scheduler role: :class:`~.scheduler.HmaStoreScheduler`; worker role:
 :class:`~.worker.HmaStoreWorker` (TP = PP = 1).
@@ -51,7 +55,8 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         else:
             require_single_worker(vllm_config, type(self).__name__)
             from .worker import HmaStoreWorker
-            self.worker = HmaStoreWorker(sched.layout, int(kv_cache_config.num_blocks), store,
+            # the scheduler side's finder: same eagle drop and alignment on both sides
+            self.worker = HmaStoreWorker(sched.finder, int(kv_cache_config.num_blocks), store,
                                          key_builder(vllm_config, extra))
 
     # -- scheduler side -------------------------------------------------------------------------

@@ -5,9 +5,11 @@ vLLM's ``Request.block_hashes`` (rows at the hash block size) and any instance s
 store finds them again.
 
 * ``get_num_new_matched_tokens``: one bulk existence probe plus hmacore's cross-group longest
-  hit (:func:`hmacore.transport.store.lookup_hit`); returns ``(hit - num_computed_tokens,
-  load_async)`` (0 when not positive). The answer is cached per request for one scheduling
-  pass (repeated calls in one ``schedule()`` probe once; the next step asks again).
+  hit (:func:`hmacore.transport.store.lookup_hit`) under vLLM's rule for this engine (the
+  EAGLE last-block drop when the speculative method asks for it, the engine's hit
+  alignment: :func:`hit_finder`); returns ``(hit - num_computed_tokens, load_async)`` (0 when
+  not positive). The answer is cached per request for one scheduling pass (repeated calls
+  in one ``schedule()`` probe once; the next step asks again).
 * ``update_state_after_alloc``: tracks the full per-group table (``blocks.get_block_ids()``)
   in a :class:`~hmacore.tables.TrackerSet`; with external tokens it queues a
   :class:`~.metadata.StoreLoad`.
@@ -45,7 +47,16 @@ from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HmaStoreScheduler", "hashes_array", "key_builder"]
+__all__ = ["HmaStoreScheduler", "hashes_array", "hit_finder", "key_builder"]
+
+
+def hit_finder(layout: Any, vllm_config: Any, kv_cache_config: Any) -> HitFinder:
+    """The HitFinder vLLM's own coordinator would be for this engine: ``eagle`` from the
+    speculative config (``use_eagle_block_drop``), ``alignment`` from the engine core's
+    ``cache_hit_alignment_tokens`` (block-aligned hits with prefix caching off). Scheduler and
+    worker use the same one: store masks and boundary puts depend on both."""
+    return HitFinder(layout, eagle=C.eagle_block_drop(vllm_config),
+                     alignment=C.cache_hit_alignment_tokens(kv_cache_config, vllm_config))
 
 
 def hashes_array(block_hashes: Any, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -91,7 +102,7 @@ class HmaStoreScheduler(TableFollower):
         extra = check_keys(ktc.kv_connector_extra_config, STORE_KEYS, "HmaStoreConnector")
         self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_config=vllm_config,
                                                   for_store=True)
-        self.finder = HitFinder(self.layout)
+        self.finder = hit_finder(self.layout, vllm_config, kv_cache_config)
         self.keys = key_builder(vllm_config, extra)
         self.store = store
         self.load_async = flag(extra, "load_async", False)

@@ -89,18 +89,19 @@ class HmaStoreWorker:
     """Store I/O of one worker. Created by the connector in the WORKER role.
 
     Args:
-        layout: the engine's KVLayout (for_store); num_blocks: blocks per layer.
+        finder: the scheduler side's HitFinder (its layout, eagle and alignment decide the
+            store masks, the boundary puts and the load masks); num_blocks: blocks per layer.
         store: the ``KVStore``; keys: the engine's KeyBuilder (same as the scheduler's).
     """
 
     LOADED_HISTORY = 1024   # how many loads / saves loaded_blocks / last_saves remember
 
-    def __init__(self, layout, num_blocks: int, store: Any, keys: KeyBuilder) -> None:
-        self.layout = layout
+    def __init__(self, finder: HitFinder, num_blocks: int, store: Any, keys: KeyBuilder) -> None:
+        self.finder = finder
+        self.layout = finder.layout
         self.num_blocks = int(num_blocks)
         self.store = store
         self.keys = keys
-        self.finder = HitFinder(layout)
         self.segments: list[GroupSegments | None] | None = None
         self._regions: list[int] = []
         self._done_recving: set[str] = set()
