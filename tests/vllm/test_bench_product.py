@@ -36,6 +36,10 @@ def _check_cell(rec):
         assert row["sched_mismatch_steps"] == 0, (rec["cell"], v.name)
         if v.name != "none":
             assert math.isfinite(row["overhead_ms"])
+            # the connector's hooks were timed (every step runs build_connector_meta)
+            assert 0 < row["hook_mean_ms"] < row["mean_ms"], (v.name, row["hook_mean_ms"])
+        else:
+            assert row["hook_mean_ms"] == 0.0
         if v.baseline:
             assert row["ratio_vs"] == v.baseline and row["ratio"] > 0
         if v.connector and v.connector.startswith("Hma"):
@@ -73,6 +77,7 @@ def test_worker_side_and_profile_and_report(tmp_path):
     assert json.load(open(jp))["cells"][0]["cell"] == cell.key
     md = open(mp).read()
     assert "| dsv4 | 8 | 4k | decode |" in md and "skipped: estimated" in md
+    assert "## Targets on hook time" in md and "| hma_pull_D |" in md
     assert md == render(doc)
 
 
@@ -83,3 +88,10 @@ def test_cli_quick_writes_json_and_markdown(tmp_path, capsys):
     assert [c["cell"] for c in doc["cells"]] == ["gptoss/8x4k/decode"]
     _check_cell(doc["cells"][0])
     assert "## Scheduler step" in capsys.readouterr().out
+
+
+def test_hook_split_names_where_the_time_goes(capsys):
+    import hook_split
+    assert hook_split.main(["hma_push_P", "gptoss", "8", "4096", "prefill", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "build_connector_meta" in out and "_follow_step" in out and "ms/step" in out
