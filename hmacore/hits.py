@@ -344,8 +344,7 @@ class HitFinder:
         naming the argument before any probe. The result's ``masks`` are built on first
         access.
         """
-        # the kernel also takes list[bytes] rows; _fast/_hits.pyi does not say so yet
-        tokens, spans = self._kernel.run(exists, hashes, max_length, apply_eagle)  # type: ignore[arg-type]
+        tokens, spans = self._kernel.run(exists, hashes, max_length, apply_eagle)
         return HitResult._lazy(tokens, spans, self)
 
     def hit_tokens(self, hashes: np.ndarray, exists: ExistenceSet | None, max_length: int,

@@ -12,7 +12,8 @@ from hmacore.keys import KeyBuilder
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind, GroupSpec, KVLayout
 from hmacore.transport.store import (INVALID, NO_SPACE, NOT_FOUND, OK, EmbeddedStore,
-                                     GroupSegments, load_blocks, lookup_hit, save_blocks,
+                                     GroupSegments, load_blocks, lookup_hit,
+                                     lookup_hit_indexed, save_blocks,
                                      save_state)
 
 from hits_scenarios import make_hashes
@@ -228,3 +229,74 @@ def test_flows_reject_bad_hash_arrays():
         with pytest.raises(HashInputError):
             save_blocks(finder, KeyBuilder("m"), store, bad, 64, [[1], [2]], [None, None])
     assert len(store) == 0
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-120b", "deepseek-v4", "qwen3-next-80b"])
+def test_digest_index_lookup_equals_the_key_lookup(preset):
+    """The embedded store's digest index follows its keys through puts, LRU evictions and
+    removals: a lookup on it (vLLM's list[bytes] read in place) equals lookup_hit on key
+    strings, for requests sharing prefixes, at every stage."""
+    layout = get_preset(preset, num_blocks=4096)
+    finder = HitFinder(layout)
+    keys = KeyBuilder("model")
+    ns = keys.prefix(finder.group_ids[0]).rpartition("@group:")[0]
+    rng = np.random.default_rng(3)
+    h = finder.hash_block_size
+    T = 4 * finder.scheduler_block_size + 3
+    base = make_hashes(T // h, 32, 5)
+    reqs = []
+    for r in range(8):                 # shared prefixes of random lengths, then new rows
+        cut = int(rng.integers(0, base.shape[0] + 1))
+        tail = make_hashes(base.shape[0] - cut, 32, 100 + r)
+        reqs.append(np.ascontiguousarray(np.concatenate([base[:cut], tail])))
+    mem = KVMemory(layout, 4096, seed=1)
+    probe = KVMemory(layout, 1, seed=2)
+    # half of what all saves write: later saves evict earlier keys
+    big = EmbeddedStore(1 << 30)
+    mem.register(big)
+    for i, hashes in enumerate(reqs):
+        save_blocks(finder, keys, big, hashes, T, _tables(finder, T, 1 + 40 * i), mem.segments)
+    store = EmbeddedStore(big.used_bytes // 2)
+    mem.register(store)
+    probe.register(store)
+
+    def check(stage):
+        index = store.digest_index(ns)
+        for i, hashes in enumerate(reqs):
+            for n in (T, T - 1, finder.scheduler_block_size, 1):
+                want = lookup_hit(finder, keys, store, hashes, n)
+                if index is None:
+                    assert want.tokens == 0, (stage, i, n)
+                    continue
+                rows = [bytes(r) for r in hashes]
+                got = lookup_hit_indexed(finder, index, rows, n)
+                assert got.tokens == want.tokens, (stage, i, n)
+                for g in finder.group_ids:
+                    assert np.array_equal(got.masks[g], want.masks[g]), (stage, i, n, g)
+
+    check("empty")
+    for i, hashes in enumerate(reqs):
+        save_blocks(finder, keys, store, hashes, T, _tables(finder, T, 1 + 40 * i),
+                    mem.segments)
+        check(f"after save {i}")
+    assert store.evictions > 0, "the store was meant to evict"
+    hit_keys = [k for k in store._data if "@group:" in k][:: 3]
+    store.batch_remove(hit_keys)
+    check("after removals")
+    assert len(store.digest_index(ns)) == sum(1 for k in store._data if k.startswith(ns))
+
+
+def test_digest_index_ignores_foreign_keys_and_mixed_widths():
+    st = EmbeddedStore(1 << 20)
+    buf = np.zeros(64, dtype=np.uint8)
+    st.register(buf.ctypes.data, 64)
+    p = [[(buf.ctypes.data, 8)]]
+    st.batch_put(["plain-key"], p)
+    st.batch_put(["m@group:x@abcd"], p)              # group not a number
+    st.batch_put(["m@group:1@zz"], p)                # not hex
+    assert st.digest_index("m") is None
+    st.batch_put(["m@group:1@" + "ab" * 16], p)
+    es = st.digest_index("m")
+    assert es is not None and (1, bytes.fromhex("ab" * 16)) in es and len(es) == 1
+    st.batch_put(["m@group:1@" + "cd" * 8], p)       # another width: no index any more
+    assert st.digest_index("m") is None

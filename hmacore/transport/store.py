@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import BlockTableError, HashInputError, StoreError
 from .._fast import _hits
 from ..hits import HitFinder, HitResult
-from ..keys import KeyBuilder
+from ..keys import MAX_GROUP_ID, KeyBuilder
 from ..spec import GroupKind
 from ..tables import as_block_table
 
@@ -98,6 +98,14 @@ class EmbeddedStore:
     Values are copied from/to registered memory only: a buffer outside every registered
     region gets INVALID, never a wild read. ``batch_exists`` does not refresh recency; a
     successful get or put does.
+
+    Digest index: every stored key of :class:`~hmacore.keys.KeyBuilder`'s form
+    (``<namespace>@group:<g>@<hex digest>``) is also in the :class:`ExistenceSet` of its
+    namespace as ``(g, digest)``, kept exactly in step with the keys (put, overwrite, LRU
+    eviction, remove; under the store's lock). :meth:`digest_index` hands it out, so a
+    lookup in this process runs the hit kernel on vLLM's ``list[bytes]`` hashes directly
+    (:func:`lookup_hit_indexed`) with no key strings. A namespace whose digests differ in
+    width has no index (lookups then use the keys).
     """
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -109,6 +117,7 @@ class EmbeddedStore:
         self._regions: dict[int, int] = {}
         self._lock = threading.Lock()
         self.evictions = 0
+        self._index: dict[str, _hits.ExistenceSet | None] = {}
 
     @property
     def used_bytes(self) -> int:
@@ -126,6 +135,40 @@ class EmbeddedStore:
     def unregister(self, addr: int) -> None:
         with self._lock:
             self._regions.pop(int(addr), None)
+
+    def digest_index(self, namespace: str) -> _hits.ExistenceSet | None:
+        """The existence set of ``namespace``'s stored keys (see the class docstring), live
+        (it follows later puts and removals; thread-safe); None if it has none."""
+        with self._lock:
+            return self._index.get(namespace)
+
+    def _indexed(self, k: str, present: bool) -> None:
+        """Mirror one key's presence into its namespace's digest index (lock held)."""
+        head, sep, hexd = k.rpartition("@")
+        ns, gsep, g = head.rpartition("@group:")
+        if not (sep and gsep and g.isdigit() and hexd and len(hexd) % 2 == 0):
+            return
+        try:
+            digest = bytes.fromhex(hexd)
+        except ValueError:
+            return
+        group = int(g)
+        if group > MAX_GROUP_ID:
+            return
+        if ns not in self._index:
+            if not present:
+                return
+            self._index[ns] = _hits.ExistenceSet(len(digest))
+        es = self._index[ns]
+        if es is None:
+            return
+        if len(digest) != es.digest_size:
+            self._index[ns] = None       # mixed widths: this namespace is looked up by keys
+            return
+        if present:
+            es.add(group, digest)
+        else:
+            es.discard(group, digest)
 
     def _inside(self, addr: int, size: int) -> bool:
         for base, n in self._regions.items():
@@ -158,11 +201,13 @@ class EmbeddedStore:
         if old is not None:
             self._used -= len(old)
         while self._used + len(value) > self.capacity_bytes:
-            _, ev = self._data.popitem(last=False)
+            evicted, ev = self._data.popitem(last=False)
             self._used -= len(ev)
             self.evictions += 1
+            self._indexed(evicted, False)
         self._data[k] = value
         self._used += len(value)
+        self._indexed(k, True)
         return OK
 
     def batch_get(self, keys, parts) -> list[int]:
@@ -191,6 +236,7 @@ class EmbeddedStore:
                     out.append(NOT_FOUND)
                 else:
                     self._used -= len(v)
+                    self._indexed(k, False)
                     out.append(OK)
         return out
 
@@ -268,6 +314,26 @@ def lookup_hit(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.n
         if usable <= 0:
             return empty
         hit = finder.longest_hit(hashes, es, usable)
+    return hit
+
+
+def lookup_hit_indexed(finder: HitFinder, index: _hits.ExistenceSet, hashes: list[bytes],
+                       num_tokens: int) -> HitResult:
+    """:func:`lookup_hit` over an existence set of the stored keys (an
+    :meth:`EmbeddedStore.digest_index`) instead of ``batch_exists`` on key strings: the same
+    hit (same rules, the last token recomputed), from vLLM's ``list[bytes]`` hashes read in
+    place by the kernel. For ``coarse="last"`` keys in one namespace per group."""
+    n = len(hashes)
+    token_len = finder.align_length(num_tokens)
+    if n == 0 or token_len <= 0:
+        return HitResult(0, tuple(np.zeros(0, dtype=np.uint8) for _ in range(finder.num_groups)))
+    hit = finder.longest_hit(hashes, index, token_len)
+    if hit.tokens >= num_tokens:
+        usable = finder.align_length(max(num_tokens - 1, 0))
+        if usable <= 0:
+            return HitResult(0, tuple(np.zeros(0, dtype=np.uint8)
+                                      for _ in range(finder.num_groups)))
+        hit = finder.longest_hit(hashes, index, usable)
     return hit
 
 

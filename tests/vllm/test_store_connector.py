@@ -19,6 +19,8 @@ from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindo
 
 from hmacore.integrations.vllm import HmaStoreConnector
 from hmacore.integrations.vllm.store.backend import drop_store, register_store
+from hmacore.integrations.vllm.store.scheduler import hashes_array
+from hmacore.transport.store import lookup_hit
 from hmacore.integrations.vllm.store.metadata import HmaStoreConnectorMetadata
 
 CASES = {
@@ -230,10 +232,16 @@ def test_save_then_prefix_hit_on_a_second_instance(case, load_async, store_name)
         assert len(A.w.store) == expected_keys(A.kcc, lcm, saved)   # store masks applied
 
         rb = H.make_request("b", prompt, B.hbs, max_tokens=2)
+        # the embedded store's lookup runs on its digest index (vLLM's list[bytes] in place)
+        # and equals the key-string lookup over the same store
+        bs = B.s.connector.scheduler
+        assert bs._index_ns is not None and bs.store.digest_index(bs._index_ns) is not None
+        by_keys = lookup_hit(bs.finder, bs.keys, bs.store, hashes_array(rb.block_hashes),
+                             int(rb.num_tokens)).tokens
         B.s.add_request(rb)
         B.step()
         expected = aligned_hit(B, n, saved)
-        assert expected > 0
+        assert expected > 0 and by_keys == B.metas[-1].loads["b"].hit_tokens
         ld = B.metas[-1].loads["b"]
         assert ld.hit_tokens == expected and ld.skip_tokens == 0 and ld.awaiting == load_async
         if load_async:      # loaded, reported finished_recving; the rest runs next step

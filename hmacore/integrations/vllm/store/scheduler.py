@@ -4,12 +4,14 @@ Hash-addressed offload / prefix reuse: a request's KV blocks are saved under key
 vLLM's ``Request.block_hashes`` (rows at the hash block size) and any instance sharing the
 store finds them again.
 
-* ``get_num_new_matched_tokens``: one bulk existence probe plus hmacore's cross-group longest
-  hit (:func:`hmacore.transport.store.lookup_hit`) under vLLM's rule for this engine (the
-  EAGLE last-block drop when the speculative method asks for it, the engine's hit
-  alignment: :func:`hit_finder`); returns ``(hit - num_computed_tokens, load_async)`` (0 when
-  not positive). The answer is cached per request for one scheduling pass (repeated calls
-  in one ``schedule()`` probe once; the next step asks again).
+* ``get_num_new_matched_tokens``: one bulk existence probe plus hmacore's cross-group
+  longest hit (:func:`hmacore.transport.store.lookup_hit`; on the embedded store
+  :func:`~hmacore.transport.store.lookup_hit_indexed` over its digest index, from vLLM's
+  ``list[bytes]`` in place) under vLLM's rule for this engine (the EAGLE last-block drop
+  when the speculative method asks for it, the engine's hit alignment: :func:`hit_finder`);
+  returns ``(hit - num_computed_tokens, load_async)`` (0 when not positive). The answer is
+  cached per request for one scheduling pass (repeated calls in one ``schedule()`` probe
+  once; the next step asks again).
 * ``update_state_after_alloc``: tracks the full per-group table (``blocks.get_block_ids()``)
   in a :class:`~hmacore.tables.TrackerSet`; with external tokens it queues a
   :class:`~.metadata.StoreLoad`.
@@ -37,7 +39,7 @@ from ....hits import HitFinder
 from ....keys import KeyBuilder
 from ....spec import GroupKind
 from ....tables import RequestState, TrackerSet
-from ....transport.store import lookup_hit
+from ....transport.store import lookup_hit, lookup_hit_indexed
 from .. import _compat as C
 from .._clip import skipped_blocks
 from .._config import STORE_KEYS, check_keys, flag, text
@@ -115,6 +117,20 @@ class HmaStoreScheduler(TableFollower):
         self._loads: dict[str, StoreLoad] = {}
         self.failed_recving: set[str] = set()
         self.stats = {"lookups": 0, "hit_tokens": 0, "loads": 0, "saves": 0}
+        self._index_ns = self._index_namespace()
+
+    def _index_namespace(self) -> str | None:
+        """The one key namespace of every looked-up group when a lookup can run on the
+        store's digest index (``EmbeddedStore.digest_index``: coarse ``last`` keys, one
+        namespace per group, all groups in one); else None (key strings and batch_exists)."""
+        if not hasattr(self.store, "digest_index") or self.finder.coarse != "last":
+            return None
+        spaces = set()
+        for g in self.finder.group_ids:
+            if self.keys.namespaces(g) != (self.keys.rank,):
+                return None
+            spaces.add(self.keys.prefix(g).rpartition("@group:")[0])
+        return spaces.pop() if len(spaces) == 1 else None
 
     # -- lookups ------------------------------------------------------------------------
     def lookup(self, request: Any) -> int:
@@ -128,9 +144,15 @@ class HmaStoreScheduler(TableFollower):
         hit = 0
         if n_rows:
             try:
-                hit = lookup_hit(self.finder, self.keys, self.store,
-                                 hashes_array(request.block_hashes),
-                                 int(request.num_tokens)).tokens
+                index = (self.store.digest_index(self._index_ns)
+                         if self._index_ns is not None else None)
+                if index is not None:   # embedded: the kernel reads vLLM's list in place
+                    hit = lookup_hit_indexed(self.finder, index, request.block_hashes,
+                                             int(request.num_tokens)).tokens
+                else:   # key strings (Mooncake; an embedded namespace without an index)
+                    hit = lookup_hit(self.finder, self.keys, self.store,
+                                     hashes_array(request.block_hashes),
+                                     int(request.num_tokens)).tokens
             except Exception as e:   # never let a lookup take the scheduler down
                 logger.warning("store lookup of %s failed (%s); treated as a miss", rid, e)
                 hit = 0
