@@ -2,6 +2,8 @@
 (CPU, no model), loaded by kv_connector_module_path, HMA on. After every flow: no block leaked.
 Emitted per-group block ids are checked against vLLM's own KVCacheManager tables, clipped by
 an independent statement of the window rule (harness.oracle_clip)."""
+import time
+
 import pytest
 
 import harness as H
@@ -212,7 +214,8 @@ def test_p_finish_holds_blocks_and_emits_per_group_clipped_ids(case):
     assert len(params["remote_block_ids"]) == len(kcc.kv_cache_groups)
     assert params["do_remote_prefill"] and not params["do_remote_decode"]
     assert params["remote_num_tokens"] == r.num_computed_tokens
-    assert params["remote_blocks_expiry_time"] == d.conn.leases()["p"]
+    # wall clock for D (P's lease clock is its own monotonic clock)
+    assert abs(params["remote_blocks_expiry_time"] - (time.time() + d.conn.lease_s)) < 5
     d.step()
     assert "p" in d.metas[-1].reqs_to_send
     d.step(finished_sending={"p"})
@@ -339,4 +342,43 @@ def test_p_to_d_roundtrip_params():
     assert m.remote.engine_id == sp.vllm_config.kv_transfer_config.engine_id
     dd.step(finished_recving={"d"})
     dd.run()
+    H.assert_no_leak(sd)
+
+
+@pytest.mark.parametrize("forge", ["swapped_groups", "full_too_short", "full_null", "too_many",
+                                   "expired", "bad_expiry", "bad_num_tokens"])
+def test_d_refuses_params_that_cannot_be_p_s(forge, caplog):
+    # D checks P's params against its own layout and remote_num_tokens: a refused request
+    # runs without a remote load (computes its prompt), with a warning naming the rule
+    sp, kcc, d_p, _ = p_finish("gemma")
+    params = dict(d_p.finished_params()["p"])
+    ids = [list(g) for g in params["remote_block_ids"]]
+    full = next(g for g, grp in enumerate(kcc.kv_cache_groups)
+                if type(grp.kv_cache_spec).__name__ == "FullAttentionSpec")
+    n = params["remote_num_tokens"]
+    if forge == "swapped_groups":
+        ids = ids[::-1]
+    elif forge == "full_too_short":
+        ids[full] = ids[full][:-1]
+    elif forge == "full_null":
+        ids[full][0] = 0
+    elif forge == "too_many":
+        ids[full] = ids[full] + [7, 8, 9]
+    elif forge == "expired":
+        params["remote_blocks_expiry_time"] = time.time() - 1
+    elif forge == "bad_expiry":
+        params["remote_blocks_expiry_time"] = "soon"
+    else:
+        params["remote_num_tokens"] = -3
+    params["remote_block_ids"] = ids
+    sd = H.make_scheduler(H.vllm_config(), H.gemma_like())
+    dd = H.Driver(sd)
+    r = H.make_request("d", [1 + i % 900 for i in range(n)], 16, params=params, max_tokens=2)
+    sd.add_request(r)
+    with caplog.at_level("WARNING"):
+        dd.step()
+    assert "kv_transfer_params rejected" in caplog.text, caplog.text
+    assert "d" not in dd.metas[-1].reqs_to_recv or dd.metas[-1].reqs_to_recv["d"].remote is None
+    dd.run()
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
     H.assert_no_leak(sd)

@@ -132,6 +132,7 @@ class HmaNixlScheduler:
             return None
         try:
             table = from_wire(params.get("remote_block_ids") or [], self.layout.num_groups)
+            self._check_remote(table, params)
             return RemotePeer(engine_id=str(params["remote_engine_id"]),
                               request_id=str(params["remote_request_id"]),
                               host=str(params["remote_host"]), port=int(params["remote_port"]),
@@ -142,6 +143,41 @@ class HmaNixlScheduler:
         except (BlockTableError, TypeError, ValueError) as e:
             logger.warning("kv_transfer_params rejected (%s); no remote load", e)
             return None
+
+    def _check_remote(self, table, params: dict) -> None:
+        """What D can check of P's params against its own layout (ValueError naming the
+        rule): the lease has not expired (P's wall clock; P frees the blocks then), and with
+        ``remote_num_tokens`` n, each group's id count fits n tokens (at most
+        cdiv(n, bs) + 1 + speculative slots; a full-attention group exactly covers n, with no
+        null block). A forged list that passes reads other in-range blocks of P's pool: the
+        params come from the operator's proxy and are trusted that far (docs/vllm.md)."""
+        expiry = params.get("remote_blocks_expiry_time")
+        if expiry is not None:
+            if isinstance(expiry, bool) or not isinstance(expiry, (int, float)):
+                raise ValueError(f"remote_blocks_expiry_time must be a number (P's wall clock, "
+                                 f"s), got {expiry!r}")
+            if time.time() > expiry:
+                raise ValueError(f"P's lease on these blocks expired {time.time() - expiry:.1f} "
+                                 "s ago (P has freed them)")
+        n = params.get("remote_num_tokens")
+        if n is None:
+            return
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"remote_num_tokens must be an int >= 0, got {n!r}")
+        for g, (ids, spec) in enumerate(zip(table, self.layout.groups)):
+            need = -(-n // spec.block_size)
+            most = need + 1 + (spec.num_speculative_blocks or 0)
+            if len(ids) > most:
+                raise ValueError(f"group {g}: {len(ids)} block ids for {n} tokens of "
+                                 f"{spec.block_size}-token blocks (at most {most})")
+            if spec.kind == GroupKind.FULL and spec.transfer and n:
+                if len(ids) < need:
+                    raise ValueError(f"group {g} (full attention): {len(ids)} block ids cannot "
+                                     f"hold {n} tokens of {spec.block_size}-token blocks "
+                                     f"(needs {need})")
+                if not ids[:need].all():
+                    raise ValueError(f"group {g} (full attention): null block id among the "
+                                     f"first {need}")
 
     def _load_window(self, table, hashed, start: int, end: int):
         """Restrict fill candidates to the positions holding tokens ``[start, end)``.
@@ -341,8 +377,8 @@ class HmaNixlScheduler:
         delay = any(len(g) for g in table)
         expiry = None
         if delay:
-            expiry = self.clock() + self.lease_s
-            self._leases[rid] = self._new_leases[rid] = expiry
+            self._leases[rid] = self._new_leases[rid] = self.clock() + self.lease_s
+            expiry = time.time() + self.lease_s     # for D: wall clock, comparable there
         return delay, dict(
             do_remote_prefill=True, do_remote_decode=False,
             remote_block_ids=clip_table(table, self.layout) if delay else self._empty(),
