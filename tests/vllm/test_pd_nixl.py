@@ -270,3 +270,52 @@ def test_a_bug_while_starting_a_load_is_a_failed_recv(monkeypatch):
     finally:
         P.close()
         D.close()
+
+
+def test_connector_stats_count_what_moved():
+    # vLLM's stats pipeline: the decode worker counts its READs (bytes, descriptors, blocks
+    # per group), the prefill scheduler what clipping left out; both reach Prometheus
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    make = lambda: H.gemma_like(num_blocks=64)  # noqa: E731
+    P, D = Engine(make), Engine(make)
+    seen = []      # what vLLM's Scheduler collects from P's scheduler side every step
+    take = P.s.connector.get_kv_connector_stats
+
+    def collect():
+        st = take()
+        if st is not None:
+            seen.append(st)
+        return st
+    P.s.connector.get_kv_connector_stats = collect
+    try:
+        assert _load_from(P, D, "s", 150) == (True, True)
+        w = D.w.get_kv_connector_stats().data
+        assert w["transfers"] == 1 and w["loads"] == 1 and w["transfer_bytes"] > 0
+        assert w["transfer_descriptors"] > 0 and w["transfer_seconds"] > 0
+        assert set(w["blocks_moved"]) == {"0", "1"} and all(w["blocks_moved"].values())
+        assert D.w.get_kv_connector_stats() is None          # taken: nothing new since
+        assert seen, "vLLM's Scheduler never got P's stats"
+        p = functools.reduce(lambda a, b: a.aggregate(b), seen).data
+        sliding = next(g for g, s in enumerate(P.w.layout.groups) if s.sliding_window)
+        assert p["blocks_clipped"][str(sliding)] > 0          # the window spared the rest
+        stats = HmaNixlConnector.build_kv_connector_stats(w).aggregate(
+            HmaNixlConnector.build_kv_connector_stats(p))
+        red = stats.reduce()
+        assert red["transfers"] == 1 and red[f"blocks_clipped[group {sliding}]"] > 0
+        reg = CollectorRegistry()
+        types = {k: functools.partial(k, registry=reg) for k in (Counter, Gauge, Histogram)}
+        prom = HmaNixlConnector.build_prom_metrics(D.vc, types, ["model_name", "engine"],
+                                                   {0: ["m", "0"]})
+        prom.observe(stats.data, 0)
+        assert reg.get_sample_value("vllm:hma_transfers_total",
+                                    {"model_name": "m", "engine": "0"}) == 1
+        assert reg.get_sample_value("vllm:hma_blocks_clipped_total",
+                                    {"model_name": "m", "engine": "0",
+                                     "group": str(sliding)}) == p["blocks_clipped"][str(sliding)]
+        drain_p(P)
+    finally:
+        P.close()
+        D.close()

@@ -230,6 +230,9 @@ def test_save_then_prefix_hit_on_a_second_instance(case, load_async, store_name)
         assert A.w.worker.last_saves["a"].failed == 0
         lcm = H.C.resolve_kv_cache_block_sizes(A.kcc, A.vc)[0]
         assert len(A.w.store) == expected_keys(A.kcc, lcm, saved)   # store masks applied
+        ws = A.w.get_kv_connector_stats()                  # vLLM's stats: what the saves wrote
+        assert ws.data["store_keys_written"] == len(A.w.store)
+        assert ws.data.get("store_keys_failed", 0) == 0
 
         rb = H.make_request("b", prompt, B.hbs, max_tokens=2)
         # the embedded store's lookup runs on its digest index (vLLM's list[bytes] in place)

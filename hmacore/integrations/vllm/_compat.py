@@ -9,6 +9,7 @@ imports it, and ``hmacore.integrations.vllm`` itself imports it lazily.
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,6 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
@@ -134,6 +139,25 @@ def cache_hit_alignment_tokens(kv_cache_config: Any, vllm_config: Any | None) ->
 def prefill_lookahead_tokens(vllm_config: Any) -> int:
     """``vllm_config.num_prefill_lookahead_tokens`` (multi-module MTP), 0 when absent."""
     return int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+
+
+# -- logging ------------------------------------------------------------------------------------
+def get_logger(module: str) -> logging.Logger:
+    """The logger of an integration module, under vLLM's ``vllm`` logger
+    (``vllm.hmacore.<module>``): in a vLLM process its records go through vLLM's handler,
+    format and ``VLLM_LOGGING_LEVEL``, once (vLLM's logger does not propagate to the root)."""
+    return logging.getLogger("vllm.hmacore." + module.removeprefix("hmacore.integrations.vllm."))
+
+
+def layout_summary(layout: Any) -> str:
+    """One line per start-up log: every group's kind, block size and window / state."""
+    parts = []
+    for g, s in enumerate(layout.groups):
+        extra = (f" window {s.sliding_window}" if s.sliding_window else
+                 f" chunk {s.chunk_size}" if s.chunk_size else "")
+        parts.append(f"g{g} {s.kind.name.lower()} bs {s.block_size}{extra} "
+                     f"x{len(s.layer_names)} layers" + ("" if s.transfer else " (not moved)"))
+    return f"{len(layout.groups)} KV cache groups: " + "; ".join(parts)
 
 
 # -- block tables -------------------------------------------------------------------------------

@@ -97,6 +97,25 @@ class RoleDispatch:
         if self.worker is not None:
             self.worker.shutdown()
 
+    # -- statistics (vLLM's stats pipeline and /metrics; see _metrics.py) -----------------------
+    def get_kv_connector_stats(self):
+        """What this role counted since vLLM last asked (None if nothing)."""
+        from ._metrics import HmaConnectorStats
+        side = self.worker if self.worker is not None else self.scheduler
+        counter = getattr(side, "counters", None)
+        data = counter.take() if counter is not None else None
+        return HmaConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None):
+        from ._metrics import HmaConnectorStats
+        return HmaConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from ._metrics import HmaPromMetrics
+        return HmaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
 
 class TableFollower:
     """Mixin for a scheduler-side object with ``self.trackers`` (TrackerSet): follows the

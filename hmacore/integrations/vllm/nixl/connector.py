@@ -28,6 +28,8 @@ from .push_scheduler import HmaPushScheduler, transfer_mode
 
 __all__ = ["HmaNixlConnector"]
 
+_logger = C.get_logger(__name__)
+
 
 class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
     """P/D pull connector keeping HMA on; see the module docstring for the role status.
@@ -52,6 +54,9 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         self._layout = sched.layout
         if role == C.KVConnectorRole.SCHEDULER:
             self.scheduler = sched
+            _logger.info("HmaNixlConnector (%s, %s) engine %s: %s; side channel %s:%d",
+                         self.transfer_mode, sched.kv_role, sched.engine_id,
+                         C.layout_summary(sched.layout), sched.host, sched.port)
         else:
             # one worker per TP rank in both modes (PP = 1)
             require_single_worker(vllm_config, type(self).__name__

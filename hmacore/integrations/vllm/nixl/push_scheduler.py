@@ -24,7 +24,6 @@ Units: tokens, blocks of each group (positional tables), seconds of ``clock``.
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +41,7 @@ from .scheduler import HmaNixlScheduler
 from .push_metadata import (TRANSFER_MODES, HmaPushConnectorMetadata, PushRegistration,
                             PushSave, check_push_id)
 
-logger = logging.getLogger(__name__)
+logger = C.get_logger(__name__)
 
 __all__ = ["HmaPushScheduler", "transfer_mode"]
 

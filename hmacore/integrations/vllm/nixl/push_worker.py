@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import queue
 import time
 from collections import deque
 from typing import Any
 
 from ....errors import HandshakeError, HmacoreError
+from .._metrics import StatsCounter
 from ....layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState
 from ....plan import TransferPlan
 from ....tp import TpMapping, TpPairPlan, consumer_ranks
@@ -53,8 +53,9 @@ from .._roles import close_transport
 from ._tp import check_rank_peer
 from .push_metadata import PUSH_AGENT_SUFFIX, HmaPushConnectorMetadata, HmaPushWorkerMeta, \
     PushSave
+from .. import _compat as C
 
-logger = logging.getLogger(__name__)
+logger = C.get_logger(__name__)
 
 #: D's first handshake with a prefill engine: P's side adds D's agent to NIXL while D waits,
 #: which on a loaded host can take several seconds the first time (5 s timed out in CI)
@@ -158,6 +159,7 @@ class HmaPushWorker:
         self._expect: dict[str, tuple[str, tuple[str, ...]]] = {}  # push id -> (rid, keys)
         self._recving: set[str] = set()
         self._failed: set[str] = set()
+        self.counters = StatsCounter()        # vLLM's stats / /metrics (_metrics.py)
         # P side
         self._dpeers: dict[str, tuple[int, int]] = {}   # D agent -> (its rank, its TP size)
         self._consumers_of: dict[int, tuple[int, ...]] = {}   # D TP size -> consumer ranks
@@ -564,6 +566,7 @@ class HmaPushWorker:
     def _fail_push(self, pid: str, p: _Push, why: str) -> None:
         if p.failed is None:
             p.failed = why
+            self.counters.add("transfer_failures")
             logger.warning("push %s of %s failed on rank %d: %s", pid, p.request_id, self.rank,
                            why)
             self._tell_failed(pid, p.peers.values())
@@ -624,6 +627,7 @@ class HmaPushWorker:
                 if st != PushState.READY:
                     self._error(f"push {k!r} into {rid!r} failed: {self.receiver.error(k)}")
                     failed.add(rid)
+            self.counters.add("transfer_failures" if rid in failed else "loads")
             recving.add(rid)
             for k in keys:
                 self.receiver.forget(k)

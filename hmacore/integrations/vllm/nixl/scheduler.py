@@ -22,7 +22,6 @@ Contracts kept (vllm-hma.md §1.6, §4.2, §4.7, §4.8):
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,10 +34,11 @@ from ....transport import DEFAULT_PROGRESS_DELAY_US
 from .. import _compat as C
 from .._clip import clip_table
 from .._config import NIXL_KEYS, check_keys, flag, number, text
+from .._metrics import StatsCounter
 from ..layout import layout_from_kv_cache_config
 from .metadata import HmaNixlConnectorMetadata, RecvRequest, RemotePeer
 
-logger = logging.getLogger(__name__)
+logger = C.get_logger(__name__)
 
 __all__ = ["HmaNixlScheduler"]
 
@@ -111,6 +111,7 @@ class HmaNixlScheduler:
         self._new_leases: dict[str, float] = {}
         self._expired_pending: set[str] = set()
         self._not_processed: set[str] = set()
+        self.counters = StatsCounter()     # vLLM's stats / /metrics (_metrics.py)
 
     # -- binding --------------------------------------------------------------------------
     # -- helpers ---------------------------------------------------------------------------
@@ -341,6 +342,7 @@ class HmaNixlScheduler:
             self._new_leases.pop(rid, None)
             self._expired_pending.add(rid)
             sending.add(rid)
+            self.counters.add("lease_expiries")
             logger.warning("lease of %s expired after %.1f s; freeing its blocks", rid,
                            self.lease_s)
 
@@ -379,9 +381,14 @@ class HmaNixlScheduler:
         if delay:
             self._leases[rid] = self._new_leases[rid] = self.clock() + self.lease_s
             expiry = time.time() + self.lease_s     # for D: wall clock, comparable there
+        clipped = clip_table(table, self.layout) if delay else self._empty()
+        if delay:    # what window / state clipping spares the decode side from reading
+            self.counters.add_groups("blocks_clipped", [
+                len(t) - len(c) if s.transfer else 0
+                for t, c, s in zip(table, clipped, self.layout.groups)])
         return delay, dict(
             do_remote_prefill=True, do_remote_decode=False,
-            remote_block_ids=clip_table(table, self.layout) if delay else self._empty(),
+            remote_block_ids=clipped,
             remote_engine_id=self.engine_id, remote_request_id=rid,
             remote_host=self.host, remote_port=self.port, tp_size=self.tp_size,
             remote_num_tokens=int(request.num_computed_tokens),

@@ -31,7 +31,6 @@ the connector; Mamba groups pair only between engines of equal TP size.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Any
 
@@ -43,11 +42,13 @@ from ....transport.handshake import HandshakePayload, HandshakeServer, exchange_
 from ....transport.nixl import NixlAgent, Transfer
 from ....transport.tp_peer import tp_pair_plans
 from ....windows import trim_remote_to_local
+from .._metrics import StatsCounter
 from ._tp import WorkerTp, check_rank_peer
 from .metadata import HmaNixlConnectorMetadata, HmaNixlWorkerMeta, RemotePeer
 from .push_metadata import PUSH_AGENT_SUFFIX
+from .. import _compat as C
 
-logger = logging.getLogger(__name__)
+logger = C.get_logger(__name__)
 
 __all__ = ["HmaNixlWorker", "done_message", "parse_done"]
 
@@ -130,6 +131,7 @@ class HmaNixlWorker:
         self._renewed: set[str] = set()
         self._invalid_blocks: set[int] = set()   # single-group sync loads that failed
         self._stale_peers: set[str] = set()      # agents of dropped sources, to remove
+        self.counters = StatsCounter()           # vLLM's stats / /metrics (_metrics.py)
 
     # -- registration -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> TransferPlan:
@@ -299,12 +301,20 @@ class HmaNixlWorker:
                 if peer not in src.readers:
                     self.agent.send_notif(peer, remote.request_id, self._done_msg)
             self._recving[rid] = _Load(posted, source=key, local_ids=tuple(local))
+            c = self.counters
+            for t in posted:
+                c.add("transfers")
+                c.add("transfer_bytes", t.bytes)
+                c.add("transfer_descriptors", t.descriptors)
+                c.add_groups("blocks_moved", [len(ids) for ids in t.local_block_ids])
         except Exception as e:  # noqa: BLE001 - a hook must not raise: report the failure
             if isinstance(e, HmacoreError):
                 logger.warning("KV load of %s failed to start: %s", rid, e)
             else:
                 logger.exception("KV load of %s failed to start", rid)
             self._drop_source(key)          # the next load handshakes again
+            if not nothing:
+                self.counters.add("transfer_failures")
             if nothing:      # only P's "free your blocks" was lost: its lease frees them
                 if rr.awaiting:
                     self._done_recving.add(rid)
@@ -336,6 +346,14 @@ class HmaNixlWorker:
             if not busy:
                 del self._recving[rid]
                 recving.add(rid)
+                if load.failed:
+                    self.counters.add("transfer_failures")
+                else:
+                    self.counters.add("loads")
+                    done_at = time.monotonic()      # Transfer.posted_at's clock
+                    for t in load.transfers:
+                        if t.posted_at:
+                            self.counters.add("transfer_seconds", done_at - t.posted_at)
                 if load.failed:
                     failed.add(rid)
                     if load.source is not None:

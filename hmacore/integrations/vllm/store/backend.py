@@ -16,15 +16,15 @@ failing stores). A store that cannot be opened is logged and replaced by
 """
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any
 
 from ....errors import ConfigError
 from ....transport.store import RPC_FAIL, EmbeddedStore
 from .._config import number, text
+from .. import _compat as C
 
-logger = logging.getLogger(__name__)
+logger = C.get_logger(__name__)
 
 __all__ = ["open_store", "register_store", "drop_store", "UnavailableStore"]
 

@@ -34,6 +34,8 @@ from .scheduler import HmaStoreScheduler, key_builder
 
 __all__ = ["HmaStoreConnector"]
 
+_logger = C.get_logger(__name__)
+
 
 class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
     """Hash-addressed store connector keeping HMA on; see the module docstring."""
@@ -52,6 +54,11 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         self.worker = None
         if not worker:
             self.scheduler = sched
+            _logger.info("HmaStoreConnector (%s): %s; store %s, hit alignment %d tokens, "
+                         "lookups %s", ktc.kv_role, C.layout_summary(sched.layout),
+                         type(store).__name__, sched.finder.alignment,
+                         "on the store's digest index" if sched._index_ns is not None
+                         else "by key")
         else:
             require_single_worker(vllm_config, type(self).__name__)
             from .worker import HmaStoreWorker

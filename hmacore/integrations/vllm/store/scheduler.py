@@ -28,7 +28,6 @@ Units: tokens; block tables per group in blocks of that group (vLLM group order)
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -43,11 +42,12 @@ from ....transport.store import lookup_hit, lookup_hit_indexed
 from .. import _compat as C
 from .._clip import skipped_blocks
 from .._config import STORE_KEYS, check_keys, flag, text
+from .._metrics import StatsCounter
 from .._roles import TableFollower
 from ..layout import layout_from_kv_cache_config
 from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
 
-logger = logging.getLogger(__name__)
+logger = C.get_logger(__name__)
 
 __all__ = ["HmaStoreScheduler", "hashes_array", "hit_finder", "key_builder"]
 
@@ -117,6 +117,7 @@ class HmaStoreScheduler(TableFollower):
         self._loads: dict[str, StoreLoad] = {}
         self.failed_recving: set[str] = set()
         self.stats = {"lookups": 0, "hit_tokens": 0, "loads": 0, "saves": 0}
+        self.counters = StatsCounter()     # vLLM's stats / /metrics (_metrics.py)
         self._index_ns = self._index_namespace()
 
     def _index_namespace(self) -> str | None:
@@ -157,6 +158,7 @@ class HmaStoreScheduler(TableFollower):
                 logger.warning("store lookup of %s failed (%s); treated as a miss", rid, e)
                 hit = 0
         self.stats["lookups"] += 1
+        self.counters.add("store_lookups")
         self._hits[rid] = (n_rows, hit)
         return hit
 
@@ -195,6 +197,8 @@ class HmaStoreScheduler(TableFollower):
                 self.trackers.set_state(rid, RequestState.WAITING_FOR_REMOTE)
         self.stats["loads"] += 1
         self.stats["hit_tokens"] += hit
+        self.counters.add("store_loads")
+        self.counters.add("store_hit_tokens", hit)
 
     def build_connector_meta(self, scheduler_output: Any) -> HmaStoreConnectorMetadata:
         meta = HmaStoreConnectorMetadata()
@@ -247,6 +251,7 @@ class HmaStoreScheduler(TableFollower):
         raw = b"".join(req.block_hashes[row0:end // h])
         self.trackers.set_saved_tokens(rid, end)
         self.stats["saves"] += 1
+        self.counters.add("store_saves")
         states = []
         if end == done:
             # align-mode Mamba: the state after exactly `end` tokens is in block end/bs - 1

@@ -20,12 +20,12 @@ Single worker (TP = PP = 1), like HmaNixlConnector.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
 
 from ....errors import HmacoreError, LayoutError
+from .._metrics import StatsCounter
 from ....hits import HitFinder, HitResult
 from ....keys import KeyBuilder
 from ....plan import _layer_parts
@@ -33,8 +33,9 @@ from ....spec import GroupKind
 from ....transport.store import NO_SPACE, OK, GroupSegments, SaveReport, load_blocks, \
     save_blocks, save_state
 from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
+from .. import _compat as C
 
-logger = logging.getLogger(__name__)
+logger = C.get_logger(__name__)
 
 __all__ = ["HmaStoreWorker", "group_segments_from_kv_caches"]
 
@@ -99,6 +100,7 @@ class HmaStoreWorker:
     def __init__(self, finder: HitFinder, num_blocks: int, store: Any, keys: KeyBuilder) -> None:
         self.finder = finder
         self.layout = finder.layout
+        self.counters = StatsCounter()     # vLLM's stats / /metrics (_metrics.py)
         self.num_blocks = int(num_blocks)
         self.store = store
         self.keys = keys
@@ -200,7 +202,9 @@ class HmaStoreWorker:
 
     def wait_for_save(self, meta: HmaStoreConnectorMetadata) -> None:
         for rid, sv in meta.saves.items():
-            self.last_saves[rid] = self._save(sv)
+            rep = self.last_saves[rid] = self._save(sv)
+            self.counters.add("store_keys_written", rep.written)
+            self.counters.add("store_keys_failed", rep.failed + len(rep.refused_keys))
             if len(self.last_saves) > self.LOADED_HISTORY:
                 del self.last_saves[next(iter(self.last_saves))]
 
