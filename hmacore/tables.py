@@ -171,19 +171,18 @@ def pair_block_spans(mine: Sequence[np.ndarray], theirs: Sequence[np.ndarray],
     positions where either holds the null block 0 or that lie past either table. Returns
     ``(local, remote)``, int32 arrays per group. One C call for all groups (push mode's
     per-step WRITE pairs; no Python object per block). Tables: any form
-    :func:`as_block_table` accepts; contiguous int32 arrays pass as they are, unscanned (the
-    kernel reads only the span's positions and refuses a negative id there), so the cost
-    follows the span, not the tables' length."""
-    n = len(block_sizes)
-
-    def ready(t: Sequence[Any]) -> bool:
-        return isinstance(t, tuple) and len(t) == n and all(
-            type(x) is np.ndarray and x.dtype == BLOCK_ID_DTYPE and x.ndim == 1
-            and x.flags.c_contiguous for x in t)
-
-    a = cast(tuple, mine) if ready(mine) else as_block_table(mine, n, name="mine")
-    b = cast(tuple, theirs) if ready(theirs) else as_block_table(theirs, n, name="theirs")
-    return _k.pair_block_spans(a, b, tuple(block_sizes), int(start), int(end))
+    :func:`as_block_table` accepts; tuples of contiguous int32 arrays pass as they are,
+    unscanned (the kernel reads only the span's positions and refuses a negative id there), so
+    the cost follows the span, not the tables' length."""
+    sizes = tuple(block_sizes)
+    try:        # tuples of contiguous int32 arrays go straight in (the kernel's typed views)
+        return _k.pair_block_spans(mine, theirs, sizes, start, end)  # type: ignore[arg-type]
+    except (TypeError, ValueError, BufferError):
+        pass    # anything else: converted and checked, so a bad table gets a clear error
+    n = len(sizes)
+    a = as_block_table(mine, n, name="mine")
+    b = as_block_table(theirs, n, name="theirs")
+    return _k.pair_block_spans(a, b, sizes, int(start), int(end))
 
 
 def as_block_table(block_ids: BlockTableLike, num_groups: int, *, num_blocks: int | None = None,

@@ -297,6 +297,6 @@ def test_pair_block_spans_matches_a_plain_python_pairing():
         pair_block_spans([[1]], [[1]], [16], 10, 5)
     with pytest.raises(ValueError, match="block size 0"):
         pair_block_spans([[1]], [[1]], [0], 0, 5)
-    with pytest.raises(ValueError, match="negative block id at position 1"):
+    with pytest.raises(BlockTableError, match="mine: group 0, index 1: block id -3 is negative"):
         pair_block_spans((np.array([1, -3], np.int32),), (np.array([1, 2], np.int32),),
                          [16], 0, 32)
