@@ -178,7 +178,11 @@ class KeyBuilder:
         r = len(self.namespaces(group))
         if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or num_rows < 0:
             raise HashInputError(f"num_rows must be an int >= 0, got {num_rows!r}")
-        raw = np.asarray(results)
+        try:
+            raw = np.asarray(results)
+        except (ValueError, TypeError):   # ragged nested lists
+            raise HashInputError(f"results must be a flat sequence of ints (1 present, 0 "
+                                 f"absent, < 0 error), got {type(results).__name__}") from None
         if raw.size and raw.dtype.kind not in "iub":
             raise HashInputError(f"results must be ints (1 present, 0 absent, < 0 error), got "
                                  f"dtype {raw.dtype} (a float would be truncated)")

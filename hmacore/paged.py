@@ -16,7 +16,7 @@ The demo and the tests allocate such memory and fill it with a verifiable byte p
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 import numpy as np
@@ -24,7 +24,11 @@ import numpy as np
 from .errors import LayoutError
 from .spec import GroupKind, KVLayout
 
-__all__ = ["layer_geometry", "page_sizes"]
+__all__ = ["layer_geometry", "page_sizes", "MAX_STATE_PARTS"]
+
+#: Mamba state sub-pages per layer (vLLM's conv + ssm states are 2; a page of 16-byte cuts
+#: has no use for more than a few)
+MAX_STATE_PARTS = 256
 
 
 def page_sizes(layout: KVLayout, page_bytes: int | Sequence[int] | None = None) -> tuple[int, ...]:
@@ -34,14 +38,19 @@ def page_sizes(layout: KVLayout, page_bytes: int | Sequence[int] | None = None) 
     elif isinstance(page_bytes, (int, np.integer)) and not isinstance(page_bytes, bool):
         sizes = (int(page_bytes),) * layout.num_groups
     else:
-        sizes = tuple(int(p) for p in cast(Sequence[int], page_bytes))  # a bool fails here, as before
+        if isinstance(page_bytes, (str, bytes)) or not isinstance(page_bytes, Iterable):
+            raise LayoutError(f"page_bytes must be an int or one int per group, got "
+                              f"{page_bytes!r}")
+        sizes = tuple(cast(Iterable[int], page_bytes))
         if len(sizes) != layout.num_groups:
             raise LayoutError(f"page_bytes has {len(sizes)} entries, layout has "
                               f"{layout.num_groups} groups")
     for g, p in enumerate(sizes):
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
+            raise LayoutError(f"page_bytes of group {g} must be an int, got {p!r}")
         if p <= 0 or p % 16:
             raise LayoutError(f"page_bytes of group {g} must be a positive multiple of 16, got {p}")
-    return sizes
+    return tuple(int(p) for p in sizes)
 
 
 def layer_geometry(layout: KVLayout, num_blocks: int, *,
@@ -71,8 +80,11 @@ def layer_geometry(layout: KVLayout, num_blocks: int, *,
         # at b*page/2, where a packed (MLA/Mamba) view has block b/2
         raise LayoutError("kv_split with shared slots needs every group to be non-MLA attention "
                           "(MLA and Mamba pages are packed per block); use shared=False")
-    if isinstance(state_parts, bool) or not isinstance(state_parts, int) or state_parts < 1:
-        raise LayoutError(f"state_parts must be an int >= 1, got {state_parts!r}")
+    if isinstance(state_parts, bool) or not isinstance(state_parts, int) \
+            or not 1 <= state_parts <= MAX_STATE_PARTS:
+        # bounded: the cuts are computed one by one (2**70 parts would never return)
+        raise LayoutError(f"state_parts must be an int in [1, {MAX_STATE_PARTS}], got "
+                          f"{state_parts!r}")
     storage: list[int] = []
     parts: dict[str, list[tuple[int, int, int, int]]] = {}
     if shared:

@@ -157,6 +157,23 @@ def _layer_parts(name: str, value: Any, num_blocks: int, state: bool, mla: bool)
     return parts
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _check_region_ints(r: int, reg: Region) -> None:
+    """The region fields the descriptor arithmetic stores in fixed-width arrays: ints (not
+    bools) in range, so a handshake's huge value is refused instead of overflowing NumPy."""
+    for name, bits in (("block_len", 63), ("stride", 63), ("logical_blocks", 63),
+                       ("ratio", 31), ("group", 31)):
+        v = getattr(reg, name)
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) \
+                or not -2**bits <= v < 2**bits:
+            raise LayoutError(f"region {r}: {name} must be an int{bits + 1}, got {v!r}")
+    if reg.logical_blocks * reg.ratio > _INT64_MAX:
+        raise LayoutError(f"region {r}: {reg.logical_blocks} blocks x ratio {reg.ratio} "
+                          "descriptors do not fit int64 descriptor ids")
+
+
 class TransferPlan:
     """Regions of one peer and the descriptor-id arithmetic over them. Build once, use per request.
 
@@ -195,7 +212,10 @@ class TransferPlan:
         if not self.regions:
             raise LayoutError("a plan needs at least one region")
         seen_state = False
+        total = 0
         for r, reg in enumerate(self.regions):
+            _check_region_ints(r, reg)
+            total += reg.num_descs
             if reg.state:
                 seen_state = True
             elif seen_state:
@@ -207,6 +227,8 @@ class TransferPlan:
                 raise LayoutError(f"region {r}: state regions are never ratio-expanded")
             if not -1 <= reg.group < layout.num_groups:
                 raise LayoutError(f"region {r}: group {reg.group} is not -1 or a group id")
+        if total > _INT64_MAX:      # descriptor ids are int64
+            raise LayoutError(f"the regions hold {total} descriptors, more than int64 ids address")
         counts = np.array([r.num_descs for r in self.regions], dtype=np.int64)
         self._offset = np.zeros(len(counts), dtype=np.int64)
         np.cumsum(counts[:-1], out=self._offset[1:])
@@ -366,7 +388,7 @@ class TransferPlan:
                               ratio=int(d["ratio"]), group=int(d["group"]), state=bool(d["state"]),
                               layers=tuple(d["layers"]), dev_id=int(d.get("dev_id", 0)))
                        for d in table]
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:   # inf -> OverflowError
             raise LayoutError(f"region table entry is malformed: {e}") from None
         return cls(layout, regions, mem_type=mem_type)
 
@@ -417,6 +439,10 @@ class TransferPlan:
     def desc_bytes(self, desc_ids: np.ndarray) -> int:
         """Total bytes the given descriptor ids cover (integer ids in ``[0, num_descs)``;
         floats and bools raise BlockTableError, never truncated)."""
+        if isinstance(desc_ids, (list, tuple)) and any(isinstance(v, (bool, np.bool_))
+                                                       for v in desc_ids):
+            # np.asarray([5, True]) is an int array holding 1: a bool would pass as id 1
+            raise BlockTableError("desc_ids must be integers, not bools")
         d = np.asarray(desc_ids)
         if d.size == 0:
             return 0
@@ -601,11 +627,14 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
                 raise BlockTableError(f"block_ids[{g}] must be a sequence of ints") from None
         # the package's id scan (as_block_table's): bools / NumPy bools are not block ids
         # (np.asarray([True, 1]) would silently turn True into block 1)
+        n = len(x)
         out, status, i = _tables.seq_to_int32(x, 0)
         if status == _tables.STATUS_OK:
             # an array whenever the status is OK (no cast(): a per-group conversion path)
             return out  # type: ignore[return-value]
-        if status == _tables.STATUS_CHANGED:  # type: ignore[attr-defined]
+        # an element's __int__ may have changed the list after it was read: the messages
+        # below index it, so refuse any size change (not only the scan's own CHANGED)
+        if status == _tables.STATUS_CHANGED or len(x) != n:  # type: ignore[attr-defined]
             raise BlockTableError(f"block_ids[{g}] changed size while being converted (at "
                                   f"index {i}); pass ids nothing else mutates")
         if isinstance(x[i], (bool, np.bool_)):
@@ -615,7 +644,7 @@ def _as_block_ids(g: int, x: Any) -> np.ndarray:
             raise err
         try:
             a = np.asarray(x)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):   # RuntimeError: the list changed
             raise BlockTableError(f"block_ids[{g}] must be a sequence of ints") from None
         if a.size == 0:
             return np.empty(0, dtype=BLOCK_ID_DTYPE)

@@ -155,7 +155,19 @@ def ids_from_objects(objs: Sequence[Any], *, id_attr: str = "block_id",
     hash") without a Python object per block. Raises BlockTableError naming ``name``, ``group``
     and the index of the first bad id.
     """
-    ids, flags, status, i = _k.objects_to_ids(objs, id_attr, flag_attr)
+    if not isinstance(objs, (list, tuple)):
+        try:                # the kernel reads a list; the error path below indexes it
+            objs = list(objs)
+        except TypeError:
+            raise BlockTableError(f"{name}: group {group} must be a list of block objects, got "
+                                  f"{type(objs).__name__}") from None
+    try:
+        ids, flags, status, i = _k.objects_to_ids(objs, id_attr, flag_attr)
+    except AttributeError:
+        i = next((j for j, o in enumerate(objs)
+                  if not (hasattr(o, id_attr) and hasattr(o, flag_attr))), -1)
+        raise BlockTableError(f"{name}: group {group}, index {i}: a block object needs the "
+                              f"attributes {id_attr!r} and {flag_attr!r}") from None
     if status != _k.STATUS_OK:
         value = getattr(objs[i], id_attr, None) if 0 <= i < len(objs) else None
         _raise_status(f"{name} ({id_attr})", group, i, status, value, 0)
@@ -436,6 +448,16 @@ class TrackerSet:
             raise TokenCountError(f"{name} must be an int >= 0 and < 2**63 (tokens), got {n!r}")
         return int(n)
 
+    @staticmethod
+    def _check_hashable(req_id: Any) -> None:
+        """An unhashable req_id can never be tracked: TrackerStateError, as for an unknown one
+        (not the TypeError of the dict lookup)."""
+        try:
+            hash(req_id)
+        except TypeError:
+            raise TrackerStateError(f"req_id must be hashable, got {type(req_id).__name__}") \
+                from None
+
     # -- single-request operations ----------------------------------------------------
     def add(self, req_id: Hashable, block_ids: BlockTableLike, *, num_prompt_tokens: int = 0) -> None:
         """Track a new request with a copy of its full table (blocks per group).
@@ -444,6 +466,7 @@ class TrackerSet:
         request is stored: on any exception nothing is tracked."""
         if self._owner != _get_ident():
             self._claim()
+        self._check_hashable(req_id)
         if req_id in self:
             raise TrackerStateError(f"req_id {req_id!r} is already tracked")
         n = self._check_tokens("num_prompt_tokens", num_prompt_tokens)
@@ -629,10 +652,47 @@ class TrackerSet:
         preempted = list(preempted)
         new = list(new)
         cached = list(cached)
+        try:
+            new_tables, cached_ops = self._check_step(finished, preempted, new, cached)
+        except TypeError:
+            # an unhashable req_id fails the dict lookups: name it like _get does
+            for r in [*finished, *preempted, *(i[0] for i in new if len(i) == 2),
+                      *(i[0] for i in cached if len(i) == 3)]:
+                self._check_hashable(r)
+            raise
+        NEW, RUNNING = int(RequestState.NEW), int(RequestState.RUNNING)
+        st = self._store
+        # Phase 2: mutate (cannot fail on validated input).
+        out = {r: self.finish(r) for r in finished}
+        for r in preempted:
+            self.preempt(r)
+        for r, table in new_tables:
+            self._insert(r, table, 0)
+        reqs = self._reqs
+        for r, kind, table in cached_ops:
+            s = reqs[r]
+            if kind == 1:
+                if table is not None:
+                    st.extend_groups(s, table)
+            elif kind == 2:
+                for g, ids in enumerate(table):
+                    st.append(s, g, ids)
+            else:
+                for g, ids in enumerate(table):
+                    st.assign(s, g, ids)
+                st.set_state(s, RUNNING)
+                continue
+            if st.get_state(s) == NEW:
+                st.set_state(s, RUNNING)
+        return out
+
+    def _check_step(self, finished: list, preempted: list, new: list, cached: list
+                    ) -> tuple[list[tuple[Hashable, Any]], list[tuple[Hashable, int, Any]]]:
+        """Phase 1 of :meth:`apply_step`: validate every part against a simulated
+        membership/state view; returns the converted new tables and the cached operations."""
         check, G, nb = _k.check_int_table, self.num_groups, self._num_blocks or 0
         NEW, RUNNING, PREEMPTED = (int(RequestState.NEW), int(RequestState.RUNNING),
                                    int(RequestState.PREEMPTED))
-        # Phase 1: validate against a simulated membership/state view.
         st = self._store
         live = {r: st.get_state(s) for r, s in self._reqs.items()}
         for r in finished:
@@ -677,29 +737,7 @@ class TrackerSet:
                 cached_ops.append((r, 2, self._new_ids(ids)))
             if state == NEW:
                 live[r] = RUNNING
-        # Phase 2: mutate (cannot fail on validated input).
-        out = {r: self.finish(r) for r in finished}
-        for r in preempted:
-            self.preempt(r)
-        for r, table in new_tables:
-            self._insert(r, table, 0)
-        reqs = self._reqs
-        for r, kind, table in cached_ops:
-            s = reqs[r]
-            if kind == 1:
-                if table is not None:
-                    st.extend_groups(s, table)
-            elif kind == 2:
-                for g, ids in enumerate(table):
-                    st.append(s, g, ids)
-            else:
-                for g, ids in enumerate(table):
-                    st.assign(s, g, ids)
-                st.set_state(s, RUNNING)
-                continue
-            if st.get_state(s) == NEW:
-                st.set_state(s, RUNNING)
-        return out
+        return new_tables, cached_ops
 
     def apply_step_flat(self, req_ids: Sequence[Hashable], new_ids: Any, offsets: Any) -> None:
         """Append one scheduler step's new blocks of many running requests in one call.

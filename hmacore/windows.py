@@ -190,11 +190,16 @@ def window_plan(layout: KVLayout, *, exact: bool = False, clip_state: bool = Tru
     layout = _check_layout(layout)
     plan = np.zeros(layout.num_groups, dtype=np.int64)
     for g, spec in enumerate(layout.groups):
+        # GroupSpec takes any int window / slot count; past _PLAN_CAP the clip is the same
+        # (no table is that long), and the int64 entry must not overflow
         if spec.kind == GroupKind.SLIDING_WINDOW:
-            plan[g] = spec.window_blocks(exact)
+            plan[g] = min(spec.window_blocks(exact), _PLAN_CAP)
         elif spec.kind == GroupKind.MAMBA and clip_state:
-            plan[g] = -1 - spec.num_speculative_blocks
+            plan[g] = -1 - min(spec.num_speculative_blocks, _PLAN_CAP)
     return plan
+
+
+_PLAN_CAP = 2**62   # window_plan entries: keep-last / speculative-slot counts this large clip alike
 
 
 def _state_groups(layout: KVLayout) -> np.ndarray:

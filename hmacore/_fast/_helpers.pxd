@@ -133,11 +133,13 @@ cdef inline Py_ssize_t first_id_out_of_range(const block_id_t* p, Py_ssize_t n, 
 
 
 cdef inline bint is_block_id_array(object x) noexcept:
-    """An exact ndarray, 1-D, C-contiguous, of the block-id type (what the fast paths read
-    through a raw pointer)."""
+    """An exact ndarray, 1-D, C-contiguous, native byte order, of the block-id type (what
+    the fast paths read through a raw pointer; a byte-swapped '>i4' array has the same type
+    number but other bytes)."""
     return (cnp.PyArray_CheckExact(x) and cnp.PyArray_NDIM(<cnp.ndarray>x) == 1
             and cnp.PyArray_TYPE(<cnp.ndarray>x) == BLOCK_ID_NPY
-            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>x))
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>x)
+            and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>x))
 
 
 cdef inline bint is_c1d_signed(object a, int itemsize) noexcept:

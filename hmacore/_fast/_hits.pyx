@@ -195,13 +195,16 @@ cdef class ExistenceSet:
         if self._lock == NULL:
             raise MemoryError("ExistenceSet: cannot allocate a lock")
 
-    def __init__(self, int digest_size=32, capacity=0):
+    def __init__(self, digest_size=32, capacity=0):
         if self._initialised:
             raise RuntimeError("ExistenceSet is already initialised: __init__ runs once "
                                "(it would change the slot size under the live table); "
                                "build a new set instead")
-        if digest_size not in (16, 32):
-            raise HashInputError(f"digest_size must be 16 or 32 bytes, got {digest_size}")
+        # checked here, not by a C-typed argument (that raises a bare TypeError for "32" and
+        # OverflowError for 2**70)
+        if isinstance(digest_size, bool) or not isinstance(digest_size, (int, np.integer)) \
+                or digest_size not in (16, 32):
+            raise HashInputError(f"digest_size must be 16 or 32 bytes, got {digest_size!r}")
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
             raise HashInputError(f"capacity must be an int (keys), got {type(capacity).__name__}")
         if capacity < 0:
@@ -209,17 +212,17 @@ cdef class ExistenceSet:
         if capacity > MAX_KEYS:
             raise HashInputError(f"capacity must be <= 2**55 keys (MAX_KEYS), got {capacity}")
         cdef Py_ssize_t cap = capacity
-        cdef int rc = 0
+        cdef int rc = 0, ds = digest_size
         if cap:
             with nogil:
                 self.lock()
-                self.digest_size = digest_size
-                self._slot_size = 4 + digest_size
+                self.digest_size = ds
+                self._slot_size = 4 + ds
                 rc = self.reserve(cap)
                 self.unlock()
         else:
-            self.digest_size = digest_size
-            self._slot_size = 4 + digest_size
+            self.digest_size = ds
+            self._slot_size = 4 + ds
         self._initialised = True
         if rc < 0:
             raise MemoryError("ExistenceSet: cannot allocate the table")
@@ -654,7 +657,14 @@ cdef token_t _find(ExistenceSet es, Ctx* c, const SpecRow* sp, token_t max_lengt
         return L * bs
     if kind == K_CHUNKED:
         chunk = sp.chunk
-        start = (max_length // chunk) * chunk if max_length > 0 else 0
+        # the current chunk of min(max_length, the tokens the rows cover): the null run
+        # before it must stay inside the rows too (max_length = 2**63 - 1 with 2 rows gave a
+        # hit of 2**63 - 16 tokens). vLLM's max_length (num_tokens - 1, rows = full blocks)
+        # never has a chunk boundary between the two, so its answers are unchanged.
+        start = c.n_rows * h
+        if max_length < start:
+            start = max_length
+        start = (start // chunk) * chunk if start > 0 else 0
         L = start // bs
         lo = L
         i = L

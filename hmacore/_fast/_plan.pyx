@@ -376,6 +376,7 @@ cdef class DescPlan:
             if not (cnp.PyArray_Check(out) and cnp.PyArray_TYPE(<cnp.ndarray>out) == DESC_ID_NPY
                     and cnp.PyArray_NDIM(<cnp.ndarray>out) == 1
                     and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>out)
+                    and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>out)
                     and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out)
                     and cnp.PyArray_DIM(<cnp.ndarray>out, 0) >= n):
                 return self._slow(block_ids, kernel_ids, allow_null, out)
