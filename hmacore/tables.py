@@ -10,7 +10,7 @@ import copy as _copy
 import enum
 from _thread import get_ident as _get_ident
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Hashable, Union, cast
+from typing import Any, Hashable, Union
 
 import numpy as np
 
