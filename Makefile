@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_TARGET_DEVICE := cpu
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv deps build test test-fast lint demo plan bench bench-gate bench-gate-short sanitize sanitize-short reliability soak clean
+.PHONY: venv deps build test test-fast lint demo plan bench bench-gate bench-gate-short sanitize sanitize-short fuzz fuzz-replay reliability soak clean
 
 $(VENV)/.stamp-base: requirements/test.txt requirements/nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -90,6 +90,15 @@ sanitize: $(VENV)/.stamp-base
 # CI: the property suites against an ASan+UBSan build of the kernels (a temporary copy of the tree)
 sanitize-short: $(VENV)/.stamp-base
 	PY=$(abspath $(PY)) bash scripts/sanitize.sh short
+
+# Coverage-guided fuzzing (Atheris) of the kernels built with ASan+UBSan: FUZZ_SECONDS per
+# family (default 60; FUZZ_RUNS for an input budget), then each corpus is minimized in place.
+fuzz: $(VENV)/.stamp-base
+	PY=$(abspath $(PY)) bash scripts/fuzz.sh fuzz
+
+# Every committed fuzz/corpus input once under ASan+UBSan (CI: sanitize-short replays them).
+fuzz-replay: $(VENV)/.stamp-base
+	PY=$(abspath $(PY)) bash scripts/fuzz.sh replay
 
 reliability: deps build
 	$(PY) -m pytest -q tests/reliability -m "not slow"

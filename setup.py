@@ -10,6 +10,10 @@ DEBUG_SAN = os.environ.get("HMACORE_SANITIZE") == "1"
 
 compile_args = ["-O3"] if not DEBUG_SAN else ["-O1", "-g", "-fno-omit-frame-pointer",
                                               "-fsanitize=address,undefined"]
+if DEBUG_SAN and os.environ.get("HMACORE_FUZZ") == "1":
+    # scripts/fuzz.sh: compare operands of the C code feed libFuzzer's value profile (GCC has
+    # no edge-coverage mode libFuzzer reads; clang's -fsanitize=fuzzer-no-link would add it)
+    compile_args.append("-fsanitize-coverage=trace-cmp")
 link_args = [] if not DEBUG_SAN else ["-fsanitize=address,undefined"]
 
 extensions = [

@@ -8,6 +8,7 @@
 # normal in-place .so files are never touched. The interpreter is not instrumented, so
 # libasan/libubsan are LD_PRELOADed with leak detection off (CPython's arenas are not
 # leaks); any ASan report or UBSan runtime error aborts the run with a non-zero status.
+# (Build and environment: scripts/asan_build.sh, shared with scripts/fuzz.sh.)
 # short: ~100 examples per property (CI, a few minutes) + the in-process NIXL round trips;
 # full: HMACORE_REL_EXAMPLES or 300, + two-process NIXL, the NIXL fault tests, a short soak
 # over four layouts (READ+WRITE), the Mooncake recovery/store-full tests (real master in
@@ -20,32 +21,17 @@ PY=${PY:-$ROOT/.venv/bin/python}
 WORK=$(mktemp -d /tmp/hmacore-sanitize.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
-cd "$ROOT"
-# tracked + new (untracked, not ignored) files: what the branch builds from, no .so/.c
-git ls-files -co --exclude-standard -z -- hmacore tests setup.py pyproject.toml conftest.py \
-  | xargs -0 cp --parents -t "$WORK"
+# shellcheck source=scripts/asan_build.sh
+source "$ROOT/scripts/asan_build.sh"
+asan_build "$ROOT" "$WORK"
 cd "$WORK"
-rm -f hmacore/_fast/*.so hmacore/_fast/*.c
-echo "sanitize: building in $WORK"
-HMACORE_SANITIZE=1 "$PY" setup.py -q build_ext --inplace --parallel 2 >build.log 2>&1 \
-  || { tail -50 build.log; exit 1; }
-for so in hmacore/_fast/*.so; do   # the build really is instrumented
-  syms=$(nm -D "$so")                # (no `nm | grep -q`: SIGPIPE under pipefail)
-  [[ $syms == *__asan_init* ]] || { echo "sanitize: $so has no ASan"; exit 1; }
-  [[ $syms == *__ubsan_handle* ]] || { echo "sanitize: $so has no UBSan"; exit 1; }
-done
-echo "sanitize: $(ls hmacore/_fast/*.so | wc -l) extensions built with ASan+UBSan"
-LIBASAN=$(gcc -print-file-name=libasan.so)
-LIBUBSAN=$(gcc -print-file-name=libubsan.so)
-export LD_PRELOAD="$LIBASAN $LIBUBSAN"
-export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=1
-export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-export HMACORE_SANITIZED=1 PYTHONHASHSEED=0
+asan_env
 if [ "$MODE" = short ]; then
   export HMACORE_REL_EXAMPLES=${HMACORE_REL_EXAMPLES:-100} HMACORE_EXAMPLES=${HMACORE_EXAMPLES:-100}
   TESTS="tests/reliability/test_sanitizer_canary.py tests/reliability/test_fuzz_tables.py
          tests/reliability/test_fuzz_windows.py tests/reliability/test_fuzz_plan_hits.py
          tests/reliability/test_stateful_invariants.py tests/reliability/test_threads.py
+         tests/reliability/test_fuzz_replay.py
          tests/test_safety_memory.py tests/test_safety_hardening.py tests/test_safety_objects.py"
 else
   export HMACORE_REL_EXAMPLES=${HMACORE_REL_EXAMPLES:-300} HMACORE_EXAMPLES=${HMACORE_EXAMPLES:-300}
@@ -56,6 +42,7 @@ else
          tests/test_windows_props.py tests/test_plan.py tests/test_plan_badinput.py
          tests/test_plan_props.py tests/test_hits.py tests/test_hits_set.py
          tests/test_hits_oracle.py tests/test_keys.py tests/test_store_embedded.py
+         tests/reliability/test_fuzz_replay.py
          tests/test_safety_memory.py tests/test_safety_hardening.py tests/test_safety_objects.py"
 fi
 start=$(date +%s)
