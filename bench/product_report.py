@@ -203,32 +203,26 @@ def render(doc: dict) -> str:
     if meta:
         out.append("Run: " + ", ".join(f"{k}={v}" for k, v in meta.items() if k != "variants"))
         out.append("")
-    out += ["## Scheduler step (schedule() + update_from_output()), thread CPU ms per step, "
-            "median (overhead over no connector)", ""]
     order = meta.get("variants")
-    out += step_table(records, order)
-    out += ["", "## hmacore vs vLLM connector of the same kind (median step ratio; < 1: "
-            "hmacore faster)", ""]
-    out += ratio_table(records, order)
-    out += ["", "## Connector hooks: thread CPU ms per step inside the connector's scheduler-side "
-            "hooks, mean (median)", ""]
-    out += hook_table(records, order)
-    tr = target_rows(records)
-    if tr:
-        out += ["", "## Targets on hook time (HmaNixl: <= vLLM NixlConnector + 2% of the "
-                "no-connector step; store: <= 0.5x OffloadingConnector)", ""] + tr
-    out += ["", "## Wall-clock median ms per step (shared machine: noisy)", ""]
-    out += wall_table(records, order)
-    out += ["", "## Python allocated blocks per step (median sys.getallocatedblocks() delta "
-            "across schedule() + update_from_output())", ""]
-    out += alloc_table(records, order)
-    wt = worker_table(records)
-    if wt:
-        out += ["", "## Worker-side bookkeeping per step (store transport stubbed), thread CPU "
-                "ms", ""] + wt
-    n = notes(records)
-    if n:
-        out += ["", "## Skipped, n/a and failed checks", ""] + n
+    sections = [
+        ("Scheduler step (schedule() + update_from_output()), thread CPU ms per step, median "
+         "(overhead over no connector)", step_table(records, order)),
+        ("hmacore vs vLLM connector of the same kind (median step ratio; < 1: hmacore faster)",
+         ratio_table(records, order)),
+        ("Connector hooks: thread CPU ms per step inside the connector's scheduler-side hooks, "
+         "mean (median)", hook_table(records, order)),
+        ("Targets on hook time (HmaNixl: <= vLLM NixlConnector + 2% of the no-connector step; "
+         "store: <= 0.5x OffloadingConnector)", target_rows(records)),
+        ("Wall-clock median ms per step (shared machine: noisy)", wall_table(records, order)),
+        ("Python allocated blocks per step (median sys.getallocatedblocks() delta across "
+         "schedule() + update_from_output())", alloc_table(records, order)),
+        ("Worker-side bookkeeping per step (store transport stubbed), thread CPU ms",
+         worker_table(records)),
+        ("Skipped, n/a and failed checks", notes(records)),
+    ]
+    for title, lines in sections:      # a section with nothing to show is left out
+        if lines:
+            out += ([""] if out and out[-1] != "" else []) + [f"## {title}", ""] + lines
     return "\n".join(out) + "\n"
 
 
