@@ -1,0 +1,174 @@
+"""Fewest descriptors: one descriptor per maximal run contiguous on both sides of a transfer.
+
+A transfer plan (:mod:`hmacore.plan`) gives one descriptor per block per region (layer slot,
+K or V, kernel sub-block); the i-th local descriptor moves into the i-th remote one. Wherever
+consecutive pairs abut on both sides with the same offset -- consecutive block ids going up
+or down, a block's layer slots that sit next to each other (block-major / packed pages), K
+next to V -- one descriptor moves the same bytes. :func:`find_runs` returns exactly those
+maximal runs, in any order of the pairs; a run never spans a gap, a device or a
+registration range, and the runs partition the per-block descriptors' bytes exactly.
+
+Units: descriptor ids index a dlist; rows are ``(addr, bytes, dev)`` uint64; ``ranges`` are
+the registered ``(addr, bytes, dev)`` memory ranges (``TransferPlan.registration_ranges``).
+
+Cost: :class:`DescTable` is built once per dlist (O(descriptors), stored as O(regions)
+segments); :func:`find_runs` is two linear passes over the pairs (Cython, no Python object
+per pair), plus an O(runs) hash of piece starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._fast import _runs
+from ._fast._runs import DescTable
+from .errors import BlockTableError, LayoutError
+from .plan import TransferPlan
+
+__all__ = ["DescTable", "Runs", "RunPlanner", "desc_table", "plan_table", "find_runs",
+           "buffer_runs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """The runs of one transfer.
+
+    Attributes:
+        local, remote: M x 3 uint64 ``(addr, bytes, dev)``, row i of each side pairs up.
+        order: int64[N] (when asked for): the per-descriptor pairs in run order, each run's
+            pairs by ascending address (posting prepped ids in this order lets NIXL merge
+            them into the same runs).
+        block_descriptors: N, the per-descriptor pairs the runs replace.
+        nbytes: bytes moved (equal to the pairs' bytes).
+    """
+
+    local: np.ndarray
+    remote: np.ndarray
+    order: np.ndarray | None
+    block_descriptors: int
+    nbytes: int
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.local.shape[0])
+
+
+def desc_table(rows: Any, ranges: Sequence[tuple[int, int, int]] | None = None) -> DescTable:
+    """The :class:`DescTable` of a dlist's N x 3 rows. With ``ranges`` (the registered
+    memory), every row must lie inside one range, and runs never cross from one range into
+    another (NIXL needs each descriptor inside one registration). Raises LayoutError."""
+    a = np.ascontiguousarray(rows, dtype=np.uint64)
+    if a.ndim != 2 or a.shape[1] != 3:
+        raise LayoutError(f"rows must be N x 3 (addr, len, dev), got shape {a.shape}")
+    if ranges is None:
+        return DescTable(a)
+    rg = sorted((int(x), int(n), int(d)) for x, n, d in ranges)
+    for k in range(1, len(rg)):
+        if rg[k][0] < rg[k - 1][0] + rg[k - 1][1]:
+            raise LayoutError(f"ranges {rg[k - 1]} and {rg[k]} overlap")
+    if not rg:
+        if a.shape[0]:
+            raise LayoutError("rows given but no registered range")
+        return DescTable(a)
+    starts = np.array([x for x, _, _ in rg], dtype=np.uint64)
+    ends = np.array([x + n for x, n, _ in rg], dtype=object)
+    devs = np.array([d for _, _, d in rg], dtype=np.uint64)
+    dom = np.searchsorted(starts, a[:, 0], side="right").astype(np.int64) - 1
+    ok = dom >= 0
+    idx = np.where(ok, dom, 0)
+    end_ok = (a[:, 0].astype(object) + a[:, 1].astype(object)) <= ends[idx]
+    bad = np.flatnonzero(~(ok & end_ok.astype(bool) & (devs[idx] == a[:, 2])))
+    if bad.size:
+        i = int(bad[0])
+        raise LayoutError(f"descriptor {i} {tuple(int(v) for v in a[i])} lies outside every "
+                          "registered range")
+    return DescTable(a, dom)
+
+
+def plan_table(plan: TransferPlan) -> DescTable:
+    """The table of a plan's dlist (``plan.descriptors()``), domains from its registration."""
+    return desc_table(plan.descriptors(), plan.registration_ranges())
+
+
+def find_runs(local: DescTable, local_ids: Any, remote: DescTable, remote_ids: Any, *,
+              order: bool = False) -> Runs:
+    """Maximal runs of the paired descriptor ids ``local_ids[i] -> remote_ids[i]``.
+
+    Raises BlockTableError (nothing computed) for ids out of range, unequal lengths, or a
+    pair whose two descriptors differ in length."""
+    lrows, rrows, ordr, nbytes = _runs.coalesce(local, local_ids, remote, remote_ids,
+                                                order=order)
+    return Runs(lrows, rrows, ordr, len(local_ids), nbytes)
+
+
+class RunPlanner:
+    """Runs between two plans (the local one and a peer's), from per-group block lists.
+
+    Args:
+        local, remote: the two sides' TransferPlans (equal shapes, as for a NIXL READ/WRITE),
+            or a :class:`~hmacore.tp.TpPairPlan`'s ``local`` / ``remote`` (TP-sliced reads).
+        local_ranges, remote_ranges: registered memory of each side (default: each plan's
+            ``registration_ranges()``; a TpPairPlan's virtual regions lie inside their real
+            plan's registration, so pass the real plan's ranges there).
+
+    Built once per peer; :meth:`runs` per request. Immutable.
+    """
+
+    def __init__(self, local: TransferPlan, remote: TransferPlan, *,
+                 local_ranges: Sequence[tuple[int, int, int]] | None = None,
+                 remote_ranges: Sequence[tuple[int, int, int]] | None = None):
+        self.local = local
+        self.remote = remote
+        self.local_table = desc_table(local.descriptors(), local.registration_ranges()
+                                      if local_ranges is None else local_ranges)
+        self.remote_table = desc_table(remote.descriptors(), remote.registration_ranges()
+                                       if remote_ranges is None else remote_ranges)
+
+    @classmethod
+    def for_pair(cls, pair: Any, local_plan: TransferPlan,
+                 remote_plan: TransferPlan) -> RunPlanner:
+        """The planner of a :class:`~hmacore.tp.TpPairPlan` (head slices) whose real plans
+        are ``local_plan`` / ``remote_plan``."""
+        return cls(pair.local, pair.remote, local_ranges=local_plan.registration_ranges(),
+                   remote_ranges=remote_plan.registration_ranges())
+
+    def runs(self, local_block_ids: Sequence[Any], remote_block_ids: Sequence[Any], *,
+             order: bool = False) -> Runs:
+        """Runs moving group g's ``remote_block_ids[g]`` into ``local_block_ids[g]`` (window
+        clipped, prefix trimmed, null ids stripped; paired by position, equal counts per
+        group). Raises BlockTableError."""
+        lids = self.local.desc_ids(local_block_ids)
+        rids = self.remote.desc_ids(remote_block_ids)
+        lens = [len(g) for g in local_block_ids]
+        rlens = [len(g) for g in remote_block_ids]
+        if lens != rlens or lids.size != rids.size:
+            raise BlockTableError(f"per-group block counts differ: local {lens}, remote {rlens}")
+        return find_runs(self.local_table, lids, self.remote_table, rids, order=order)
+
+
+def buffer_runs(parts: Sequence[Sequence[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    """Per key, its ``(addr, size)`` buffers with adjacent ones merged (a store batch:
+    ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``). The value's bytes
+    and their order are unchanged; buffers of different keys never merge."""
+    counts = [len(p) for p in parts]
+    offs = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offs[1:])
+    n = int(offs[-1])
+    addrs = np.empty(n, dtype=np.uint64)
+    sizes = np.empty(n, dtype=np.int64)
+    k = 0
+    for p in parts:
+        for a, s in p:
+            if isinstance(a, (bool, np.bool_)) or isinstance(s, (bool, np.bool_)) \
+                    or int(a) < 0 or int(s) < 0:
+                raise BlockTableError(f"buffer {k}: address and size must be ints >= 0, "
+                                      f"got ({a!r}, {s!r})")
+            addrs[k] = int(a)
+            sizes[k] = int(s)
+            k += 1
+    ma, ms, mo = _runs.coalesce_buffers(addrs, sizes, offs)
+    al, sl, ol = ma.tolist(), ms.tolist(), mo.tolist()
+    return [list(zip(al[ol[i]:ol[i + 1]], sl[ol[i]:ol[i + 1]])) for i in range(len(counts))]
