@@ -29,7 +29,7 @@ from .errors import BlockTableError, LayoutError
 from .plan import TransferPlan
 
 __all__ = ["DescTable", "Runs", "RunPlanner", "desc_table", "plan_table", "find_runs",
-           "buffer_runs"]
+           "buffer_runs", "span_ranges"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +86,21 @@ def desc_table(rows: Any, ranges: Sequence[tuple[int, int, int]] | None = None) 
         raise LayoutError(f"descriptor {i} {tuple(int(v) for v in a[i])} lies outside every "
                           "registered range")
     return DescTable(a, dom)
+
+
+def span_ranges(rows: Any) -> list[tuple[int, int, int]]:
+    """The memory a dlist's rows cover, as disjoint ``(addr, bytes, dev)`` ranges (touching
+    spans merged, as :meth:`TransferPlan.registration_ranges` registers them): the run
+    barriers of a peer's dlist when only its rows are known."""
+    a = np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
+    out: list[list[int]] = []
+    for addr, n, dev in sorted(zip(a[:, 0].tolist(), a[:, 1].tolist(), a[:, 2].tolist()),
+                               key=lambda r: (r[2], r[0])):
+        if out and out[-1][2] == dev and addr <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], addr + n - out[-1][0])
+        else:
+            out.append([addr, n, dev])
+    return [(x, n, d) for x, n, d in out]
 
 
 def plan_table(plan: TransferPlan) -> DescTable:

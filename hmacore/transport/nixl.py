@@ -21,8 +21,10 @@ import numpy as np
 
 from ..errors import BlockTableError, HandshakeError, HmacoreError, TransferError
 from ..plan import TransferPlan
+from ..runs import DescTable, desc_table
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 from .handshake import HandshakePayload
+from .nixl_post import check_posting, post_xfer
 
 __all__ = ["NixlAgent", "Transfer", "registration_args"]
 
@@ -62,7 +64,10 @@ def _int32_copy(block_ids) -> tuple[np.ndarray, ...]:
 
 @dataclasses.dataclass
 class Transfer:
-    """One posted READ/WRITE of one request. ``descriptors``/``bytes``: what it moves."""
+    """One posted READ/WRITE of one request. ``descriptors``: what NIXL was given (runs when
+    posted as runs); ``block_descriptors``: the per-block descriptors of the plan; ``runs``:
+    the maximal runs (-1 when not searched: ``posting="blocks"``); ``bytes``: what it moves;
+    ``mechanism``: how it was posted (see :mod:`hmacore.transport.nixl_post`)."""
 
     request_id: str
     op: str
@@ -73,6 +78,9 @@ class Transfer:
     handle: Any = None
     state: str = "PROC"   # PROC, DONE, FAILED
     posted_at: float = 0.0
+    block_descriptors: int = 0
+    runs: int = -1
+    mechanism: str = ""
 
 
 @dataclasses.dataclass
@@ -89,6 +97,8 @@ class _Peer:
     ids32: bool = False  # both dlists (ours, its) under 2**31 descriptors: int32 ids fast path
     pair: Any = None
     local: Any = None    # local dlist of a pair (None: the agent's plan dlist)
+    table: DescTable | None = None        # address table of its dlist (run search)
+    local_table: DescTable | None = None  # of a pair's local dlist
 
 
 class NixlAgent:
@@ -106,21 +116,27 @@ class NixlAgent:
         progress_thread, progress_delay_us: NIXL's UCX progress thread and its poll delay
             in microseconds (see :func:`hmacore.transport.new_nixl_agent`: NIXL's own default
             spins a core; ours sleeps on events).
+        posting: how descriptors reach NIXL (:mod:`hmacore.transport.nixl_post`): ``"auto"``
+            (default: one descriptor per maximal run), ``"dynamic"``, ``"prepped"``, or
+            ``"blocks"`` (per block, vLLM 0.32's scheme).
     """
 
     def __init__(self, name: str, plan: TransferPlan, *, backends: Sequence[str] = ("UCX",),
                  hma: bool = True, tp: dict[str, Any] | None = None,
                  progress_thread: bool = True,
-                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US):
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US, posting: str = "auto"):
         self.name = name
         self.plan = plan
         self.hma = hma
         self.tp = dict(tp) if tp is not None else None
+        self.posting = check_posting(posting)
         self._agent = new_nixl_agent(name, backends, progress_thread=progress_thread,
                                      progress_delay_us=progress_delay_us)
         ranges, mem = registration_args(plan)
         self._reg = self._agent.register_memory(ranges, mem)
-        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", plan.descriptors(), mem)
+        rows = plan.descriptors()
+        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem)
+        self._table = self._rows_table(rows, plan.registration_ranges())
         self._ids32 = plan.num_descs <= _INT32_MAX + 1
         self._group_bytes = plan._group_block_bytes   # bytes one block of group g moves
         self._pair_ids32 = plan._desc.pair_ids32
@@ -129,6 +145,10 @@ class NixlAgent:
         self._failed: dict[str, TransferError] = {}
         self._notifs: dict[str, list[bytes]] = {}
         self._closed = False
+
+    def _rows_table(self, rows: np.ndarray, ranges) -> DescTable | None:
+        """The address table of a dlist (None when posting per block: never searched)."""
+        return None if self.posting == "blocks" else desc_table(rows, ranges)
 
     # -- peers -------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -153,16 +173,24 @@ class NixlAgent:
         try:
             if pair is None:
                 plan = payload.remote_plan(self.plan.layout)
-                dlist = self._agent.prep_xfer_dlist(name, plan.descriptors(), plan.mem_type)
+                rows = plan.descriptors()
+                dlist = self._agent.prep_xfer_dlist(name, rows, plan.mem_type)
                 self._peers[name] = _Peer(name, payload, plan, dlist, plan._desc,
-                                          self._ids32 and plan.num_descs <= _INT32_MAX + 1)
+                                          self._ids32 and plan.num_descs <= _INT32_MAX + 1,
+                                          table=self._rows_table(rows,
+                                                                 plan.registration_ranges()))
             else:
-                local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                                    pair.local.descriptors(),
+                # a pair's virtual regions lie inside each side's registered memory, and
+                # touching regions are registered as one range: their own spans are safe
+                # run barriers
+                lrows, rrows = pair.local.descriptors(), pair.remote.descriptors()
+                local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows,
                                                     pair.local.mem_type)
-                dlist = self._agent.prep_xfer_dlist(name, pair.remote.descriptors(),
-                                                    pair.remote.mem_type)
-                self._peers[name] = _Peer(name, payload, None, dlist, pair=pair, local=local)
+                dlist = self._agent.prep_xfer_dlist(name, rrows, pair.remote.mem_type)
+                self._peers[name] = _Peer(
+                    name, payload, None, dlist, pair=pair, local=local,
+                    table=self._rows_table(rrows, pair.remote.registration_ranges()),
+                    local_table=self._rows_table(lrows, pair.local.registration_ranges()))
         except HmacoreError:
             self._forget_remote(name)
             raise
@@ -279,10 +307,14 @@ class NixlAgent:
         else:
             lids, rids, table, nbytes = fast
         t = Transfer(request_id, op, peer, table, lids.size, nbytes, posted_at=time.monotonic())
-        return self._submit(t, self._local, lids, p.dlist, rids, notif)
+        return self._submit(t, self._local, lids, p.dlist, rids, notif, self._table, p.table,
+                            p.plan.mem_type)
 
-    def _submit(self, t: Transfer, local_dlist, lids, remote_dlist, rids, notif) -> Transfer:
-        """Post ``t``: NIXL desc ids (int32 / int64 arrays) into the two prepared dlists."""
+    def _submit(self, t: Transfer, local_dlist, lids, remote_dlist, rids, notif,
+                local_table: DescTable | None, remote_table: DescTable | None,
+                remote_mem: str) -> Transfer:
+        """Post ``t``: NIXL desc ids (int32 / int64 arrays) into the two prepared dlists, as
+        runs or per block (:attr:`posting`)."""
         request_id, op, peer = t.request_id, t.op, t.peer
         if not lids.size:  # full local hit: nothing to move
             t.state = "DONE"
@@ -291,14 +323,22 @@ class NixlAgent:
                 self.send_notif(peer, request_id, notif)
             return t
         agent = self._agent
+        t.block_descriptors = int(lids.size)
         try:
-            t.handle = h = agent.make_prepped_xfer(
-                op, local_dlist, lids, remote_dlist, rids,
+            posted = post_xfer(
+                agent, op, self.posting, peer, local_dlist=local_dlist, local_ids=lids,
+                remote_dlist=remote_dlist, remote_ids=rids, local_table=local_table,
+                remote_table=remote_table, local_mem=self.plan.mem_type, remote_mem=remote_mem,
                 notif_msg=b"" if notif is None else request_id.encode() + b":" + bytes(notif))
-            state = agent.transfer(h)
+        except BlockTableError as e:   # the run search refused the pairs: nothing posted
+            raise self._fail(request_id, f"bad descriptor pairs for {peer!r}: {e}",
+                             transfer=t) from None
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
             raise self._fail(request_id, f"{op} to {peer!r} could not be posted: {e}",
                              transfer=t) from None
+        t.handle = h = posted.handle
+        state = posted.state
+        t.descriptors, t.runs, t.mechanism = posted.descriptors, posted.runs, posted.mechanism
         if state == "DONE":   # NIXL finished it inside the post (typical for DRAM)
             t.state = "DONE"
             self._valid[request_id] = t.local_block_ids
@@ -362,7 +402,8 @@ class NixlAgent:
                                                for i, g in enumerate(table)]),
                      posted_at=time.monotonic())
         return self._submit(t, p.local, _nixl_ids(lids, p.pair.local.num_descs), p.dlist,
-                            _nixl_ids(rids, p.pair.remote.num_descs), notif)
+                            _nixl_ids(rids, p.pair.remote.num_descs), notif, p.local_table,
+                            p.table, p.pair.remote.mem_type)
 
     def poll(self, transfer: Transfer) -> str:
         """Non-blocking state: ``"PROC"`` or ``"DONE"``; raises TransferError on failure."""

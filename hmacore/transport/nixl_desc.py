@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TransferError
+from ..errors import BlockTableError, TransferError
+from ..runs import desc_table, span_ranges
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
+from .nixl_post import check_posting, post_xfer
 
 __all__ = ["DescAgent"]
 
@@ -37,17 +39,24 @@ class DescAgent:
         progress_thread, progress_delay_us: NIXL's UCX progress thread and its poll delay
             in microseconds (see :func:`hmacore.transport.new_nixl_agent`: NIXL's own default
             spins a core; ours sleeps on events).
+        posting: how descriptors reach NIXL (:mod:`hmacore.transport.nixl_post`; default
+            ``"auto"``: one descriptor per maximal run).
     """
 
     def __init__(self, name: str, ranges: Sequence[tuple[int, int, int]], *, mem_type: str = "DRAM",
                  backends: Sequence[str] = ("UCX",), progress_thread: bool = True,
-                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US):
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US, posting: str = "auto"):
         self.name = name
         self.mem_type = mem_type
+        self.posting = check_posting(posting)
+        self._ranges = [(int(a), int(n), int(d)) for a, n, d in ranges]
         self._agent = new_nixl_agent(name, backends, progress_thread=progress_thread,
                                      progress_delay_us=progress_delay_us)
         self._reg = self._agent.register_memory([(a, n, d, "") for a, n, d in ranges], mem_type)
         self._pairs: dict[str, tuple[str, Any, Any, int, int]] = {}
+        self._tables: dict[str, tuple[Any, Any]] = {}     # pair key -> (local, remote) tables
+        #: per posted transfer: (descriptors given to NIXL, per-block descriptors, runs)
+        self.last_post: tuple[int, int, int] = (0, 0, 0)
         self._remotes: set[str] = set()
         self._closed = False
 
@@ -63,16 +72,23 @@ class DescAgent:
         return name
 
     def prep_pair(self, key: str, remote: str, local_descs: np.ndarray,
-                  remote_descs: np.ndarray) -> None:
+                  remote_descs: np.ndarray,
+                  remote_ranges: Sequence[tuple[int, int, int]] | None = None) -> None:
         """Prepare the local and the remote dlist of one pairing (``key`` names it in
-        :meth:`post`). Rows: ``(addr, bytes, dev)``."""
+        :meth:`post`). Rows: ``(addr, bytes, dev)``. ``remote_ranges``: the peer's registered
+        memory (runs never cross from one range into another); default: the spans of its
+        rows, touching ones merged (what an hmacore peer registers)."""
         if remote not in self._remotes:
             raise TransferError(f"unknown remote agent {remote!r} (add_remote first)")
         if key in self._pairs:
             raise TransferError(f"dlist pair {key!r} already prepared")
-        ld = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.asarray(local_descs, np.uint64),
-                                         self.mem_type)
-        rd = self._agent.prep_xfer_dlist(remote, np.asarray(remote_descs, np.uint64), self.mem_type)
+        lrows = np.asarray(local_descs, np.uint64)
+        rrows = np.asarray(remote_descs, np.uint64)
+        if self.posting != "blocks":
+            self._tables[key] = (desc_table(lrows, self._ranges), desc_table(
+                rrows, span_ranges(rrows) if remote_ranges is None else remote_ranges))
+        ld = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, self.mem_type)
+        rd = self._agent.prep_xfer_dlist(remote, rrows, self.mem_type)
         self._pairs[key] = (remote, ld, rd, len(local_descs), len(remote_descs))
 
     def post(self, op: str, key: str, local_ids: np.ndarray, remote_ids: np.ndarray,
@@ -92,12 +108,19 @@ class DescAgent:
         for name, a, n in (("local", li, nl), ("remote", ri, nr)):
             if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
                 raise TransferError(f"{name} descriptor ids must lie in [0, {n})")
-        h = self._agent.make_prepped_xfer(op, ld, _ids(li), rd, _ids(ri), notif_msg=bytes(notif))
-        st = self._agent.transfer(h)
-        if st == "ERR":
-            self.release(h)
+        lt, rt = self._tables.get(key, (None, None))
+        try:
+            posted = post_xfer(self._agent, op, self.posting, remote, local_dlist=ld,
+                               local_ids=_ids(li), remote_dlist=rd, remote_ids=_ids(ri),
+                               local_table=lt, remote_table=rt, local_mem=self.mem_type,
+                               remote_mem=self.mem_type, notif_msg=bytes(notif))
+        except BlockTableError as e:
+            raise TransferError(f"{op} on {key!r}: {e}") from None
+        self.last_post = (posted.descriptors, posted.block_descriptors, posted.runs)
+        if posted.state == "ERR":
+            self.release(posted.handle)
             raise TransferError(f"{op} on {key!r} failed when posted")
-        return h
+        return posted.handle
 
     def state(self, handle: Any) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"``."""

@@ -35,7 +35,9 @@ def test_read_then_write_roundtrip(pair):
     a.wait(t, timeout=10)
     assert verify_pattern(pa, [[6, 7], [8, 9, 10]]) == []
     assert b.wait_notif("r1", timeout=10) == b"got"
-    assert t.descriptors == 18 * 5 and t.bytes == 18 * 5 * 64
+    assert t.block_descriptors == 18 * 5 and t.bytes == 18 * 5 * 64
+    # ids 6..10 <- 1..5 are consecutive on both sides: one run per layer slot (18 slots)
+    assert (t.runs, t.descriptors, t.mechanism) == (18, 18, "dynamic")
     # push a's blocks back into fresh ids of b
     t = a.write("w1", "agent-b", [[6, 7], [8, 9, 10]], [[11, 12], [13, 14, 15]])
     a.wait(t, timeout=10)
@@ -122,7 +124,7 @@ def test_every_id_form_moves_the_same_and_keeps_a_private_copy(pair, form):
     t = a.wait(a.read(f"form-{form}", "agent-b", local, [np.array(x, np.int32) for x in src]))
     assert t.state == "DONE" and a.poll(t) == "DONE" and t.handle is None
     assert verify_pattern(pa, dst) == []
-    assert t.descriptors == 4 * 18 and t.bytes == 4 * 18 * 64   # gpt-oss: 18 descs per block
+    assert t.block_descriptors == 4 * 18 and t.bytes == 4 * 18 * 64   # gpt-oss: 18 per block
     got = a.valid_blocks(f"form-{form}")
     assert [g.tolist() for g in got] == dst and all(g.dtype == np.int32 for g in got)
     # mutate the caller's ids: the recorded valid blocks must not change
@@ -161,6 +163,6 @@ def test_wide_dlists_take_the_checked_path(pair):
     try:
         t = a.wait(a.read("wide", "agent-b", ((np.array([6], np.int32),) * 2),
                           [[1], [2]]))
-        assert t.state == "DONE" and t.descriptors == 2 * 18
+        assert t.state == "DONE" and t.block_descriptors == 2 * 18
     finally:
         p.ids32 = True

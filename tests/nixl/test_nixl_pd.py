@@ -90,7 +90,8 @@ def test_pull_clipped_blocks_every_byte(prefill_peer, preset):
                     part[ids] = 0
         assert not any(s.any() for s in paged.storages)
         figs = plan.request_figures(tokens)
-        assert t.descriptors == figs.hma_descriptors
+        assert t.block_descriptors == figs.hma_descriptors
+        assert 0 < t.runs <= t.descriptors <= t.block_descriptors
         assert t.bytes == figs.hma_bytes
         assert figs.hma_descriptors < figs.non_hma_descriptors
         assert figs.hma_bytes < figs.non_hma_bytes

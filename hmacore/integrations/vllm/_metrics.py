@@ -21,7 +21,10 @@ __all__ = ["COUNTERS", "GROUP_COUNTERS", "StatsCounter", "HmaConnectorStats", "H
 COUNTERS: dict[str, str] = {
     "transfers": "KV transfers (NIXL READs / WRITEs) posted",
     "transfer_bytes": "Bytes the posted KV transfers move",
-    "transfer_descriptors": "NIXL descriptors the posted KV transfers carry",
+    "transfer_descriptors": "NIXL descriptors the posted KV transfers carry (one per maximal "
+                            "run when posted as runs)",
+    "transfer_block_descriptors": "Per-block descriptors of the posted KV transfers (what "
+                                  "one descriptor per block per layer slot would post)",
     "transfer_seconds": "Seconds from post to completion, summed over completed transfers",
     "transfer_failures": "KV loads or pushes that failed (handshake, NIXL error, deadline)",
     "loads": "KV loads completed (every transfer of the request done)",

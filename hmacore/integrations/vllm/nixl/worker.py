@@ -306,6 +306,7 @@ class HmaNixlWorker:
                 c.add("transfers")
                 c.add("transfer_bytes", t.bytes)
                 c.add("transfer_descriptors", t.descriptors)
+                c.add("transfer_block_descriptors", t.block_descriptors)
                 c.add_groups("blocks_moved", [len(ids) for ids in t.local_block_ids])
         except Exception as e:  # noqa: BLE001 - a hook must not raise: report the failure
             if isinstance(e, HmacoreError):
