@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_TARGET_DEVICE := cpu
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv deps build test test-fast lint demo plan bench bench-gate bench-gate-short sanitize sanitize-short fuzz fuzz-replay reliability soak clean
+.PHONY: venv deps build test test-fast lint demo plan bench bench-transfer bench-gate bench-gate-short sanitize sanitize-short fuzz fuzz-replay reliability soak clean
 
 $(VENV)/.stamp-base: requirements/test.txt requirements/nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,15 @@ bench: deps build
 	$(PY) -m pytest -q bench --benchmark-only --benchmark-json=bench/results/raw.json $(BENCH_ARGS)
 	$(PY) bench/report.py bench/results/raw.json -o bench/results/latest.json --markdown bench/results/latest.md
 	$(PY) bench/plot.py bench/results/latest.json -o docs/img
+
+# Per-block descriptors vs maximal runs over real NIXL (two processes, UCX, DRAM loopback):
+# page sizes 1..64 KiB per layer, fresh / vLLM-BlockPool / scattered tables, layer- and
+# block-major pages; the table and plot of docs/performance.md "Fewest descriptors".
+TRANSFER_ARGS ?= --reps 7
+bench-transfer: deps build
+	mkdir -p bench/results
+	$(PY) bench/bench_transfer.py $(TRANSFER_ARGS) --json bench/results/transfer.json \
+	  --md bench/results/transfer.md --plot docs/img/transfer.png
 
 bench-gate:
 	$(PY) bench/gate.py --baseline bench/baseline.json --results bench/results/latest.json --fraction $(GATE_FRACTION)

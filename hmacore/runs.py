@@ -164,10 +164,13 @@ class RunPlanner:
         return find_runs(self.local_table, lids, self.remote_table, rids, order=order)
 
 
-def buffer_runs(parts: Sequence[Sequence[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+def buffer_runs(parts: Sequence[Sequence[tuple[int, int]]],
+                ranges: Sequence[tuple[int, int]] | None = None) -> list[list[tuple[int, int]]]:
     """Per key, its ``(addr, size)`` buffers with adjacent ones merged (a store batch:
     ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``). The value's bytes
-    and their order are unchanged; buffers of different keys never merge."""
+    and their order are unchanged; buffers of different keys never merge. ``ranges``: the
+    registered ``(addr, size)`` buffers; a merged buffer never spans two of them (a buffer
+    outside every range is left as it is)."""
     counts = [len(p) for p in parts]
     offs = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offs[1:])
@@ -184,6 +187,16 @@ def buffer_runs(parts: Sequence[Sequence[tuple[int, int]]]) -> list[list[tuple[i
             addrs[k] = int(a)
             sizes[k] = int(s)
             k += 1
-    ma, ms, mo = _runs.coalesce_buffers(addrs, sizes, offs)
+    dom = None
+    if ranges is not None:
+        rg = sorted((int(x), int(n)) for x, n in ranges)
+        starts = np.array([x for x, _ in rg] or [0], dtype=np.uint64)
+        ends = np.array([x + n for x, n in rg] or [0], dtype=np.uint64)
+        idx = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+        inside = (idx >= 0) & (addrs + sizes.astype(np.uint64)
+                               <= ends[np.maximum(idx, 0)]) if rg else np.zeros(n, bool)
+        # outside every range: a domain of its own (never merged)
+        dom = np.where(inside, idx, -1 - np.arange(n, dtype=np.int64))
+    ma, ms, mo = _runs.coalesce_buffers(addrs, sizes, offs, dom)
     al, sl, ol = ma.tolist(), ms.tolist(), mo.tolist()
     return [list(zip(al[ol[i]:ol[i + 1]], sl[ol[i]:ol[i + 1]])) for i in range(len(counts))]

@@ -235,3 +235,11 @@ def test_buffer_runs_merge_adjacent_buffers_only_inside_a_key():
     assert buffer_runs(parts) == [[(100, 15), (200, 5)], [(205, 5)], [], [(0, 8)]]
     with pytest.raises(BlockTableError, match="buffer 0"):
         buffer_runs([[(-1, 4)]])
+
+
+def test_buffer_runs_never_span_two_registered_buffers():
+    parts = [[(100, 10), (110, 10), (120, 10)], [(500, 4), (504, 4)]]
+    # 100..120 registered as one buffer, 120.. as another; 500.. is not registered at all
+    assert buffer_runs(parts, [(100, 20), (120, 100)]) == \
+        [[(100, 20), (120, 10)], [(500, 4), (504, 4)]]
+    assert buffer_runs(parts, [(100, 1000)]) == [[(100, 30)], [(500, 8)]]

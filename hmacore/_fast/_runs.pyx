@@ -410,12 +410,14 @@ cdef int64_t _pieces_i64(cnp.ndarray li, cnp.ndarray ri, Py_ssize_t n, DescTable
     return P
 
 
-def coalesce_buffers(addrs, sizes, key_offsets):
+def coalesce_buffers(addrs, sizes, key_offsets, domains=None):
     """Runs of adjacent buffers inside each key of a multi-buffer store batch.
 
     Args:
         addrs, sizes: uint64/int64 1-D, every buffer of every key, key by key, in value order.
         key_offsets: int64[K + 1], key k's buffers are ``[key_offsets[k], key_offsets[k+1])``.
+        domains: optional int64 per buffer (its registered buffer); buffers of different
+            domains never merge.
 
     Returns ``(addrs, sizes, key_offsets)`` of the merged buffers: consecutive buffers of one
     key where the next starts where the previous ends become one (the value's bytes and
@@ -433,6 +435,11 @@ def coalesce_buffers(addrs, sizes, key_offsets):
         raise BlockTableError(f"key_offsets must rise from 0 to {n}")
     if n and (s.min() < 0 or (a + s.astype(np.uint64) < a).any()):
         raise BlockTableError("buffer sizes must be >= 0 and no buffer may wrap past 2**64")
+    dm = np.zeros(n, dtype=np.int64) if domains is None else \
+        np.ascontiguousarray(domains, dtype=np.int64)
+    if dm.ndim != 1 or dm.shape[0] != n:
+        raise BlockTableError(f"domains must hold one int per buffer ({n})")
+    cdef const int64_t[::1] D = dm
     out_a = np.empty(n, dtype=np.uint64)
     out_s = np.empty(n, dtype=np.int64)
     out_o = np.empty(K + 1, dtype=np.int64)
@@ -446,7 +453,7 @@ def coalesce_buffers(addrs, sizes, key_offsets):
         for k in range(K):
             OO[k] = m
             for i in range(O[k], O[k + 1]):
-                if m > OO[k] and OA[m - 1] + <uint64_t>OS[m - 1] == A[i]:
+                if m > OO[k] and OA[m - 1] + <uint64_t>OS[m - 1] == A[i] and D[i] == D[i - 1]:
                     OS[m - 1] += S[i]
                 else:
                     OA[m] = A[i]

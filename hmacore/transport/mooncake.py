@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 
 from ..errors import StoreError
+from ..runs import buffer_runs
 from .store import NO_SPACE, OK, RPC_FAIL, GroupSegments
 
 __all__ = ["MooncakeStore", "wait_for_port"]
@@ -98,6 +99,8 @@ class MooncakeStore:
         self._last_try = -float("inf")
         self._recover_lock = threading.Lock()   # one recovery at a time (shared clients)
         self.calls = {"exists": 0, "put": 0, "get": 0, "remove": 0}
+        #: buffers handed to put/get batches, and what reached Mooncake after merging runs
+        self.buffers = {"given": 0, "posted": 0}
         self.recovery = {"suspected": 0, "recovered": 0, "reconnected": 0, "gave_up": 0,
                          "probe_waits": 0}
 
@@ -264,10 +267,16 @@ class MooncakeStore:
         keys = list(keys)
         if not keys:   # an empty batch never reaches the RPC
             return []
-        ptrs = [[int(a) for a, _ in p] for p in parts]
-        sizes = [[int(s) for _, s in p] for p in parts]
-        if len(ptrs) != len(keys):
-            raise StoreError(f"parts has {len(ptrs)} entries for {len(keys)} keys")
+        parts = list(parts)
+        if len(parts) != len(keys):
+            raise StoreError(f"parts has {len(parts)} entries for {len(keys)} keys")
+        # adjacent buffers of a key (a block's adjacent layer slots) as one buffer, never
+        # across two registered buffers: the value's bytes and order are unchanged
+        runs = buffer_runs(parts, self._registered.items())
+        ptrs = [[a for a, _ in p] for p in runs]
+        sizes = [[s for _, s in p] for p in runs]
+        self.buffers["given"] += sum(len(p) for p in parts)
+        self.buffers["posted"] += sum(len(p) for p in ptrs)
         self.calls[call] += 1
         res = self._call(method, keys, ptrs, sizes)
         if res is None or len(res) != len(keys):

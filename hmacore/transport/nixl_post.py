@@ -27,7 +27,8 @@ import numpy as np
 
 from ..runs import DescTable, find_runs
 
-__all__ = ["POSTINGS", "AUTO_DYNAMIC_FRACTION", "Posted", "check_posting", "post_xfer"]
+__all__ = ["POSTINGS", "AUTO_DYNAMIC_FRACTION", "Posted", "check_posting", "create_xfer",
+           "post_xfer"]
 
 POSTINGS = ("auto", "dynamic", "prepped", "blocks")
 #: "auto" posts the runs as new lists when they are at most this fraction of the per-block
@@ -58,14 +59,32 @@ def post_xfer(agent: Any, op: str, posting: str, peer: str, *, local_dlist: Any,
               local_ids: np.ndarray, remote_dlist: Any, remote_ids: np.ndarray,
               local_table: DescTable | None, remote_table: DescTable | None,
               local_mem: str, remote_mem: str, notif_msg: bytes) -> Posted:
-    """Create and post one transfer on a ``nixl_agent`` (ids non-empty, validated by the
-    caller against the dlists). Raises BlockTableError from the run search (nothing posted)
-    and NIXL's own errors from the post (the handle, if any, is released)."""
+    """Create (:func:`create_xfer`) and post one transfer on a ``nixl_agent``. Raises
+    BlockTableError from the run search (nothing posted) and NIXL's own errors from the post
+    (the handle, if any, is released)."""
+    posted = create_xfer(agent, op, posting, peer, local_dlist=local_dlist,
+                         local_ids=local_ids, remote_dlist=remote_dlist, remote_ids=remote_ids,
+                         local_table=local_table, remote_table=remote_table,
+                         local_mem=local_mem, remote_mem=remote_mem, notif_msg=notif_msg)
+    posted.state = _start(agent, posted.handle)
+    return posted
+
+
+def create_xfer(agent: Any, op: str, posting: str, peer: str, *, local_dlist: Any,
+                local_ids: np.ndarray, remote_dlist: Any, remote_ids: np.ndarray,
+                local_table: DescTable | None, remote_table: DescTable | None,
+                local_mem: str, remote_mem: str, notif_msg: bytes,
+                skip_desc_merge: bool = False) -> Posted:
+    """The NIXL transfer handle of one transfer, not yet posted (``state`` "INIT"): the
+    per-request bookkeeping the benchmarks time. Ids non-empty and validated by the caller
+    against the dlists. ``skip_desc_merge``: with ``"blocks"``, ask NIXL not to merge
+    neighbouring descriptors (benchmarks: the cost of one descriptor per block)."""
     n = int(local_ids.size)
     if posting == "blocks" or local_table is None or remote_table is None or n == 0:
+        kw = {"skip_desc_merge": True} if skip_desc_merge else {}
         h = agent.make_prepped_xfer(op, local_dlist, local_ids, remote_dlist, remote_ids,
-                                    notif_msg=notif_msg)
-        return Posted(h, _start(agent, h), n, n, -1, "blocks")
+                                    notif_msg=notif_msg, **kw)
+        return Posted(h, "INIT", n, n, -1, "blocks")
     runs = find_runs(local_table, local_ids, remote_table, remote_ids,
                      order=posting != "dynamic")
     m = runs.num_runs
@@ -73,11 +92,11 @@ def post_xfer(agent: Any, op: str, posting: str, peer: str, *, local_dlist: Any,
         h = agent.initialize_xfer(op, agent.get_xfer_descs(runs.local, local_mem),
                                   agent.get_xfer_descs(runs.remote, remote_mem), peer,
                                   notif_msg)
-        return Posted(h, _start(agent, h), m, n, m, "dynamic")
+        return Posted(h, "INIT", m, n, m, "dynamic")
     order = runs.order
     h = agent.make_prepped_xfer(op, local_dlist, local_ids[order], remote_dlist,
                                 remote_ids[order], notif_msg=notif_msg)
-    return Posted(h, _start(agent, h), n, n, m, "prepped")
+    return Posted(h, "INIT", n, n, m, "prepped")
 
 
 def _start(agent: Any, h: Any) -> str:

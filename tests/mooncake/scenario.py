@@ -14,6 +14,9 @@ line, and kills every process it started by PID. Modes:
   the prefix hit, loads and compares every needed block's bytes.
 * ``master_killed``: store, look up (hit), SIGKILL the master, look up again (miss, bounded
   time), save again (failures counted, no exception).
+* ``runs``: block-major pages (a block's layer slots adjacent): each key's per-layer buffers
+  reach Mooncake as one buffer (hmacore.runs.buffer_runs); put, get into other memory,
+  compare every byte.
 """
 from __future__ import annotations
 
@@ -135,6 +138,25 @@ def mode_master_killed(port, master):
             "empty_ok": empty_ok}
 
 
+def mode_runs(port):
+    """A key per block; its value = the block's LAYERS slots, adjacent in block-major memory."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, (64, LAYERS, 256), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    st = client(port, 64 << 20)
+    st.register(src.ctypes.data, src.nbytes)
+    st.register(dst.ctypes.data, dst.nbytes)
+    blocks = [3, 4, 9, 10, 11, 40]
+    keys = [f"runs-{b}" for b in blocks]
+    slot = lambda mem, b, j: (mem.ctypes.data + (b * LAYERS + j) * 256, 256)  # noqa: E731
+    put = st.batch_put(keys, [[slot(src, b, j) for j in range(LAYERS)] for b in blocks])
+    got = st.batch_get(keys, [[slot(dst, b + 1, j) for j in range(LAYERS)] for b in blocks])
+    same = all(np.array_equal(src[b], dst[b + 1]) for b in blocks)
+    out = {"put": put, "got": got, "same": same, "buffers": dict(st.buffers)}
+    st.close()
+    return out
+
+
 def kill(proc, grace=5.0):
     if proc is None or proc.poll() is not None:
         return
@@ -169,6 +191,9 @@ def netns_main(mode, port):
             return 1
         if mode == "master_killed":
             print(json.dumps(mode_master_killed(port, master)), flush=True)
+            return 0
+        if mode == "runs":
+            print(json.dumps(mode_runs(port)), flush=True)
             return 0
         if mode == "demo":   # `hmacore demo --store mooncake` against this master
             out = os.path.join(os.environ.get("HMACORE_MC_LOGDIR", "/tmp"), f"demo_{os.getpid()}.json")

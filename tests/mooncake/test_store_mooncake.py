@@ -29,6 +29,15 @@ def test_master_killed_gives_misses_not_errors():
     assert r["empty_ok"] is True
 
 
+def test_adjacent_buffers_reach_mooncake_as_one():
+    """Block-major pages: a key's per-layer buffers abut and are posted as one buffer; the
+    value round-trips byte for byte."""
+    r = run_scenario("runs", port=50101)
+    assert r["put"] == [0] * 6 and r["got"] == [2 * 256] * 6, r
+    assert r["same"] is True
+    assert r["buffers"] == {"given": 2 * 6 * 2, "posted": 6 * 2}   # put + get, 2 layers each
+
+
 def test_demo_store_path_against_a_real_master():
     r = run_scenario("demo", port=50071)
     assert r["returncode"] == 0, r
