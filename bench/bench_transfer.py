@@ -278,23 +278,35 @@ def run_config(arrangement: str, page: int, args, log) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| pages | page | table | per-block descs | runs | posted (auto) | post ms blocks / auto "
-             "| transfer ms blocks / auto | GB/s blocks / auto / no-merge | memcpy GB/s "
-             "| auto / blocks | auto / memcpy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    key = lambda r: (r["arrangement"], r["page"], r["table"])  # noqa: E731
+    """Two tables: per-block (vLLM 0.32's scheme) vs runs ("auto"), and the mechanisms."""
     cases: dict = {}
     for r in rows:
-        cases.setdefault(key(r), {})[r["mechanism"]] = r
+        cases.setdefault((r["arrangement"], r["page"], r["table"]), {})[r["mechanism"]] = r
+    lines = ["| pages | page | table | per-block descs | runs | posted (auto) "
+             "| post ms blocks / auto | run search ms (% of blocks transfer) "
+             "| transfer ms blocks / auto | GB/s blocks / auto / no-merge | memcpy GB/s "
+             "| auto / blocks | auto / memcpy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (arr, page, table), m in cases.items():
         b, a, nm = m["blocks"], m["auto"], m["blocks-nomerge"]
         lines.append(
             f"| {arr}-major | {page // 1024} KiB | {table} | {b['block_descriptors']:,} | "
             f"{a['runs']:,} | {a['descriptors']:,} ({a['posted_as']}) | "
-            f"{b['post_ms']:.2f} / {a['post_ms']:.2f} | {b['transfer_ms']:.2f} / "
+            f"{b['post_ms']:.2f} / {a['post_ms']:.2f} | {a['search_ms']:.2f} "
+            f"({100 * a['search_ms'] / b['transfer_ms']:.1f}%) | {b['transfer_ms']:.2f} / "
             f"{a['transfer_ms']:.2f} | {b['gbps']:.2f} / {a['gbps']:.2f} / {nm['gbps']:.2f} | "
             f"{a['memcpy_gbps']:.2f} | {a['gbps'] / b['gbps']:.2f}x | "
             f"{100 * a['gbps'] / a['memcpy_gbps']:.0f}% |")
+    lines += ["", "Mechanisms (post ms / transfer ms, medians): the runs as new lists "
+              "(dynamic) or the per-block ids in run order (prepped, NIXL merges them)", "",
+              "| pages | page | table | per-block descs | runs | dynamic | prepped | auto chose |",
+              "|---|---|---|---|---|---|---|---|"]
+    for (arr, page, table), m in cases.items():
+        d, p, a = m["dynamic"], m["prepped"], m["auto"]
+        lines.append(f"| {arr}-major | {page // 1024} KiB | {table} | "
+                     f"{d['block_descriptors']:,} | {d['runs']:,} | {d['post_ms']:.2f} / "
+                     f"{d['transfer_ms']:.2f} | {p['post_ms']:.2f} / {p['transfer_ms']:.2f} | "
+                     f"{a['posted_as']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -43,6 +43,10 @@ class Runs:
             them into the same runs).
         block_descriptors: N, the per-descriptor pairs the runs replace.
         nbytes: bytes moved (equal to the pairs' bytes).
+        index_breaks: steps inside the runs between descriptors whose ids are not
+            consecutive on both sides (a run across layer slots, a region boundary): NIXL's
+            merge of prepped ids (consecutive ids only) stops there, so posting ``order``
+            reaches the backend as ``num_runs + index_breaks`` descriptors.
     """
 
     local: np.ndarray
@@ -50,6 +54,7 @@ class Runs:
     order: np.ndarray | None
     block_descriptors: int
     nbytes: int
+    index_breaks: int = 0
 
     @property
     def num_runs(self) -> int:
@@ -114,9 +119,9 @@ def find_runs(local: DescTable, local_ids: Any, remote: DescTable, remote_ids: A
 
     Raises BlockTableError (nothing computed) for ids out of range, unequal lengths, or a
     pair whose two descriptors differ in length."""
-    lrows, rrows, ordr, nbytes = _runs.coalesce(local, local_ids, remote, remote_ids,
-                                                order=order)
-    return Runs(lrows, rrows, ordr, len(local_ids), nbytes)
+    lrows, rrows, ordr, nbytes, breaks = _runs.coalesce(local, local_ids, remote, remote_ids,
+                                                        order=order)
+    return Runs(lrows, rrows, ordr, len(local_ids), nbytes, breaks)
 
 
 class RunPlanner:

@@ -40,18 +40,24 @@ def ours(runs):
 
 
 def check_order(runs, lrows, lids, rrows, rids):
-    """``order`` is a permutation whose consecutive merge (NIXL's) gives the same runs."""
+    """``order`` is a permutation whose consecutive merge by address gives the same runs;
+    merging only consecutive ids as well (NIXL's merge of prepped ids) gives
+    ``num_runs + index_breaks``."""
     order = runs.order
     assert sorted(order.tolist()) == list(range(len(lids)))
-    merged = 0
+    merged = by_ids = 0
     prev = None
     for k in order.tolist():
         la, ln, _ = (int(v) for v in lrows[lids[k]])
         ra = int(rrows[rids[k]][0])
         if prev is None or prev[0] != la or prev[1] != ra:
             merged += 1
-        prev = (la + ln, ra + ln)
+            by_ids += 1
+        elif prev[2] + 1 != lids[k] or prev[3] + 1 != rids[k]:
+            by_ids += 1
+        prev = (la + ln, ra + ln, int(lids[k]), int(rids[k]))
     assert merged == runs.num_runs
+    assert by_ids == runs.num_runs + runs.index_breaks
 
 
 def _layout(kinds=(GroupKind.FULL,), layers=2):

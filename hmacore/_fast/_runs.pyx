@@ -165,14 +165,20 @@ cdef struct Piece:
     int64_t first       # index of its first pair in the given order
     int64_t count
     int64_t next        # chained piece, -1 = none
+    int64_t llo         # local / remote descriptor ids at the piece's lowest and highest
+    int64_t lhi         # address (what NIXL's merge of prepped ids needs consecutive)
+    int64_t rlo
+    int64_t rhi
     int8_t down         # 1: the pairs go down (descending ids)
     uint8_t has_prev
 
 
 cdef int64_t _pieces(const idx_t* lids, const idx_t* rids, Py_ssize_t n,
-                     const Table* L, const Table* R, Piece* out, int64_t* bad) noexcept nogil:
+                     const Table* L, const Table* R, Piece* out, int64_t* bad,
+                     int64_t* breaks) noexcept nogil:
     """Pass 1: cut the pairs into pieces; returns the piece count, or -1 with ``bad[0]`` the
-    first pair whose local and remote lengths differ."""
+    first pair whose local and remote lengths differ. ``breaks`` counts the steps inside a
+    piece whose descriptor ids are not consecutive on both sides."""
     cdef Py_ssize_t k = 0, P = 0, ls = 0, rs = 0
     cdef uint64_t la, ra, ln, rn, lo, ro, tot
     cdef int64_t lk, rk
@@ -197,6 +203,8 @@ cdef int64_t _pieces(const idx_t* lids, const idx_t* rids, Py_ssize_t n,
         p.rkind = rk
         p.next = -1
         p.has_prev = 0
+        p.llo = p.lhi = lids[k]
+        p.rlo = p.rhi = rids[k]
         down = -1                       # -1: undecided (one pair so far)
         tot = ln
         k += 1
@@ -213,10 +221,18 @@ cdef int64_t _pieces(const idx_t* lids, const idx_t* rids, Py_ssize_t n,
             ra = R.base[rs] + <uint64_t>(rids[k] - R.start[rs]) * R.step[rs]
             if down != 1 and la == lo + tot and ra == ro + tot:
                 down = 0
+                if lids[k] != p.lhi + 1 or rids[k] != p.rhi + 1:
+                    breaks[0] += 1
+                p.lhi = lids[k]
+                p.rhi = rids[k]
             elif down != 0 and la + ln == lo and ra + ln == ro:
                 down = 1
                 lo = la
                 ro = ra
+                if lids[k] != p.llo - 1 or rids[k] != p.rlo - 1:
+                    breaks[0] += 1
+                p.llo = lids[k]
+                p.rlo = rids[k]
             else:
                 break
             tot += ln
@@ -234,10 +250,10 @@ cdef inline uint64_t _slot(uint64_t key, int bits) noexcept nogil:
     return (key * <uint64_t>0x9E3779B97F4A7C15) >> (64 - bits)
 
 
-cdef int _chain(Piece* pc, int64_t P) noexcept nogil:
+cdef int _chain(Piece* pc, int64_t P, int64_t* breaks) noexcept nogil:
     """Pass 2: link piece p to the piece starting where p ends on both sides (same device
-    and domain). Starts seen twice (overlapping input) are never linked. 0, or -1 (no
-    memory)."""
+    and domain). Starts seen twice (overlapping input) are never linked. ``breaks`` counts
+    links whose descriptor ids are not consecutive. 0, or -1 (no memory)."""
     cdef int bits = 1
     while (<int64_t>1 << bits) < 2 * P:
         bits += 1
@@ -272,6 +288,8 @@ cdef int _chain(Piece* pc, int64_t P) noexcept nogil:
             continue
         pc[i].next = q
         pc[q].has_prev = 1
+        if pc[q].llo != pc[i].lhi + 1 or pc[q].rlo != pc[i].rhi + 1:
+            breaks[0] += 1
     free(keys)
     free(vals)
     return 0
@@ -336,8 +354,11 @@ def coalesce(DescTable local, local_ids, DescTable remote, remote_ids, *, bint o
             consecutive descriptors find the same runs.
 
     Returns:
-        ``(local_rows, remote_rows, order_or_None, nbytes)``: M x 3 uint64 ``(addr, len,
-        dev)`` per run (row i of both pairs up), the order (int64[N]) and the bytes moved.
+        ``(local_rows, remote_rows, order_or_None, nbytes, index_breaks)``: M x 3 uint64
+        ``(addr, len, dev)`` per run (row i of both pairs up), the order (int64[N]), the bytes
+        moved, and how many steps inside the runs join descriptors whose ids are not
+        consecutive on both sides (NIXL's merge of prepped ids posted in ``order`` stops
+        there: M + index_breaks descriptors reach the backend that way).
 
     Raises BlockTableError (nothing computed) for ids out of range, unequal lengths, or a
     pair whose local and remote descriptors differ in length.
@@ -350,7 +371,7 @@ def coalesce(DescTable local, local_ids, DescTable remote, remote_ids, *, bint o
     if li.dtype != ri.dtype:
         li = li.astype(np.int64)
         ri = ri.astype(np.int64)
-    cdef int64_t P = 0, bad = -1, M = 0, i
+    cdef int64_t P = 0, bad = -1, M = 0, i, breaks = 0
     cdef Piece* pc = NULL
     cdef cnp.ndarray lrows, rrows, ordr
     cdef int rc = 0
@@ -361,15 +382,15 @@ def coalesce(DescTable local, local_ids, DescTable remote, remote_ids, *, bint o
     try:
         if n:
             if li.dtype == np.int32:
-                P = _pieces_i32(li, ri, n, local, remote, pc, &bad)
+                P = _pieces_i32(li, ri, n, local, remote, pc, &bad, &breaks)
             else:
-                P = _pieces_i64(li, ri, n, local, remote, pc, &bad)
+                P = _pieces_i64(li, ri, n, local, remote, pc, &bad, &breaks)
             if P < 0:
                 raise BlockTableError(f"descriptor pair {bad}: local descriptor {int(li[bad])} "
                                       f"and remote descriptor {int(ri[bad])} differ in length")
             if P > 1:
                 with nogil:
-                    rc = _chain(pc, P)
+                    rc = _chain(pc, P, &breaks)
                 if rc:
                     raise MemoryError()
             for i in range(P):
@@ -385,28 +406,28 @@ def coalesce(DescTable local, local_ids, DescTable remote, remote_ids, *, bint o
     finally:
         free(pc)
     nbytes = int(lrows[:, 1].sum()) if M else 0
-    return lrows, rrows, (ordr if order else None), nbytes
+    return lrows, rrows, (ordr if order else None), nbytes, breaks
 
 
 cdef int64_t _pieces_i32(cnp.ndarray li, cnp.ndarray ri, Py_ssize_t n, DescTable L,
-                         DescTable R, Piece* out, int64_t* bad):
+                         DescTable R, Piece* out, int64_t* bad, int64_t* breaks):
     cdef int64_t P
     cdef Table lt = L.table(), rt = R.table()
     cdef const int32_t* lp = <const int32_t*>cnp.PyArray_DATA(li)
     cdef const int32_t* rp = <const int32_t*>cnp.PyArray_DATA(ri)
     with nogil:         # li / ri / L / R are referenced by the caller for the whole call
-        P = _pieces(lp, rp, n, &lt, &rt, out, bad)
+        P = _pieces(lp, rp, n, &lt, &rt, out, bad, breaks)
     return P
 
 
 cdef int64_t _pieces_i64(cnp.ndarray li, cnp.ndarray ri, Py_ssize_t n, DescTable L,
-                         DescTable R, Piece* out, int64_t* bad):
+                         DescTable R, Piece* out, int64_t* bad, int64_t* breaks):
     cdef int64_t P
     cdef Table lt = L.table(), rt = R.table()
     cdef const int64_t* lp = <const int64_t*>cnp.PyArray_DATA(li)
     cdef const int64_t* rp = <const int64_t*>cnp.PyArray_DATA(ri)
     with nogil:
-        P = _pieces(lp, rp, n, &lt, &rt, out, bad)
+        P = _pieces(lp, rp, n, &lt, &rt, out, bad, breaks)
     return P
 
 

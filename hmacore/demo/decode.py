@@ -26,15 +26,18 @@ class DecodeSide:
     index) of every page whose bytes differ.
     """
 
-    def __init__(self, sc: Scenario, remote_num_blocks: int):
+    def __init__(self, sc: Scenario, remote_num_blocks: int, posting: str = "auto"):
         layout = sc.layout()
         self.scenario = sc
         self.num_blocks = sc.num_blocks()
         self.layout = layout.with_num_blocks(self.num_blocks)
         self.paged = allocate_paged_kv(self.layout, self.num_blocks, page_bytes=sc.page_size())
+        for s in self.paged.storages:   # written once, as vLLM's torch.zeros KV cache is:
+            s.fill(0)                    # no first-touch page faults inside the transfers
         self.plan = TransferPlan.from_kv_caches(self.layout, self.paged.kv_caches,
                                                 num_blocks=self.num_blocks)
-        self.agent = NixlAgent("hmacore-demo-decode", self.plan)
+        self.posting = posting
+        self.agent = NixlAgent("hmacore-demo-decode", self.plan, posting=posting)
         self.pool = BlockPool(self.num_blocks)
         self.trackers = TrackerSet(self.layout)
         G = self.layout.num_groups
@@ -47,6 +50,11 @@ class DecodeSide:
         self.non_hma_bytes = 0
         self.bookkeeping_ns: list[int] = []
         self.transfer_s = 0.0
+        self.posted_descriptors = 0     # what NIXL was given
+        self.block_descriptors = 0      # one per block per layer slot (the plan's)
+        self.runs = 0                   # maximal runs (-1 per transfer when not searched)
+        self.memcpy_s = 0.0             # memcpy of the same bytes, same run (reference)
+        self._copy: tuple[np.ndarray, np.ndarray] | None = None
         self.mismatches: list[tuple[str, str, int, int]] = []
         self.pages_checked = 0
         self.bytes_checked = 0
@@ -77,6 +85,7 @@ class DecodeSide:
         local_desc = self.plan.desc_ids(local)
         self.bookkeeping_ns.append(time.perf_counter_ns() - t0)
 
+        before = list(self.bytes)
         for g in range(G):   # per-group figures: each group's blocks alone through the plan
             only = tuple(local[h] if h == g else np.empty(0, np.int32) for h in range(G))
             ids = self.plan.desc_ids(only)
@@ -97,7 +106,12 @@ class DecodeSide:
         except Exception as e:  # noqa: BLE001 - reported as a failed request
             self.errors.append(f"{rid}: {e}")
             self.mismatches.append((rid, "*", -1, -1))
+        else:
+            self.posted_descriptors += xfer.descriptors
+            self.block_descriptors += xfer.block_descriptors
+            self.runs += xfer.runs
         self.transfer_s += time.perf_counter() - t1
+        self.memcpy_s += self._memcpy(sum(self.bytes) - sum(before))
 
         # Verify: local[g][k] must hold block position (len(table[g]) - len(local[g]) + k).
         positions = [range(len(table[g]) - len(local[g]), len(table[g])) for g in range(G)]
@@ -110,6 +124,19 @@ class DecodeSide:
         self.trackers.set_loaded_tokens(rid, n)
         self.pool.free(self.trackers.finish(rid))
         self.done += 1
+
+    def _memcpy(self, nbytes: int) -> float:
+        """Seconds of one memcpy of ``nbytes`` between two warm buffers of this process: the
+        physical reference for the transfer of the same bytes."""
+        if nbytes <= 0:
+            return 0.0
+        if self._copy is None or self._copy[0].size < nbytes:
+            self._copy = (np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8))
+            np.copyto(self._copy[1], self._copy[0])          # warm both
+        src, dst = self._copy[0][:nbytes], self._copy[1][:nbytes]
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         self.agent.close()

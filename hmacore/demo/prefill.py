@@ -40,6 +40,8 @@ def main(argv: list[str]) -> int:
     num_blocks = sc.num_blocks()
     layout = layout.with_num_blocks(num_blocks)
     paged = allocate_paged_kv(layout, num_blocks, page_bytes=sc.page_size())
+    for s in paged.storages:   # written once, as vLLM's torch.zeros KV cache is
+        s.fill(0)
     plan = TransferPlan.from_kv_caches(layout, paged.kv_caches, num_blocks=num_blocks)
     pool = BlockPool(num_blocks)
     trackers = TrackerSet(layout)

@@ -28,7 +28,14 @@ def report_dict(sc, decode, final: dict) -> dict:
                                     if decode.non_hma_descriptors else 0.0),
                    "bytes": 1 - moved_b / decode.non_hma_bytes if decode.non_hma_bytes else 0.0},
         "transfer": {"seconds": decode.transfer_s,
-                     "throughput_gib_s": moved_b / decode.transfer_s / 2**30 if decode.transfer_s else 0.0},
+                     "throughput_gib_s": moved_b / decode.transfer_s / 2**30 if decode.transfer_s else 0.0,
+                     "memcpy_seconds": decode.memcpy_s,
+                     "memcpy_gib_s": moved_b / decode.memcpy_s / 2**30 if decode.memcpy_s else 0.0,
+                     "fraction_of_memcpy": (decode.memcpy_s / decode.transfer_s
+                                            if decode.transfer_s else 0.0)},
+        "posting": {"mechanism": decode.posting, "descriptors_posted": decode.posted_descriptors,
+                    "per_block_descriptors": decode.block_descriptors,
+                    "maximal_runs": decode.runs if decode.posting != "blocks" else None},
         "bookkeeping_us_per_request": {"median": statistics.median(bk) / 1e3 if bk else 0.0,
                                        "max": max(bk) / 1e3 if bk else 0.0},
         "verification": {"ok": not decode.mismatches and not decode.errors,
@@ -63,8 +70,10 @@ def format_report(rep: dict) -> str:
         "",
         f"HMA moves {100 * rep['saving']['bytes']:.1f}% fewer bytes and "
         f"{100 * rep['saving']['descriptors']:.1f}% fewer descriptors than a non-HMA connector",
+        _posting_line(rep["posting"]),
         f"transfer: {_mib(rep['hma']['bytes'])} MiB in {t['seconds'] * 1e3:.1f} ms "
-        f"({t['throughput_gib_s']:.2f} GiB/s)",
+        f"({t['throughput_gib_s']:.2f} GiB/s); memcpy of the same bytes in this run "
+        f"{t['memcpy_gib_s']:.2f} GiB/s (transfer at {100 * t['fraction_of_memcpy']:.0f}% of memcpy)",
         f"bookkeeping (tracker, select, clip, trim, descriptor ids): median {bk['median']:.1f} us "
         f"per request (max {bk['max']:.1f} us)",
         (f"verification: OK, {v['pages_checked']:,} pages / {_mib(v['bytes_checked'])} MiB checked "
@@ -73,6 +82,12 @@ def format_report(rep: dict) -> str:
          f"{v['errors']}"),
     ]
     return "\n".join(lines)
+
+
+def _posting_line(p: dict) -> str:
+    runs = "" if p["maximal_runs"] is None else f", {p['maximal_runs']:,} maximal runs"
+    return (f"descriptors: {p['descriptors_posted']:,} posted to NIXL for "
+            f"{p['per_block_descriptors']:,} per-block descriptors (posting {p['mechanism']}{runs})")
 
 
 def plot_bytes(rep: dict, path: str) -> None:

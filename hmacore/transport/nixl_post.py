@@ -8,11 +8,15 @@ picks the cheaper per request:
   (``get_xfer_descs`` + ``initialize_xfer``): NIXL gets exactly the runs. Costs a few tens of
   ns per run plus ~10 us per request (measured, docs/performance.md "Fewest descriptors").
 * ``"prepped"``: the per-block ids into the prepared dlists, reordered into run order; NIXL
-  merges consecutive descriptors that abut on both sides (``make_prepped_xfer``'s merge), so
-  the same runs reach UCX, for the cost of posting every block id.
-* ``"auto"`` (default): dynamic when the runs are at most :data:`AUTO_DYNAMIC_FRACTION` of
-  the per-block descriptors, else prepped in run order (scattered tables: nothing to gain
-  from new lists, and the run search is the only extra work).
+  merges neighbours whose ids are consecutive and whose bytes abut on both sides
+  (``make_prepped_xfer``'s merge, measured), so runs inside one region (consecutive blocks,
+  up or down) reach UCX as one descriptor, for the cost of posting every block id; a run
+  across regions (a block's adjacent layer slots, K next to V) is not merged that way.
+* ``"auto"`` (default): prepped in run order only when that loses nothing (every run joins
+  consecutive ids: ``Runs.index_breaks == 0``) and the runs are more than
+  :data:`AUTO_DYNAMIC_FRACTION` of the per-block descriptors (scattered tables: new lists
+  would cost more than the prepped ids, and the run search is the only extra work); else
+  dynamic.
 * ``"blocks"``: per-block ids in plan order, vLLM 0.32's scheme (NIXL then merges only
   ascending neighbours); the benchmarks' baseline.
 
@@ -88,7 +92,8 @@ def create_xfer(agent: Any, op: str, posting: str, peer: str, *, local_dlist: An
     runs = find_runs(local_table, local_ids, remote_table, remote_ids,
                      order=posting != "dynamic")
     m = runs.num_runs
-    if posting == "dynamic" or (posting == "auto" and m <= AUTO_DYNAMIC_FRACTION * n):
+    if posting == "dynamic" or (posting == "auto" and (runs.index_breaks
+                                                       or m <= AUTO_DYNAMIC_FRACTION * n)):
         h = agent.initialize_xfer(op, agent.get_xfer_descs(runs.local, local_mem),
                                   agent.get_xfer_descs(runs.remote, remote_mem), peer,
                                   notif_msg)
