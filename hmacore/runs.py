@@ -78,14 +78,17 @@ def desc_table(rows: Any, ranges: Sequence[tuple[int, int, int]] | None = None) 
         if a.shape[0]:
             raise LayoutError("rows given but no registered range")
         return DescTable(a)
+    if any(x < 0 or n <= 0 or x + n > 2**64 or not 0 <= d <= 0xFFFFFFFF for x, n, d in rg):
+        raise LayoutError("ranges must be (addr >= 0, bytes > 0, uint32 dev) below 2**64")
     starts = np.array([x for x, _, _ in rg], dtype=np.uint64)
-    ends = np.array([x + n for x, n, _ in rg], dtype=object)
+    # the end of the last range may be 2**64 itself: compare len against room instead
+    room = np.array([n for _, n, _ in rg], dtype=np.uint64)
     devs = np.array([d for _, _, d in rg], dtype=np.uint64)
     dom = np.searchsorted(starts, a[:, 0], side="right").astype(np.int64) - 1
-    ok = dom >= 0
-    idx = np.where(ok, dom, 0)
-    end_ok = (a[:, 0].astype(object) + a[:, 1].astype(object)) <= ends[idx]
-    bad = np.flatnonzero(~(ok & end_ok.astype(bool) & (devs[idx] == a[:, 2])))
+    idx = np.maximum(dom, 0)
+    off = a[:, 0] - starts[idx]                    # meaningful where dom >= 0
+    fits = (dom >= 0) & (off < room[idx]) & (a[:, 1] <= room[idx] - np.minimum(off, room[idx]))
+    bad = np.flatnonzero(~(fits & (devs[idx] == a[:, 2])))
     if bad.size:
         i = int(bad[0])
         raise LayoutError(f"descriptor {i} {tuple(int(v) for v in a[i])} lies outside every "
@@ -98,14 +101,18 @@ def span_ranges(rows: Any) -> list[tuple[int, int, int]]:
     spans merged, as :meth:`TransferPlan.registration_ranges` registers them): the run
     barriers of a peer's dlist when only its rows are known."""
     a = np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
-    out: list[list[int]] = []
-    for addr, n, dev in sorted(zip(a[:, 0].tolist(), a[:, 1].tolist(), a[:, 2].tolist()),
-                               key=lambda r: (r[2], r[0])):
-        if out and out[-1][2] == dev and addr <= out[-1][0] + out[-1][1]:
-            out[-1][1] = max(out[-1][1], addr + n - out[-1][0])
-        else:
-            out.append([addr, n, dev])
-    return [(x, n, d) for x, n, d in out]
+    out: list[tuple[int, int, int]] = []
+    for dev in np.unique(a[:, 2]).tolist():
+        sel = a[a[:, 2] == dev]
+        sel = sel[np.argsort(sel[:, 0], kind="stable")]
+        start, end = sel[:, 0], sel[:, 0] + sel[:, 1]
+        reach = np.maximum.accumulate(end)
+        # a new range wherever a row starts past everything before it
+        first = np.flatnonzero(np.r_[True, start[1:] > reach[:-1]])
+        last = np.r_[first[1:], len(sel)] - 1
+        out += [(int(start[f]), int(reach[k]) - int(start[f]), int(dev))
+                for f, k in zip(first.tolist(), last.tolist())]
+    return out
 
 
 def plan_table(plan: TransferPlan) -> DescTable:

@@ -31,7 +31,7 @@ if [ "$MODE" = short ]; then
   TESTS="tests/reliability/test_sanitizer_canary.py tests/reliability/test_fuzz_tables.py
          tests/reliability/test_fuzz_windows.py tests/reliability/test_fuzz_plan_hits.py
          tests/reliability/test_stateful_invariants.py tests/reliability/test_threads.py
-         tests/reliability/test_fuzz_replay.py
+         tests/reliability/test_fuzz_replay.py tests/test_runs.py
          tests/test_safety_memory.py tests/test_safety_hardening.py tests/test_safety_objects.py"
 else
   export HMACORE_REL_EXAMPLES=${HMACORE_REL_EXAMPLES:-300} HMACORE_EXAMPLES=${HMACORE_EXAMPLES:-300}
@@ -42,7 +42,7 @@ else
          tests/test_windows_props.py tests/test_plan.py tests/test_plan_badinput.py
          tests/test_plan_props.py tests/test_hits.py tests/test_hits_set.py
          tests/test_hits_oracle.py tests/test_keys.py tests/test_store_embedded.py
-         tests/reliability/test_fuzz_replay.py
+         tests/reliability/test_fuzz_replay.py tests/test_runs.py
          tests/test_safety_memory.py tests/test_safety_hardening.py tests/test_safety_objects.py"
 fi
 start=$(date +%s)

@@ -2,6 +2,7 @@
 per-block plan, byte for byte on real memory, on block-major / layer-major / K-V split pages,
 ascending, descending and scattered tables; bad input refused."""
 import ctypes
+import os
 import pickle
 
 import numpy as np
@@ -116,7 +117,8 @@ def _ids(draw, kind, num_blocks, n):
     return out[:n]
 
 
-@settings(max_examples=60, deadline=None)
+# each example allocates and copies a few hundred KiB: at most 300 even under CI's 2000
+@settings(max_examples=min(300, int(os.environ.get("HMACORE_EXAMPLES", "2000"))), deadline=None)
 @given(data=st.data(), arrangement=st.sampled_from(["layer", "block", "kv"]),
        groups=st.sampled_from([(GroupKind.FULL,), (GroupKind.FULL, GroupKind.SLIDING_WINDOW)]),
        local_kind=tables, remote_kind=tables)
@@ -249,3 +251,13 @@ def test_buffer_runs_never_span_two_registered_buffers():
     assert buffer_runs(parts, [(100, 20), (120, 100)]) == \
         [[(100, 20), (120, 10)], [(500, 4), (504, 4)]]
     assert buffer_runs(parts, [(100, 1000)]) == [[(100, 30)], [(500, 8)]]
+
+
+def test_span_ranges_merge_touching_rows_per_device():
+    from hmacore.runs import span_ranges
+    rows = [(100, 10, 0), (110, 10, 0), (130, 5, 0), (120, 10, 1), (50, 60, 0)]
+    assert span_ranges(rows) == [(50, 70, 0), (130, 5, 0), (120, 10, 1)]
+    layout = _layout(layers=3)
+    _, kv = _memory(layout, 16, 64, "layer")
+    plan = TransferPlan.from_kv_caches(layout, kv, num_blocks=16)
+    assert span_ranges(plan.descriptors()) == plan.registration_ranges()

@@ -5,6 +5,8 @@ from typing_extensions import disjoint_base
 import numpy as np
 import numpy.typing as npt
 
+DEV_MAX: int
+
 @disjoint_base
 class DescTable:
     @property

@@ -272,7 +272,7 @@ class MooncakeStore:
             raise StoreError(f"parts has {len(parts)} entries for {len(keys)} keys")
         # adjacent buffers of a key (a block's adjacent layer slots) as one buffer, never
         # across two registered buffers: the value's bytes and order are unchanged
-        runs = buffer_runs(parts, self._registered.items())
+        runs = buffer_runs(parts, list(self._registered.items()))
         ptrs = [[a for a, _ in p] for p in runs]
         sizes = [[s for _, s in p] for p in runs]
         self.buffers["given"] += sum(len(p) for p in parts)
