@@ -19,7 +19,7 @@ any unchecked access; raw pointers only go into arrays this module holds a refer
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, free, realloc
 
 from hmacore.errors import BlockTableError, LayoutError
 
@@ -174,11 +174,14 @@ cdef struct Piece:
 
 
 cdef int64_t _pieces(const idx_t* lids, const idx_t* rids, Py_ssize_t n,
-                     const Table* L, const Table* R, Piece* out, int64_t* bad,
-                     int64_t* breaks) noexcept nogil:
-    """Pass 1: cut the pairs into pieces; returns the piece count, or -1 with ``bad[0]`` the
-    first pair whose local and remote lengths differ. ``breaks`` counts the steps inside a
-    piece whose descriptor ids are not consecutive on both sides."""
+                     const Table* L, const Table* R, Piece** outp, int64_t* cap,
+                     int64_t* bad, int64_t* breaks) noexcept nogil:
+    """Pass 1: cut the pairs into pieces (``outp[0]``, ``cap[0]`` entries, grown by doubling:
+    fresh tables make few pieces); returns the piece count, -1 with ``bad[0]`` the first
+    pair whose local and remote lengths differ, or -2 (no memory). ``breaks`` counts the
+    steps inside a piece whose descriptor ids are not consecutive on both sides."""
+    cdef Piece* out = outp[0]
+    cdef Piece* grown
     cdef Py_ssize_t k = 0, P = 0, ls = 0, rs = 0
     cdef uint64_t la, ra, ln, rn, lo, ro, tot
     cdef int64_t lk, rk
@@ -196,6 +199,12 @@ cdef int64_t _pieces(const idx_t* lids, const idx_t* rids, Py_ssize_t n,
         ro = R.base[rs] + <uint64_t>(rids[k] - R.start[rs]) * R.step[rs]
         lk = L.kind[ls]
         rk = R.kind[rs]
+        if P == cap[0]:
+            grown = <Piece*>realloc(out, 2 * cap[0] * sizeof(Piece))
+            if grown == NULL:
+                return -2
+            out = outp[0] = grown
+            cap[0] *= 2
         p = &out[P]
         p.first = k
         p.count = 1
@@ -371,20 +380,23 @@ def coalesce(DescTable local, local_ids, DescTable remote, remote_ids, *, bint o
     if li.dtype != ri.dtype:
         li = li.astype(np.int64)
         ri = ri.astype(np.int64)
-    cdef int64_t P = 0, bad = -1, M = 0, i, breaks = 0
+    cdef int64_t P = 0, bad = -1, M = 0, i, breaks = 0, cap = 0
     cdef Piece* pc = NULL
     cdef cnp.ndarray lrows, rrows, ordr
     cdef int rc = 0
     if n:
-        pc = <Piece*>malloc(n * sizeof(Piece))
+        cap = min(n, 256)
+        pc = <Piece*>malloc(cap * sizeof(Piece))
         if pc == NULL:
             raise MemoryError()
     try:
         if n:
             if li.dtype == np.int32:
-                P = _pieces_i32(li, ri, n, local, remote, pc, &bad, &breaks)
+                P = _pieces_i32(li, ri, n, local, remote, &pc, &cap, &bad, &breaks)
             else:
-                P = _pieces_i64(li, ri, n, local, remote, pc, &bad, &breaks)
+                P = _pieces_i64(li, ri, n, local, remote, &pc, &cap, &bad, &breaks)
+            if P == -2:
+                raise MemoryError()
             if P < 0:
                 raise BlockTableError(f"descriptor pair {bad}: local descriptor {int(li[bad])} "
                                       f"and remote descriptor {int(ri[bad])} differ in length")
@@ -410,24 +422,26 @@ def coalesce(DescTable local, local_ids, DescTable remote, remote_ids, *, bint o
 
 
 cdef int64_t _pieces_i32(cnp.ndarray li, cnp.ndarray ri, Py_ssize_t n, DescTable L,
-                         DescTable R, Piece* out, int64_t* bad, int64_t* breaks):
+                         DescTable R, Piece** out, int64_t* cap, int64_t* bad,
+                         int64_t* breaks):
     cdef int64_t P
     cdef Table lt = L.table(), rt = R.table()
     cdef const int32_t* lp = <const int32_t*>cnp.PyArray_DATA(li)
     cdef const int32_t* rp = <const int32_t*>cnp.PyArray_DATA(ri)
     with nogil:         # li / ri / L / R are referenced by the caller for the whole call
-        P = _pieces(lp, rp, n, &lt, &rt, out, bad, breaks)
+        P = _pieces(lp, rp, n, &lt, &rt, out, cap, bad, breaks)
     return P
 
 
 cdef int64_t _pieces_i64(cnp.ndarray li, cnp.ndarray ri, Py_ssize_t n, DescTable L,
-                         DescTable R, Piece* out, int64_t* bad, int64_t* breaks):
+                         DescTable R, Piece** out, int64_t* cap, int64_t* bad,
+                         int64_t* breaks):
     cdef int64_t P
     cdef Table lt = L.table(), rt = R.table()
     cdef const int64_t* lp = <const int64_t*>cnp.PyArray_DATA(li)
     cdef const int64_t* rp = <const int64_t*>cnp.PyArray_DATA(ri)
     with nogil:
-        P = _pieces(lp, rp, n, &lt, &rt, out, bad, breaks)
+        P = _pieces(lp, rp, n, &lt, &rt, out, cap, bad, breaks)
     return P
 
 
