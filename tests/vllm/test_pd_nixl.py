@@ -295,6 +295,8 @@ def test_connector_stats_count_what_moved():
         w = D.w.get_kv_connector_stats().data
         assert w["transfers"] == 1 and w["loads"] == 1 and w["transfer_bytes"] > 0
         assert w["transfer_descriptors"] > 0 and w["transfer_seconds"] > 0
+        # posted as maximal runs: never more descriptors than one per block per layer slot
+        assert 0 < w["transfer_descriptors"] <= w["transfer_block_descriptors"]
         assert set(w["blocks_moved"]) == {"0", "1"} and all(w["blocks_moved"].values())
         assert D.w.get_kv_connector_stats() is None          # taken: nothing new since
         assert seen, "vLLM's Scheduler never got P's stats"
