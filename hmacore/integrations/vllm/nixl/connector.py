@@ -108,6 +108,19 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                              "request_finished_all_groups")
         return self._sched().request_finished(request, (list(block_ids),))
 
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        from ....transport.cpus import claim_pinned_cpus
+        shared = claim_pinned_cpus()
+        if shared:
+            _logger.warning(
+                "HmaNixlConnector: this worker is pinned to CPUs %s, which another pinned "
+                "process on this host already uses (pids %s, e.g. another engine); its "
+                "busy-waiting starves this engine's transfer progress (over a network "
+                "transport a READ can stall until one engine goes idle). Give each engine its "
+                "own cores with VLLM_CPU_OMP_THREADS_BIND (docs/vllm.md, 'Several engines on "
+                "one host')", sorted(shared), sorted(set(shared.values())))
+
     def has_pending_block_frees(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
