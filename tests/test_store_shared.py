@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -94,10 +95,10 @@ def _child_writer(name, cap, page, n, size, to_parent, from_parent):
     to_parent.put(("closed", st.close()))
 
 
-def _child_hold(name, cap, page, to_parent, busy):
+def _child_hold(name, cap, page, to_parent, busy, sentinel=False):
     """Open the store, put one key, then (busy) enter a change and stop there; wait to be
-    killed."""
-    st = SharedStore(name, cap, page)
+    killed. Without a sentinel (as if it was killed too) the files outlive the process."""
+    st = SharedStore(name, cap, page, sentinel=sentinel)
     v = _value(0, 100)
     st.register(v.ctypes.data, v.nbytes)
     st.batch_put([_key(0, b"\x22" * 32)], [[(v.ctypes.data, 100)]])
@@ -109,9 +110,18 @@ def _child_hold(name, cap, page, to_parent, busy):
 
 
 def _child_segment(name, to_parent):
-    Segment(name, 4096, lambda buf: buf.write(b"made"), lambda buf: None, SHM)
+    Segment(name, 4096, lambda buf: buf.write(b"made"), lambda buf: None, SHM, sentinel=False)
     to_parent.put(("ready", os.getpid()))
     signal.pause()
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in _descendants(k)]
 
 
 def _spawn(target, *args):
@@ -387,6 +397,32 @@ def test_a_process_killed_mid_change_empties_the_store_for_the_others():
         assert st.batch_put(["mine"], [[(v.ctypes.data, 100)]]) == [OK]   # usable again
     finally:
         st.close()
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "mid-change"])
+def test_the_sentinel_removes_the_segment_when_every_user_is_killed(busy):
+    """vLLM may SIGKILL its engine core and workers at shut-down: no close runs. The
+    creator's sentinel (own session) sees the last LOCK_SH go and removes the files."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    name = _name()
+    child = _spawn(_child_hold, name, 1 << 16, 1024, q, busy, True)
+    try:
+        assert q.get(timeout=TIMEOUT)[0] == "ready"
+        if not busy:            # (busy: the child holds the mutex; nobody else gets in)
+            other = SharedStore(name, 1 << 16, 1024)    # a second user, closed cleanly
+            assert not other.created and _files(name) == [True] * 3
+            assert other.close() is False
+        assert _files(name) == [True] * 3
+        for pid in _descendants(child.pid) + [child.pid]:   # vLLM kills the whole tree
+            os.kill(pid, signal.SIGKILL)
+        child.join(TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while any(_files(name)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _files(name) == [False] * 3
+    finally:
+        _stop(child)
 
 
 def test_segments_of_killed_engines_are_swept_when_another_opens():

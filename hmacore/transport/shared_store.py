@@ -172,13 +172,16 @@ class SharedStore:
         capacity_bytes: bytes of value pages (all reserved in the tmpfs at creation).
         page_bytes: the page size; a value of L bytes takes ``max(1, ceil(L / page))`` pages.
         directory: the tmpfs directory.
+        sentinel: the creator starts a sentinel process that removes the segment once all
+            its processes are gone, even killed ones (:mod:`._shm_sentinel`); without it a
+            segment of killed processes waits for the next open's sweep.
 
     Raises StoreError if the segment cannot be reserved, or exists with another capacity or
     page size; HashInputError for bad arguments.
     """
 
     def __init__(self, name: str, capacity_bytes: int, page_bytes: int = DEFAULT_PAGE_BYTES,
-                 *, directory: str = "/dev/shm") -> None:
+                 *, directory: str = "/dev/shm", sentinel: bool = True) -> None:
         cap = _int_arg(capacity_bytes, "capacity_bytes", 1)
         page = _int_arg(page_bytes, "page_bytes", MIN_PAGE_BYTES)
         if page % 64:
@@ -201,7 +204,7 @@ class SharedStore:
         # segments of killed engines (this name's too: it is then made afresh)
         self._swept_own = SEGMENT_PREFIX + name in sweep_stale(directory, SEGMENT_PREFIX)
         self._seg = Segment(SEGMENT_PREFIX + name, self._off["total"], self._init_segment,
-                            self._check_segment, directory)
+                            self._check_segment, directory, sentinel=sentinel)
         self._views()
         _OPEN.add(self)
 

@@ -8,6 +8,8 @@ Files, all under ``directory`` (default ``/dev/shm``, a tmpfs):
 * ``<name>.lock``: the mutex. ``flock(LOCK_EX)`` around every access; the kernel drops it
   when its holder dies, so a crashed process never leaves it held. flock locks belong to an
   open file description, so a thread lock is taken first (threads of one process share it).
+* a sentinel process (:mod:`._shm_sentinel`), started by the creator, that removes the files
+  once every user is gone, even when all of them were killed.
 * ``<name>.users``: liveness. Every attached process holds ``flock(LOCK_SH)`` on it for as
   long as it is attached. Whoever gets ``LOCK_EX`` on it (non-blocking) knows nobody is
   attached: at open, the data is new or left by crashed users (it is re-initialised); at
@@ -28,6 +30,8 @@ import fcntl
 import mmap
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -108,7 +112,8 @@ class Segment:
     """
 
     def __init__(self, name: str, size: int, init: Callable[[mmap.mmap], None],
-                 check: Callable[[mmap.mmap], None], directory: str = "/dev/shm") -> None:
+                 check: Callable[[mmap.mmap], None], directory: str = "/dev/shm", *,
+                 sentinel: bool = True) -> None:
         if not valid_segment_name(name):
             raise StoreError(f"segment name {name!r} must be 1-200 characters of letters, "
                              "digits, '.', '_', '-' (not starting with '.', '_' or '-')")
@@ -121,6 +126,8 @@ class Segment:
         self._fds: tuple[int, int, int] | None = None     # data, lock, users
         self.created = self.reclaimed = False
         self.pid = os.getpid()
+        self._want_sentinel = bool(sentinel)
+        self.sentinel_pid: int | None = None
         self._open()
 
     # -- lifetime -------------------------------------------------------------------------
@@ -135,11 +142,29 @@ class Segment:
                     continue
                 self._attach(lock_fd)
                 fcntl.flock(lock_fd, fcntl.LOCK_UN)
+                if self.created and self._want_sentinel:
+                    self._start_sentinel()
                 return
             except BaseException:
                 os.close(lock_fd)      # closing drops the mutex (and nothing else of ours)
                 raise
         raise StoreError(f"segment {self.name}: could not open it (removed 100 times meanwhile)")
+
+    def _start_sentinel(self) -> None:
+        """The creator starts the process that removes the files once every user is gone,
+        however the users end (:mod:`._shm_sentinel`). It is detached (a double fork): vLLM
+        kills every descendant of its engine core at shut-down, a sentinel among them would
+        die with the users it watches. ``sentinel_pid`` is its PID (None if it did not
+        start: segments of killed users are then swept at the next open)."""
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shm_sentinel.py")
+        try:
+            out = subprocess.run([sys.executable, "-I", "-S", script, self.directory, self.name],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, close_fds=True, timeout=60,
+                                 check=True).stdout
+            self.sentinel_pid = int(out.split()[0])
+        except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+            self.sentinel_pid = None
 
     def _attach(self, lock_fd: int) -> None:
         """Mutex held: create / reclaim or attach, then hold LOCK_SH on the users file."""
@@ -172,8 +197,8 @@ class Segment:
                     raise StoreError(f"segment {self.name} has users but no data")
                 self.buf = mmap.mmap(data_fd, size)
                 self._check(self.buf)
-                if not _try_flock(users_fd, fcntl.LOCK_SH):
-                    raise StoreError(f"segment {self.name}: cannot join its users")
+                # the sentinel may hold LOCK_EX for an instant (it never waits while it does)
+                _flock_bounded(users_fd, fcntl.LOCK_SH, f"segment {self.name} users")
         except BaseException:
             self._release_map(True)
             if alone:              # nobody else uses it: a failed creation leaves no files
