@@ -109,6 +109,33 @@ def _child_hold(name, cap, page, to_parent, busy, sentinel=False):
     signal.pause()
 
 
+def _child_churn(name, cap, page, seed, n, to_parent):
+    """Put n keys (values of 1-3 pages) and read some back, racing the other child."""
+    st = SharedStore(name, cap, page)
+    rng = np.random.default_rng(seed)
+    vals = [_value(seed * 10_000 + i, int(rng.integers(1, 3 * page))) for i in range(n)]
+    for v in vals:
+        st.register(v.ctypes.data, v.nbytes)
+    out = np.zeros(3 * page, np.uint8)
+    st.register(out.ctypes.data, out.nbytes)
+    digests = _digests(n, seed)
+    bad = 0
+    for i, (d, v) in enumerate(zip(digests, vals)):
+        assert st.batch_put([_key(seed, d)], [[(v.ctypes.data, v.nbytes)]]) == [OK]
+        j = int(rng.integers(0, i + 1))
+        got = st.batch_get([_key(seed, digests[j])], [[(out.ctypes.data, vals[j].nbytes)]])
+        if got[0] >= 0 and not np.array_equal(out[:vals[j].nbytes], vals[j]):
+            bad += 1                                        # torn or foreign bytes
+    to_parent.put(("done", bad))
+    st.close()
+
+
+def _child_forked_put(st, to_parent):
+    v = _value(7, 300)
+    st.register(v.ctypes.data, v.nbytes)
+    to_parent.put(st.batch_put(["from-fork"], [[(v.ctypes.data, 300)]]))
+
+
 def _child_segment(name, to_parent):
     Segment(name, 4096, lambda buf: buf.write(b"made"), lambda buf: None, SHM, sentinel=False)
     to_parent.put(("ready", os.getpid()))
@@ -177,6 +204,53 @@ def test_two_processes_share_keys_bytes_and_the_digest_index():
         assert _files(name) == [False] * 3
     finally:
         _stop(child)
+
+
+def test_two_processes_racing_puts_and_gets_keep_every_invariant():
+    """Two children put 400 keys each (1-3 pages) into a 64-page store and read random earlier
+    keys back, at once: every byte read is the bytes put; then the pages, the counters, the
+    keys and the mirror agree."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    name, page, n = _name(), 256, 400
+    st = SharedStore(name, 64 * page, page)
+    kids = [_spawn(_child_churn, name, 64 * page, page, seed, n, q) for seed in (1, 2)]
+    try:
+        results = [q.get(timeout=TIMEOUT) for _ in kids]
+        assert results == [("done", 0), ("done", 0)]
+        for k in kids:
+            k.join(TIMEOUT)
+        keys = [_key(seed, d) for seed in (1, 2) for d in _digests(n, seed)]
+        present = st.batch_exists(keys)
+        a = st._a
+        live = a["meta"] != 0
+        assert sum(present) == len(st) == int(live.sum()) and st.evictions > 0
+        assert int(a["npages"][live].sum()) + int(a["hdr"][S.H_FREE_PAGES]) == 64
+        assert int(a["length"][live].sum()) == st.used_bytes
+        es = st.digest_index(NS)
+        assert {(seed, d) for seed in (1, 2) for d in _digests(n, seed) if (seed, d) in es} \
+            == {(k[0], k[1]) for k, p in zip(((seed, d) for seed in (1, 2)
+                                              for d in _digests(n, seed)), present) if p}
+    finally:
+        for k in kids:
+            _stop(k)
+        st.close()
+
+
+def test_a_forked_child_reopens_with_its_own_locks(stores):
+    st = stores()
+    st.digest_index("x")
+    q = mp.get_context("fork").Queue()
+    child = mp.get_context("fork").Process(target=_child_forked_put, args=(st, q), daemon=True)
+    child.start()
+    try:
+        assert q.get(timeout=TIMEOUT) == [OK]
+        child.join(TIMEOUT)
+        assert child.exitcode == 0
+    finally:
+        _stop(child)
+    assert st.batch_exists(["from-fork"]) == [1] and len(st) == 1
+    assert _files(st.name) == [True] * 3          # the child's exit did not remove it
 
 
 # -- eviction and capacity ---------------------------------------------------------------------

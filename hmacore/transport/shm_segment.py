@@ -283,7 +283,7 @@ def sweep_stale(directory: str, prefix: str) -> list[str]:
     """Remove the segments named ``prefix*`` in ``directory`` that no process is attached to
     (their users were killed); returns the names removed. Segments in use, or being opened
     (their mutex is held), are left alone."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
