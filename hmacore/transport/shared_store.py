@@ -582,10 +582,9 @@ class SharedStore:
     def batch_put(self, keys, parts) -> list[int]:
         keys = _check_keys(keys)
         parts = _check_parts(keys, parts)
-        with self._tlock:
-            ok = [all(self._inside(a, s) for a, s in p) for p in parts]
-        with self._locked(mutate=True):
-            return [self._put(k, p) if good else INVALID for k, p, good in zip(keys, parts, ok)]
+        with self._locked(mutate=True):     # (holds the thread lock: regions cannot change)
+            return [self._put(k, p) if all(self._inside(a, s) for a, s in p) else INVALID
+                    for k, p in zip(keys, parts)]
 
     def _put(self, k: str, p) -> int:
         page, hdr = self._geo.page_bytes, self._hdr
@@ -617,10 +616,9 @@ class SharedStore:
     def batch_get(self, keys, parts) -> list[int]:
         keys = _check_keys(keys)
         parts = _check_parts(keys, parts)
-        with self._tlock:
-            ok = [all(self._inside(a, s) for a, s in p) for p in parts]
         with self._locked(mutate=False):
-            return [self._get(k, p, good) for k, p, good in zip(keys, parts, ok)]
+            return [self._get(k, p, all(self._inside(a, s) for a, s in p))
+                    for k, p in zip(keys, parts)]
 
     def _get(self, k: str, p, inside: bool) -> int:
         enc = self._encode(k, create=False)

@@ -8,12 +8,13 @@ Files, all under ``directory`` (default ``/dev/shm``, a tmpfs):
 * ``<name>.lock``: the mutex. ``flock(LOCK_EX)`` around every access; the kernel drops it
   when its holder dies, so a crashed process never leaves it held. flock locks belong to an
   open file description, so a thread lock is taken first (threads of one process share it).
-* a sentinel process (:mod:`._shm_sentinel`), started by the creator, that removes the files
-  once every user is gone, even when all of them were killed.
 * ``<name>.users``: liveness. Every attached process holds ``flock(LOCK_SH)`` on it for as
   long as it is attached. Whoever gets ``LOCK_EX`` on it (non-blocking) knows nobody is
   attached: at open, the data is new or left by crashed users (it is re-initialised); at
   close, it is the last user (it unlinks the three files).
+
+Plus a sentinel process (:mod:`._shm_sentinel`), started detached by the creator, that removes
+the files once every user is gone, even when all of them were killed.
 
 Opening, closing and sweeping run under the mutex, so they never race each other. A waiter
 that gets the mutex of a lock file a last user unlinked meanwhile sees a different inode at the
@@ -163,7 +164,7 @@ class Segment:
                                  stderr=subprocess.DEVNULL, close_fds=True, timeout=60,
                                  check=True).stdout
             self.sentinel_pid = int(out.split()[0])
-        except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        except Exception:   # no interpreter to run, a failed start: the sweep remains
             self.sentinel_pid = None
 
     def _attach(self, lock_fd: int) -> None:

@@ -81,5 +81,6 @@ def test_control_in_process_store_never_hits_across_processes(model, tmp_path):
     ktc = store_config("kv_both", store_scope="process", store_capacity_bytes=64 << 20)
     res = _run_child(model, ktc, prompts, tmp_path / "out.json", tmp_path / "engine.log")
     assert res["backend"] == "mp" and not res["segment_while_running"]
+    assert 'store_scope "process" while vLLM runs the scheduler and the workers' in res["log"]
     assert res["second"]["cached"] == [0] * len(prompts)
     assert res["second"]["tokens"] == res["first"]["tokens"]

@@ -177,6 +177,11 @@ def open_store(extra: dict, vllm_config: Any = None) -> Any:
     if kind == "embedded":
         if store_scope(extra, vllm_config) == "shared":
             return _open_shared(extra, vllm_config)
+        if store_scope({}, vllm_config) == "shared":
+            logger.warning('HmaStoreConnector: store_scope "process" while vLLM runs the '
+                           "scheduler and the workers in different processes: lookups never "
+                           "see the workers' saves (no store hit will happen); use "
+                           'store_scope "auto" or "shared"')
         number(extra, "store_page_bytes", 64, integer=True, minimum=64)   # shared only; checked
         name = "embedded:" + text(extra, "store_name", "default")
         with _LOCK:
