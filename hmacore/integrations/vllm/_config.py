@@ -25,9 +25,9 @@ NIXL_KEYS = frozenset({
 })
 #: every key HmaStoreConnector reads (store selection, Mooncake client, keys, loads)
 STORE_KEYS = frozenset({
-    "store", "store_name", "store_capacity_bytes", "master", "local_hostname", "protocol",
-    "global_segment_size", "local_buffer_size", "connect_timeout_s", "load_async",
-    "model_name", "cache_prefix", "store_namespace",
+    "store", "store_name", "store_capacity_bytes", "store_scope", "store_page_bytes", "master",
+    "local_hostname", "protocol", "global_segment_size", "local_buffer_size",
+    "connect_timeout_s", "load_async", "model_name", "cache_prefix", "store_namespace",
 })
 
 _PREFIX = "kv_connector_extra_config"
