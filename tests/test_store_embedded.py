@@ -294,9 +294,10 @@ def test_digest_index_ignores_foreign_keys_and_mixed_widths():
     st.batch_put(["plain-key"], p)
     st.batch_put(["m@group:x@abcd"], p)              # group not a number
     st.batch_put(["m@group:1@zz"], p)                # not hex
-    assert st.digest_index("m") is None
+    st.batch_put(["m@group:1@" + "ab" * 20], p)      # 20 bytes: no digest width hmacore uses
+    assert st.digest_index("m") is None and len(st) == 4
     st.batch_put(["m@group:1@" + "ab" * 16], p)
     es = st.digest_index("m")
     assert es is not None and (1, bytes.fromhex("ab" * 16)) in es and len(es) == 1
-    st.batch_put(["m@group:1@" + "cd" * 8], p)       # another width: no index any more
+    st.batch_put(["m@group:1@" + "cd" * 32], p)      # another width: no index any more
     assert st.digest_index("m") is None

@@ -30,7 +30,7 @@ from ..spec import GroupKind
 from ..tables import as_block_table
 
 __all__ = ["OK", "NO_SPACE", "INVALID", "NOT_FOUND", "RPC_FAIL", "KVStore", "EmbeddedStore",
-           "GroupSegments", "lookup_hit", "save_blocks", "save_state", "load_blocks",
+           "GroupSegments", "split_key", "lookup_hit", "save_blocks", "save_state", "load_blocks",
            "SaveReport"]
 
 OK = 0
@@ -49,6 +49,23 @@ class KVStore(Protocol):
     def batch_remove(self, keys: Sequence[str]) -> list[int]: ...
     def register(self, addr: int, size: int) -> None: ...
     def unregister(self, addr: int) -> None: ...
+
+
+def split_key(k: str) -> tuple[str, int, bytes] | None:
+    """``(namespace, group, digest)`` of a key of :class:`~hmacore.keys.KeyBuilder`'s form
+    (``<namespace>@group:<g>@<hex digest>``, a 16- or 32-byte digest), else None."""
+    head, sep, hexd = k.rpartition("@")
+    ns, gsep, g = head.rpartition("@group:")
+    if not (sep and gsep and g.isdigit() and len(hexd) in (32, 64)):
+        return None
+    try:
+        digest = bytes.fromhex(hexd)
+    except ValueError:
+        return None
+    group = int(g)
+    if group > MAX_GROUP_ID:
+        return None
+    return ns, group, digest
 
 
 def _check_keys(keys) -> list[str]:
@@ -144,17 +161,10 @@ class EmbeddedStore:
 
     def _indexed(self, k: str, present: bool) -> None:
         """Mirror one key's presence into its namespace's digest index (lock held)."""
-        head, sep, hexd = k.rpartition("@")
-        ns, gsep, g = head.rpartition("@group:")
-        if not (sep and gsep and g.isdigit() and hexd and len(hexd) % 2 == 0):
+        parts = split_key(k)
+        if parts is None:
             return
-        try:
-            digest = bytes.fromhex(hexd)
-        except ValueError:
-            return
-        group = int(g)
-        if group > MAX_GROUP_ID:
-            return
+        ns, group, digest = parts
         if ns not in self._index:
             if not present:
                 return

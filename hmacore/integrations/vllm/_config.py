@@ -8,23 +8,26 @@ instead of being ignored.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 from collections.abc import Mapping
 from typing import Any
 
 from ...errors import ConfigError
 
-__all__ = ["NIXL_KEYS", "STORE_KEYS", "check_keys", "number", "flag", "text"]
+__all__ = ["NIXL_KEYS", "STORE_KEYS", "check_keys", "number", "flag", "text", "side_channel",
+           "is_loopback"]
 
 #: every key HmaNixlConnector reads (pull and push)
 NIXL_KEYS = frozenset({
-    "kv_lease_duration", "side_channel_host", "side_channel_port", "sync_load",
+    "kv_lease_duration", "side_channel_host", "side_channel_listen_host", "side_channel_port",
+    "sync_load",
     "nixl_progress_delay_us", "transfer_mode", "push_register_timeout", "push_recv_timeout",
 })
 #: every key HmaStoreConnector reads (store selection, Mooncake client, keys, loads)
 STORE_KEYS = frozenset({
-    "store", "store_name", "store_capacity_bytes", "master", "local_hostname", "protocol",
-    "global_segment_size", "local_buffer_size", "connect_timeout_s", "load_async",
-    "model_name", "cache_prefix", "store_namespace",
+    "store", "store_name", "store_capacity_bytes", "store_scope", "store_page_bytes", "master",
+    "local_hostname", "protocol", "global_segment_size", "local_buffer_size",
+    "connect_timeout_s", "load_async", "model_name", "cache_prefix", "store_namespace",
 })
 
 _PREFIX = "kv_connector_extra_config"
@@ -98,3 +101,33 @@ def text(extra: Mapping[str, Any], key: str, default: str) -> str:
     if not isinstance(raw, str):
         raise ConfigError(f"{_PREFIX}.{key} must be a string, got {raw!r}")
     return raw
+
+
+_WILDCARDS = frozenset({"0.0.0.0", "::", "*"})
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or ``localhost``: only this host's processes can reach it."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def side_channel(extra: Mapping[str, Any]) -> tuple[str, str]:
+    """(advertised host, listen host) of the handshake side channel.
+
+    ``side_channel_host`` is what this engine tells its peers (in ``kv_transfer_params``), so
+    it must be an address they can reach, never a wildcard; ``side_channel_listen_host`` is
+    where the handshake servers bind (default: the advertised host; ``0.0.0.0`` for every
+    interface, e.g. behind NAT or with several NICs)."""
+    host = text(extra, "side_channel_host", "127.0.0.1")
+    if host in _WILDCARDS:
+        raise ConfigError(
+            f"{_PREFIX}.side_channel_host is the address peers connect to and cannot be the "
+            f"wildcard {host!r}; set it to this host's routable address and "
+            f"side_channel_listen_host to {host!r} to listen on every interface")
+    listen = text(extra, "side_channel_listen_host", host)
+    return host, listen

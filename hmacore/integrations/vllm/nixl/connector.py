@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat as C
+from .._config import is_loopback
 from .._roles import RoleDispatch, require_single_worker
 from ._tp import worker_tp
 from .scheduler import HmaNixlScheduler
@@ -36,7 +37,8 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
 
     ``kv_connector_extra_config``: ``kv_lease_duration`` (seconds P keeps finished blocks for
     D, default 30), ``side_channel_host`` / ``side_channel_port`` (P's address advertised in
-    ``kv_transfer_params``), ``transfer_mode`` (``"pull"`` / ``"push"``),
+    ``kv_transfer_params``), ``side_channel_listen_host`` (where the handshake servers bind,
+    default ``side_channel_host``), ``transfer_mode`` (``"pull"`` / ``"push"``),
     ``nixl_progress_delay_us`` (NIXL progress-thread poll delay, default 1000; 0: NIXL's own
     thread, which spins a core), push mode only: ``push_register_timeout`` (s, P waits for
     D's registration, default 30), ``push_recv_timeout`` (s, D waits for every layer,
@@ -54,9 +56,18 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         self._layout = sched.layout
         if role == C.KVConnectorRole.SCHEDULER:
             self.scheduler = sched
-            _logger.info("HmaNixlConnector (%s, %s) engine %s: %s; side channel %s:%d",
-                         self.transfer_mode, sched.kv_role, sched.engine_id,
-                         C.layout_summary(sched.layout), sched.host, sched.port)
+            _logger.info("HmaNixlConnector (%s, %s) engine %s: %s; side channel %s:%d "
+                         "(listening on %s)", self.transfer_mode, sched.kv_role,
+                         sched.engine_id, C.layout_summary(sched.layout), sched.host,
+                         sched.port, sched.listen_host)
+            if sched.is_producer and is_loopback(sched.host):
+                _logger.warning(
+                    "HmaNixlConnector: this prefill engine advertises the loopback side "
+                    "channel %s:%d, so only decode engines on this host can reach it; for "
+                    "decode engines on other hosts set kv_connector_extra_config."
+                    "side_channel_host to this host's routable address (and "
+                    "side_channel_listen_host to 0.0.0.0 to listen on every interface)",
+                    sched.host, sched.port)
         else:
             # one worker per TP rank in both modes (PP = 1)
             require_single_worker(vllm_config, type(self).__name__
@@ -65,14 +76,15 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
             if push:
                 from .push_worker import HmaPushWorker
                 self.worker = HmaPushWorker(sched.layout, int(kv_cache_config.num_blocks),
-                                            sched.engine_id, sched.host, sched.port,
-                                            recv_timeout=sched.recv_timeout,
+                                            sched.engine_id, sched.listen_host,
+                                            sched.port, recv_timeout=sched.recv_timeout,
                                             lease_s=sched.lease_s, tp=tp,
                                             progress_delay_us=sched.progress_delay_us)
             else:
                 from .worker import HmaNixlWorker  # imports the NIXL driver lazily
                 self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
-                                            sched.engine_id, sched.host, sched.port, tp=tp,
+                                            sched.engine_id, sched.listen_host,
+                                            sched.port, tp=tp,
                                             progress_delay_us=sched.progress_delay_us)
 
     @property
@@ -95,6 +107,19 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                              f"{self._layout.num_groups} groups; use "
                              "request_finished_all_groups")
         return self._sched().request_finished(request, (list(block_ids),))
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        from ....transport.cpus import claim_pinned_cpus
+        shared = claim_pinned_cpus()
+        if shared:
+            _logger.warning(
+                "HmaNixlConnector: this worker is pinned to CPUs %s, which another pinned "
+                "process on this host already uses (pids %s, e.g. another engine); its "
+                "busy-waiting starves this engine's transfer progress (over a network "
+                "transport a READ can stall until one engine goes idle). Give each engine its "
+                "own cores with VLLM_CPU_OMP_THREADS_BIND (docs/vllm.md, 'Several engines on "
+                "one host')", sorted(shared), sorted(set(shared.values())))
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()

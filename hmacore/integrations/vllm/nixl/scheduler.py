@@ -33,7 +33,7 @@ from ....tables import as_block_table, count_hashed, fill_blocks, \
 from ....transport import DEFAULT_PROGRESS_DELAY_US
 from .. import _compat as C
 from .._clip import clip_table
-from .._config import NIXL_KEYS, check_keys, flag, number, text
+from .._config import NIXL_KEYS, check_keys, flag, number, side_channel
 from .._metrics import StatsCounter
 from ..layout import layout_from_kv_cache_config
 from .metadata import HmaNixlConnectorMetadata, RecvRequest, RemotePeer
@@ -51,7 +51,9 @@ class HmaNixlScheduler:
     Args:
         vllm_config: the engine's ``VllmConfig`` (``kv_transfer_config`` must be set).
             ``kv_connector_extra_config`` keys read: ``kv_lease_duration`` (s, default 30),
-            ``side_channel_host`` (default ``"127.0.0.1"``), ``side_channel_port`` (default
+            ``side_channel_host`` (the address peers are told, default ``"127.0.0.1"``),
+            ``side_channel_listen_host`` (where the handshake servers bind, default the
+            advertised host; ``0.0.0.0``: every interface), ``side_channel_port`` (default
             5600 + data-parallel index), ``sync_load`` (bool, default False: D loads
             asynchronously, the request waits in WAITING_FOR_REMOTE_KVS; True: the worker
             must finish the read in ``start_load_kv`` before the forward pass),
@@ -76,7 +78,7 @@ class HmaNixlScheduler:
         self.lease_s = number(extra, "kv_lease_duration", 30.0, positive=True)
         self.heartbeat_s = self.lease_s / 6
         pc = vllm_config.parallel_config
-        self.host = text(extra, "side_channel_host", "127.0.0.1")
+        self.host, self.listen_host = side_channel(extra)
         self.port = number(extra, "side_channel_port",
                            5600 + int(getattr(pc, "data_parallel_index", 0) or 0),
                            integer=True, minimum=1)

@@ -5,8 +5,11 @@ Load it with ``KVTransferConfig(kv_connector="HmaStoreConnector",
 kv_connector_module_path="hmacore.integrations.vllm", kv_role="kv_both",
 kv_connector_extra_config={...})``. Keys of ``kv_connector_extra_config``:
 
-* ``store``: ``"embedded"`` (default; one process-wide in-process store per ``store_name``,
-  ``store_capacity_bytes`` default 1 GiB) or ``"mooncake"`` (``master``: ``"host:port"``,
+* ``store``: ``"embedded"`` (default; ``store_capacity_bytes`` default 1 GiB;
+  ``store_scope``: ``"auto"`` (default) puts it in shared memory when vLLM runs the scheduler
+  and the workers in different processes (its multiprocess engine), ``"process"`` keeps one
+  in-process store per ``store_name``, ``"shared"`` always uses shared memory
+  (``store_page_bytes``, see ``backend``)) or ``"mooncake"`` (``master``: ``"host:port"``,
   optional ``local_hostname``, ``protocol``, ``global_segment_size``, ``local_buffer_size``,
   ``connect_timeout_s``), or a name given to ``backend.register_store``.
 * ``load_async`` (default False): False loads inside ``start_load_kv`` before the forward pass
@@ -29,7 +32,7 @@ from typing import Any
 from .. import _compat as C
 from .._roles import RoleDispatch, require_single_worker
 from .._config import STORE_KEYS, check_keys
-from .backend import open_store
+from .backend import open_store, release_store
 from .scheduler import HmaStoreScheduler, key_builder
 
 __all__ = ["HmaStoreConnector"]
@@ -46,7 +49,7 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         extra = check_keys(ktc.kv_connector_extra_config if ktc is not None else None,
                            STORE_KEYS, type(self).__name__)
         worker = role != C.KVConnectorRole.SCHEDULER
-        store = open_store(extra)
+        store = open_store(extra, vllm_config)
         sched = HmaStoreScheduler(vllm_config, kv_cache_config, store)  # validates the config
         self._layout = sched.layout
         self.store = store
@@ -70,6 +73,16 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]):
         """Single-group path (HMA off, one group): ``(False, None)`` too."""
         return self._sched().request_finished(request, (list(block_ids),))
+
+    def shutdown(self) -> None:
+        """Unregister the worker's memory, then release the store (a shared store's last
+        process removes its segment)."""
+        try:
+            super().shutdown()
+        finally:
+            store, self.store = self.store, None
+            if store is not None:
+                release_store(store)
 
     # -- worker side -----------------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
