@@ -322,8 +322,9 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
                 break
             del self._unclaimed_at[pid]
             self._registered.pop(pid, None)
-            logger.warning("push %s: registration unclaimed for %.1f s; dropped", pid,
-                           self.lease_s)
+            self._aborts.add(pid)     # the workers tell the decode engine, which stops waiting
+            logger.warning("push %s: registration unclaimed for %.1f s; dropped (the decode "
+                           "engine is told the push failed)", pid, self.lease_s)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """P: hold the blocks (True) while a registered push may still be writing from them;
