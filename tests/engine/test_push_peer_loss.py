@@ -15,6 +15,9 @@ decode engine noticed the failure itself instead of sitting out its deadline.
 3. prefill restarted on the same port (a new process, new engine id): both decode engines
    handshake afresh and get every prompt pushed (the ``fail`` engine answers with a single
    engine's tokens, so nothing was recomputed; P's push records are all ok).
+4. prefill replaced while nothing was awaited from it (killed and restarted between two
+   rounds, so no liveness ping saw it go): the first registration NIXL cannot deliver to
+   the old agent makes D handshake afresh and resend it; every prompt is pushed as in 3.
 Afterwards neither decode engine holds a block.
 """
 import os
@@ -26,7 +29,7 @@ import engine_harness as E
 from hmacore.demo.engine_driver import nixl_config
 
 MODULE = "faulty_connector"
-ROUNDS = ["never", "killed", "restarted"]
+ROUNDS = ["never", "killed", "restarted", "replaced"]
 DECODERS = {"d_rec": "recompute", "d_fail": "fail"}
 BOUND_S = 240.0          # each generate; push_recv_timeout is 900 s
 
@@ -106,6 +109,12 @@ def run(loss, rnd: str) -> dict:
         run(loss, "never")
     if rnd == "restarted":
         run(loss, "killed")
+    if rnd == "replaced":
+        run(loss, "restarted")
+        old = loss["started"].pop("second")
+        os.killpg(old.pid, signal.SIGKILL)      # nothing awaited from it: D cannot notice
+        old.proc.wait(60)
+        old.close()
     res: dict = {}
     if rnd == "never":
         _send_decodes(loss, rnd)
@@ -121,7 +130,7 @@ def run(loss, rnd: str) -> dict:
         res["d"] = _decode_results(loss, rnd)
         p.close()
     else:
-        p = _start_prefill(loss, "second")
+        p = _start_prefill(loss, "second" if rnd == "restarted" else "third")
         ids = _send_decodes(loss, rnd)
         res["p"] = _prefill(loss, p, rnd, ids)
         p.send({"cmd": "drain", "timeout": 120})
@@ -162,9 +171,10 @@ def test_prefill_killed_mid_push(loss):
     _check_recovery(loss, "killed", res)
 
 
-def test_prefill_restarted_is_handshaken_afresh(loss):
-    res = run(loss, "restarted")
-    ref = loss["refs"]["loss-restarted"]
+@pytest.mark.parametrize("rnd", ["restarted", "replaced"])
+def test_prefill_restarted_is_handshaken_afresh(loss, rnd):
+    res = run(loss, rnd)
+    ref = loss["refs"][f"loss-{rnd}"]
     for name in DECODERS:
         out = res["d"][name]
         assert out["tokens"] == ref, (name, [E.first_divergence(a, b)

@@ -333,7 +333,8 @@ class HmaPushWorker:
             try:
                 self._hs_done.put((key, self._handshake(*key), None))
             except Exception as e:  # noqa: BLE001 - every failure fails the parked requests
-                self._hs_done.put((key, None, f"{type(e).__name__}: {e}"))
+                err = str(e) if isinstance(e, HandshakeError) else f"{type(e).__name__}: {e}"
+                self._hs_done.put((key, None, err))
 
     def _connect(self, key: tuple[str, int], reg: Any) -> None:
         """Park ``reg`` until the handshake with ``key`` ends (one handshake per address)."""
@@ -375,7 +376,7 @@ class HmaPushWorker:
                     err = f"{type(e).__name__}: {e}"
             for reg in regs:
                 if err is not None:
-                    self._fail_reg(reg, f"handshake with {key[0]}:{key[1]} failed: {err}")
+                    self._fail_reg(reg, err)
                 else:
                     self._send_reg(reg, key, retry=False)
 
