@@ -138,3 +138,36 @@ def test_unpairable_step_gives_up_the_push(monkeypatch):
     finally:
         P.close()
         D.close()
+
+
+def test_a_hanging_handshake_does_not_stall_the_engine(monkeypatch):
+    """P's address accepts connections but never answers (a hung or overloaded host): the
+    handshake waits on its own thread while the engine keeps serving other requests; when
+    the connection fails, the push request fails and is recomputed."""
+    import socket
+
+    from hmacore.integrations.vllm.nixl import push_worker
+
+    monkeypatch.setattr(push_worker, "FIRST_CONTACT_TIMEOUT_S", 120.0)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)                    # connections complete in the backlog; nobody answers
+    D = PH.Engine(GEMMA, extra=SLOW, load_failure_policy="recompute")
+    try:
+        d_params, _ = PH.push_params("hung", silent.getsockname()[1])
+        r = H.make_request("d", _prompt(100), 16, params=d_params, max_tokens=2)
+        D.s.add_request(r)
+        D.step()
+        plain = H.make_request("plain", _prompt(40), 16, max_tokens=2)
+        D.s.add_request(plain)
+        PH.step_until(lambda: plain.status == H.RequestStatus.FINISHED_LENGTH_CAPPED, [D],
+                      timeout=60, what="a plain request beside the hung handshake")
+        assert r.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS   # still handshaking
+        silent.close()                  # the pending connection is reset: the handshake fails
+        PH.step_until(lambda: not D.s.requests, [D], timeout=60, what="the push fails")
+        assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        assert any("hung" in e or "127.0.0.1" in e for e in D.w.worker.errors)
+        H.assert_no_leak(D.s)
+    finally:
+        silent.close()
+        D.close()
