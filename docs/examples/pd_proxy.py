@@ -245,6 +245,9 @@ class PDProxy:
                 out = await d_task
             except _LegFailed as e:
                 logger.warning("push %s: %s; decoding without transfer", push_id, e)
+                p_task.cancel()          # its push has no taker any more
+                with contextlib.suppress(BaseException):
+                    await p_task
                 return None
             if not p_task.done():        # let the prefill leg end on its own (1 token)
                 self._background.add(p_task)
