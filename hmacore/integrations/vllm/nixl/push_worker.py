@@ -364,13 +364,15 @@ class HmaPushWorker:
                     live = {n for s in self._sources.values() for n in s.names}
                     names = []
                     for p in got:
-                        if p.agent_name not in live:
-                            # a prefill engine restarted under the same engine id: its old
-                            # agent (if still loaded) makes way for the new metadata
-                            self.agent.remove_remote(p.agent_name)
-                            names.append(self.agent.add_remote(p.agent_metadata))
-                        else:
+                        if p.agent_name in live:
                             names.append(p.agent_name)
+                            continue
+                        if p.agent_name not in self._dpeers:
+                            # a prefill engine restarted under the same engine id: its old
+                            # agent (if still loaded) makes way for the new metadata (an
+                            # engine that is also our push peer keeps its dlist pairs)
+                            self.agent.remove_remote(p.agent_name)
+                        names.append(self.agent.add_remote(p.agent_metadata))
                     self._sources[key] = _Source(ptp, tuple(names), from_ranks)
                 except Exception as e:  # noqa: BLE001 - NIXL refused the peer
                     err = f"{type(e).__name__}: {e}"
@@ -498,7 +500,7 @@ class HmaPushWorker:
         if src is not None:
             live = {n for s in self._sources.values() for n in s.names}
             for name in src.names:
-                if name not in live:
+                if name not in live and name not in self._dpeers:
                     try:
                         self.agent.remove_remote(name)
                     except Exception as e:  # noqa: BLE001 - best effort
