@@ -162,6 +162,20 @@ class DescAgent:
             out.extend((name, bytes(m)) for m in msgs)
         return out
 
+    def remove_remote(self, name: str) -> None:
+        """Forget a peer agent that has no dlist pair (a push decode side's prefill peers,
+        which it only notifies), so a restarted peer of the same name can be added again.
+        TransferError if a pair still uses it; unknown names are ignored."""
+        if any(r == name for r, *_ in self._pairs.values()):
+            raise TransferError(f"remote agent {name!r} still has a prepared dlist pair")
+        if name not in self._remotes:
+            return
+        self._remotes.discard(name)
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception:  # noqa: BLE001 - a dead peer may already be gone from UCX
+            pass
+
     def close(self) -> None:
         """Release dlists, forget remotes, deregister memory (idempotent)."""
         if self._closed:

@@ -5,6 +5,9 @@ Faults (set in the engine process by the runner's ``fault`` command → :func:`s
 * ``{"drop_group": g}``: the decode side does not load group g (its blocks keep stale bytes).
   In push mode (``transfer_mode="push"``) set it on the prefill engine: P does not WRITE
   group g into D's blocks (every layer's notification still goes out, so D completes).
+* ``{"push_layers": n}`` (push mode, on the prefill engine): the prompt's last step WRITEs
+  only its first ``n`` layers (earlier steps push whole), then the push stalls, never
+  finishing nor failing: a prefill engine killed after that dies mid-push.
 * ``{"corrupt_group": g}``: after a load completes, one loaded block of group g (the last one of
   the request's table) is overwritten with noise in every layer of the group.
   (``FaultyStoreConnector`` supports ``corrupt_group`` only.)
@@ -123,3 +126,20 @@ class FaultyNixlConnector(HmaNixlConnector):
             return start_sub(save)
 
         w._start_sub = _start_sub
+        register = w.register_kv_caches
+
+        def _register(kv_caches):
+            plan = register(kv_caches)
+            save_layer = w.pusher.save_layer
+
+            def _save_layer(sub, layer):
+                final = "." not in sub.partition(">")[0]     # final steps: "<tag>><rank>"
+                if FAULT and "push_layers" in FAULT and final \
+                        and w.layers.layers.index(layer) >= int(FAULT["push_layers"]):
+                    return
+                return save_layer(sub, layer)
+
+            w.pusher.save_layer = _save_layer
+            return plan
+
+        w.register_kv_caches = _register

@@ -190,8 +190,8 @@ def test_bad_registration_claims_are_refused(claims, needle):
         hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
         D.s.add_request(H.make_request("d", list(range(1, 41)), hbs, params=d_params,
                                        max_tokens=2))
-        D.step()                                  # handshook with P, registered g1
-        PH.step_until(lambda: "g1" in P.conn.registered(), [P], what="g1 registered")
+        # D handshakes with P (on its handshake thread), then registers g1
+        PH.step_until(lambda: "g1" in P.conn.registered(), [D, P], what="g1 registered")
         reg = PH.registration(D, "d")
         pid = "g1" if claims.get("ids") == "other" else "g2"
         ids = [[b + 1 if b else 0 for b in g] for g in reg.block_ids] \

@@ -240,7 +240,10 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         meta = HmaPushConnectorMetadata(scheduler_clock=now)
         num_sched = scheduler_output.num_scheduled_tokens
         for rid in self._follow_step(scheduler_output):
-            save = self._save_for(rid, int(num_sched.get(rid, 0)))
+            try:
+                save = self._save_for(rid, int(num_sched.get(rid, 0)))
+            except HmacoreError as e:        # e.g. D registered ids P cannot pair
+                save = self._give_up_push(rid, e)
             if save is not None:
                 meta.push_saves[rid] = save
         meta.push_regs, self._regs_pending = self._regs_pending, {}
@@ -272,6 +275,17 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             self.trackers.finish(rid)
         return PushSave(request_id=rid, push_id=pid, step=step, local_block_ids=list(local),
                         remote_block_ids=list(rem), final=end >= total)
+
+    def _give_up_push(self, rid: str, err: Exception) -> None:
+        """A push request whose step cannot be paired: it runs on without push (its blocks
+        are not held for it), and the workers tell the decode engine the push failed."""
+        pid = self._push_reqs[rid][1]
+        logger.warning("push %s of %s: %s; prefilling without push (the decode engine is "
+                       "told the push failed)", pid, rid, err)
+        self._unpushed.add(rid)
+        self._aborts.add(pid)
+        if rid in self.trackers:
+            self.trackers.finish(rid)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the workers' report: D loads finished/failed; P registrations, pushes ended
@@ -322,8 +336,9 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
                 break
             del self._unclaimed_at[pid]
             self._registered.pop(pid, None)
-            logger.warning("push %s: registration unclaimed for %.1f s; dropped", pid,
-                           self.lease_s)
+            self._aborts.add(pid)     # the workers tell the decode engine, which stops waiting
+            logger.warning("push %s: registration unclaimed for %.1f s; dropped (the decode "
+                           "engine is told the push failed)", pid, self.lease_s)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """P: hold the blocks (True) while a registered push may still be writing from them;

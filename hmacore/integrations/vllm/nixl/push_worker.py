@@ -15,6 +15,14 @@ on ``side_channel_host:port + rank`` answers decode ranks.
   ``done`` from every source -> ``finished_recving``; a failure notification, a count
   mismatch, the deadline or a handshake error of any source -> ``finished_recving`` and
   ``failed_recving`` (nothing valid), reported once every source settled.
+  Handshakes run on a background thread (the engine loop never waits for one; registrations
+  to that address are parked meanwhile). While a push is awaited, D pings its prefill engine
+  every :data:`PEER_CHECK_INTERVAL_S` s over NIXL: a dead agent fails every push awaited
+  from it at once and drops the address, so the next registration handshakes afresh (a
+  restarted prefill engine, new engine id or not). A registration NIXL cannot deliver to a
+  known address is retried once after a fresh handshake. A push that failed is cancelled on
+  P (``<push_id>:CANCEL``), so a late P stops writing into blocks D gave back.
+  No hook raises into vLLM: every failure ends the requests it concerns.
 * P: a rank reports a push id (worker metadata, ``registered_by`` = this rank) once every
   *consumer* decode rank (:func:`hmacore.tp.consumer_ranks`; equal TP: the same rank)
   registered; a registration whose rank / TP claim contradicts its sender's handshake, or
@@ -38,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -60,10 +69,16 @@ logger = C.get_logger(__name__)
 #: D's first handshake with a prefill engine: P's side adds D's agent to NIXL while D waits,
 #: which on a loaded host can take several seconds the first time (5 s timed out in CI)
 FIRST_CONTACT_TIMEOUT_S = 30.0
+#: D pings each prefill engine it awaits a push from this often (seconds): NIXL reports a dead
+#: peer's agent at the next send, so a push from a killed prefill fails within about this
+#: interval instead of at push_recv_timeout
+PEER_CHECK_INTERVAL_S = 0.5
 
 __all__ = ["HmaPushWorker"]
 
 _REG = b"REG:"
+_PING = b":PING"         # D -> P liveness probe (no push id); P drops it
+_CANCEL = b"CANCEL"      # D -> P "<push_id>:CANCEL": D gave up on that push (deadline, lost rank)
 
 
 class _Inbox:
@@ -92,6 +107,7 @@ class _Source:
     tp: int
     names: tuple[str, ...]
     from_ranks: tuple[int, ...]
+    checked: float = 0.0           # last liveness ping (time.monotonic())
 
 
 @dataclasses.dataclass
@@ -156,7 +172,12 @@ class HmaPushWorker:
         self._sources: dict[tuple[str, int], _Source] = {}
         self.errors: list[str] = []           # handshake / registration problems (bounded)
         # D side
-        self._expect: dict[str, tuple[str, tuple[str, ...]]] = {}  # push id -> (rid, keys)
+        # push id -> (request id, receiver keys, source address)
+        self._expect: dict[str, tuple[str, tuple[str, ...], tuple[str, int]]] = {}
+        self._connecting: dict[tuple[str, int], list[Any]] = {}   # address -> parked regs
+        self._hs_jobs: queue.Queue = queue.Queue()     # addresses for the handshake thread
+        self._hs_done: queue.Queue = queue.Queue()     # (address, result, error) back
+        self._hs_thread: threading.Thread | None = None
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         self.counters = StatsCounter()        # vLLM's stats / /metrics (_metrics.py)
@@ -264,14 +285,13 @@ class HmaPushWorker:
             except Exception as e:  # noqa: BLE001 - hmacore and NIXL errors: refuse this peer
                 self._error(f"decode peer {name!r} not usable for push: {e}")
 
-    def _source(self, host: str, port: int) -> _Source:
-        """D: handshake with every rank of the prefill engine at ``host:port`` (rank r at
-        ``port + r``; rank 0 tells the TP size) once; HandshakeError on a mode mismatch, a
-        rank at the wrong port, other block sizes or an incompatible layout."""
-        key = (host, int(port))
-        src = self._sources.get(key)
-        if src is not None:
-            return src
+    def _handshake(self, host: str, port: int) -> tuple[int, list[HandshakePayload],
+                                                         tuple[int, ...]]:
+        """D, on the handshake thread (no NIXL call): handshake with every rank of the prefill
+        engine at ``host:port`` (rank r at ``port + r``; rank 0 tells the TP size); its TP
+        size, every rank's payload and the ranks that WRITE into this rank. HandshakeError on
+        a refused / timed-out connection, a mode mismatch, a rank at the wrong port, other
+        block sizes or an incompatible layout."""
         got: list[HandshakePayload] = []
         ptp = 1
         r = 0
@@ -294,71 +314,238 @@ class HmaPushWorker:
             got.append(payload)
             r += 1
         if ptp == self.tp_size:
-            from_ranks: tuple[int, ...] = (self.rank,)
-        else:
-            if self.tp is None:
-                raise HandshakeError(f"prefill engine at {host}:{port} has TP {ptp}; this "
-                                     "worker has no TP description")
-            mapping = TpMapping(self.layout, self.tp.shardings, local_tp=self.tp_size,
-                                local_rank=self.rank, remote_tp=ptp,
-                                page_layout=self.tp.page_layout)
-            from_ranks = tuple(mapping.remote_ranks)
-        names = tuple(self.agent.add_remote(p.agent_metadata) for p in got)
-        src = self._sources[key] = _Source(ptp, names, from_ranks)
-        return src
+            return ptp, got, (self.rank,)
+        if self.tp is None:
+            raise HandshakeError(f"prefill engine at {host}:{port} has TP {ptp}; this "
+                                 "worker has no TP description")
+        mapping = TpMapping(self.layout, self.tp.shardings, local_tp=self.tp_size,
+                            local_rank=self.rank, remote_tp=ptp, page_layout=self.tp.page_layout)
+        return ptp, got, tuple(mapping.remote_ranks)
+
+    def _handshake_loop(self) -> None:
+        """The handshake thread: one prefill address at a time, results to ``_hs_done``. It
+        keeps the engine loop free while a handshake waits (an unreachable host takes up to
+        FIRST_CONTACT_TIMEOUT_S)."""
+        while True:
+            key = self._hs_jobs.get()
+            if key is None:
+                return
+            try:
+                self._hs_done.put((key, self._handshake(*key), None))
+            except Exception as e:  # noqa: BLE001 - every failure fails the parked requests
+                err = str(e) if isinstance(e, HandshakeError) else f"{type(e).__name__}: {e}"
+                self._hs_done.put((key, None, err))
+
+    def _connect(self, key: tuple[str, int], reg: Any) -> None:
+        """Park ``reg`` until the handshake with ``key`` ends (one handshake per address)."""
+        parked = self._connecting.get(key)
+        if parked is not None:
+            parked.append(reg)
+            return
+        self._connecting[key] = [reg]
+        if self._hs_thread is None:
+            self._hs_thread = threading.Thread(target=self._handshake_loop, daemon=True,
+                                               name=f"hmacore-push-handshake-{self.rank}")
+            self._hs_thread.start()
+        self._hs_jobs.put(key)
+
+    def _poll_connects(self) -> None:
+        """D: adopt finished handshakes (NIXL add_remote here, on the engine thread) and send
+        the registrations parked on them; a failed handshake fails them."""
+        while True:
+            try:
+                key, result, err = self._hs_done.get_nowait()
+            except queue.Empty:
+                return
+            regs = self._connecting.pop(key, [])
+            if err is None:
+                try:
+                    ptp, got, from_ranks = result
+                    live = {n for s in self._sources.values() for n in s.names}
+                    names = []
+                    for p in got:
+                        if p.agent_name in live:
+                            names.append(p.agent_name)
+                            continue
+                        if p.agent_name not in self._dpeers:
+                            # a prefill engine restarted under the same engine id: its old
+                            # agent (if still loaded) makes way for the new metadata (an
+                            # engine that is also our push peer keeps its dlist pairs)
+                            self.agent.remove_remote(p.agent_name)
+                        names.append(self.agent.add_remote(p.agent_metadata))
+                    self._sources[key] = _Source(ptp, tuple(names), from_ranks)
+                except Exception as e:  # noqa: BLE001 - NIXL refused the peer
+                    err = f"{type(e).__name__}: {e}"
+            for reg in regs:
+                if err is not None:
+                    self._fail_reg(reg, err)
+                else:
+                    self._send_reg(reg, key, retry=False)
 
     # -- per step ---------------------------------------------------------------------------
     def start_load_kv(self, meta: HmaPushConnectorMetadata) -> None:
-        """D: send registrations and expect pushes. P: aborts, expiries, step preparation."""
+        """D: send registrations and expect pushes. P: aborts, expiries, step preparation.
+        Never raises once registered: a failure ends the request it concerns."""
         if self.agent is None:
             raise RuntimeError("register_kv_caches must run before start_load_kv")
+        self._guard("adopting handshakes", self._poll_connects)
         for reg in getattr(meta, "push_regs", {}).values():
             self._register(reg)
         for pid in getattr(meta, "push_aborts", ()):
-            self._abort(pid, "the prefill request was aborted")
+            self._guard(f"abort of push {pid!r}", self._abort, pid,
+                        "the prefill request was aborted")
         for rid in meta.expired | meta.reqs_not_processed:
             for pid, p in list(self._pushes.items()):
                 if p.request_id == rid:
-                    self._abort(pid, "the prefill lease expired")
+                    self._guard(f"lease end of push {pid!r}", self._abort, pid,
+                                "the prefill lease expired")
                     self._pushes.pop(pid, None)
                     self._regs.pop(pid, None)
                     self._dead.append(pid)
 
-    def _register(self, reg) -> None:
-        """D: register ``reg``'s blocks with every rank of P; expect one push per source rank
-        (``push_tag`` of that rank)."""
-        sent = False
-        keys: tuple[str, ...] = ()
+    def _guard(self, what: str, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)``; an exception is logged and counted, never raised into vLLM's
+        engine loop (the requests concerned settle by their own failure paths)."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a connector hook must not raise
+            self.counters.add("transfer_failures")
+            self._error(f"push worker (rank {self.rank}): {what} failed: "
+                        f"{type(e).__name__}: {e}")
+            logger.debug("traceback", exc_info=True)
+            return None
+
+    def _register(self, reg: Any) -> None:
+        """D: register ``reg``'s blocks with every rank of P (handshaking first if P's address
+        is new, or its agent was lost); expect one push per source rank (``push_tag`` of that
+        rank). Every failure ends the request in failed_recving."""
         try:
             if ":" in reg.push_id or reg.push_id in self._expect:
                 raise HmacoreError(f"push_id {reg.push_id!r} is malformed or already expected")
-            src = self._source(reg.host, reg.port)
-            body = json.dumps({"agent": self.name, "ids": reg.block_ids, "rank": self.rank,
-                               "tp": self.tp_size}).encode()
+            key = (reg.host, int(reg.port))
+        except Exception as e:  # noqa: BLE001
+            self._fail_reg(reg, str(e))
+            return
+        if key in self._sources:
+            self._send_reg(reg, key, retry=True)
+        else:
+            self._connect(key, reg)
+
+    def _send_reg(self, reg: Any, key: tuple[str, int], *, retry: bool) -> None:
+        """Send one registration over the connected source ``key``. If no rank took it (a NIXL
+        error: the agent is gone, e.g. a prefill engine restarted on the same address), the
+        source is dropped and, with ``retry``, handshaken afresh once."""
+        src = self._sources[key]
+        keys: tuple[str, ...] = ()
+        try:
+            msg = reg.push_id.encode() + b":" + _REG + json.dumps(
+                {"agent": self.name, "ids": reg.block_ids, "rank": self.rank,
+                 "tp": self.tp_size}).encode()
             if reg.awaiting:
                 keys = tuple(push_tag(reg.push_id, p, src.tp) for p in src.from_ranks)
                 for k in keys:
                     self.receiver.expect(k, reg.block_ids, timeout_s=self.recv_timeout)
-                self._expect[reg.push_id] = (reg.request_id, keys)
+        except Exception as e:  # noqa: BLE001 - this request's own data: fail it only
+            for k in keys:
+                self.receiver.forget(k)
+            self._fail_reg(reg, f"{type(e).__name__}: {e}")
+            return
+        if keys:
+            self._expect[reg.push_id] = (reg.request_id, keys, key)
+        sent = 0
+        try:
             for name in src.names:
-                self.agent.send_notif(name, reg.push_id.encode() + b":" + _REG + body)
-                sent = True
-        except Exception as e:  # noqa: BLE001 - hmacore and NIXL errors fail this request only
-            self._error(f"push registration of {reg.request_id!r} with {reg.host}:{reg.port} "
-                        f"failed: {e}")
-            if sent:     # some prefill ranks have it: they may WRITE; the deadline settles it
-                return
-            if reg.push_id in self._expect and self._expect[reg.push_id][1] == keys:
-                for k in keys:
-                    self.receiver.forget(k)
-                self._expect.pop(reg.push_id, None)
-            if reg.awaiting:
-                self._recving.add(reg.request_id)
-                self._failed.add(reg.request_id)
+                self.agent.send_notif(name, msg)
+                sent += 1
+            return
+        except Exception as e:  # noqa: BLE001 - NIXL: that prefill agent is unreachable
+            err = f"{type(e).__name__}: {e}"
+        if sent:
+            # some prefill ranks have it and may WRITE: tell them to stop; losing the source
+            # fails this push and every other one awaited from it (one agent of it is gone)
+            self._cancel(reg.push_id, src.names[:sent])
+            self._lose_source(key, f"registration of {reg.request_id!r} not sent: {err}")
+            return
+        for k in keys:
+            self.receiver.forget(k)
+        self._expect.pop(reg.push_id, None)
+        if retry:
+            self._lose_source(key, err)
+            self._connect(key, reg)
+        else:
+            self._fail_reg(reg, f"registration with {key[0]}:{key[1]} not sent: {err}")
+
+    def _fail_reg(self, reg: Any, why: str) -> None:
+        self._error(f"push registration of {reg.request_id!r} with {reg.host}:{reg.port} "
+                    f"failed: {why}")
+        if reg.awaiting:
+            self.counters.add("transfer_failures")
+            self._recving.add(reg.request_id)
+            self._failed.add(reg.request_id)
+
+    def _cancel(self, pid: str, names: Any) -> None:
+        """D gave up on push ``pid`` (deadline, lost rank): P ranks stop pushing it."""
+        for name in names:
+            try:
+                self.agent.send_notif(name, pid.encode() + b":" + _CANCEL)
+            except Exception:  # noqa: BLE001 - best effort: that rank may be gone
+                pass
+
+    def _lose_source(self, key: tuple[str, int], why: str) -> None:
+        """D: the prefill engine at ``key`` is gone (NIXL reports its agent disconnected, or a
+        registration could not reach it): every push awaited from it fails now instead of at
+        its deadline, and the next registration for that address handshakes afresh (a
+        restarted engine, new engine id or not, gets its new agent)."""
+        src = self._sources.pop(key, None)
+        if src is not None:
+            live = {n for s in self._sources.values() for n in s.names}
+            for name in src.names:
+                if name not in live and name not in self._dpeers:
+                    try:
+                        self.agent.remove_remote(name)
+                    except Exception as e:  # noqa: BLE001 - best effort
+                        logger.warning("dropping prefill agent %s: %s", name, e)
+        failed = []
+        for pid, (rid, keys, k) in list(self._expect.items()):
+            if k != key:
+                continue
+            for kk in keys:
+                self.receiver.forget(kk)
+            del self._expect[pid]
+            self._recving.add(rid)
+            self._failed.add(rid)
+            self.counters.add("transfer_failures")
+            failed.append(rid)
+        logger.warning("prefill engine at %s:%d unreachable (%s); %d awaited push(es) failed "
+                       "now, the next registration handshakes afresh", key[0], key[1], why,
+                       len(failed))
+
+    def _check_sources(self) -> None:
+        """D: every PEER_CHECK_INTERVAL_S, ping each prefill engine a push is awaited from
+        (one NIXL notification per rank, which P ignores). NIXL reports a dead peer's agent
+        at the next send (``NIXL_ERR_REMOTE_DISCONNECT``): its pushes fail within about
+        that interval instead of at ``push_recv_timeout``."""
+        now = time.monotonic()
+        for key in {k for _, _, k in self._expect.values()}:
+            src = self._sources.get(key)
+            if src is None or now - src.checked < PEER_CHECK_INTERVAL_S:
+                continue
+            src.checked = now
+            for name in src.names:
+                try:
+                    self.agent.send_notif(name, _PING)
+                except Exception as e:  # noqa: BLE001 - NIXL's disconnect error, mostly
+                    self._lose_source(key, f"NIXL: {type(e).__name__}: {e}")
+                    break
 
     def _route_notifs(self) -> None:
         for m in self.agent.notifs():
+            if m == _PING:
+                continue
             pid, _, body = m.partition(b":")
+            if body == _CANCEL:
+                self._abort(pid.decode(errors="replace"), "the decode side gave up on it")
+                continue
             if body.startswith(_REG):
                 try:
                     doc = json.loads(body[len(_REG):])
@@ -443,16 +630,21 @@ class HmaPushWorker:
             return
         self._accept_peers()
         for save in saves.values():
-            subs = self._start_sub(save)
+            subs = self._guard(f"start of push {save.push_id!r}", self._start_sub, save)
             if subs:
                 self._step_saves.append((save.push_id, subs, save.final))
+            elif subs is None and save.push_id in self._pushes:   # raised: end it failed
+                self._fail_push(save.push_id, self._pushes[save.push_id],
+                                "its step could not start")
 
     def _start_sub(self, save: PushSave) -> list[str]:
         """Start one step of a push: one pusher request per consumer D rank (ids
         ``<sub>><rank>``), all under the notification tag ``sub`` (the prompt's last step:
         :func:`push_tag`, earlier steps ``<tag>.<step>``, which D ignores)."""
         pid = save.push_id
-        if pid in self._dead:
+        if pid in self._dead:          # aborted or cancelled before it started: nothing held
+            if pid not in self._pushes:
+                self._sending.add(save.request_id)
             return []
         p = self._pushes.get(pid)
         if p is None:
@@ -503,7 +695,7 @@ class HmaPushWorker:
         this step (layers the plan does not know are ignored)."""
         if self.pusher is None or meta is None:
             return
-        self._prepare_step(meta)
+        self._guard("step preparation", self._prepare_step, meta)
         if not self._step_saves or layer_name not in self.layers.meta:
             return
         for pid, subs, _ in self._step_saves:
@@ -513,10 +705,10 @@ class HmaPushWorker:
             for sub in subs:
                 try:
                     self.pusher.save_layer(sub, layer_name)
-                except HmacoreError as e:
-                    self._fail_push(pid, p, f"layer {layer_name!r}: {e}")
+                except Exception as e:  # noqa: BLE001 - fail this push, not the engine
+                    self._fail_push(pid, p, f"layer {layer_name!r}: {type(e).__name__}: {e}")
                     break
-        self._progress()
+        self._guard("polling WRITEs", self._progress)
 
     def wait_for_save(self, meta: Any) -> None:
         """Forward pass over: record its end for final steps (overlap figure); poll WRITEs."""
@@ -532,7 +724,8 @@ class HmaPushWorker:
                     if rec["last_write_done"]:
                         rec["write_after_forward_ms"] = (rec["last_write_done"] - now) * 1e3
         self._need_fwd_end.clear()
-        self._progress()
+        if self.pusher is not None:
+            self._guard("polling WRITEs", self._progress)
 
     def _progress(self) -> None:
         self.pusher.progress()
@@ -590,7 +783,10 @@ class HmaPushWorker:
     def _end(self, pid: str, p: _Push) -> None:
         if p.subs:                              # a failure: stop the other steps' WRITEs
             for sub in p.subs:
-                self.pusher.finish(sub)
+                try:
+                    self.pusher.finish(sub)
+                except HmacoreError:            # already released (its lease ended)
+                    pass
             p.subs.clear()
         self._pushes.pop(pid, None)
         self._regs.pop(pid, None)
@@ -613,27 +809,43 @@ class HmaPushWorker:
         (failed if any did not arrive whole)."""
         if self.agent is None:
             return set(), set(), set()
-        self._accept_peers()
-        self._route_notifs()
-        self._progress()
-        self.receiver.poll()
+        # each stage guarded: nothing raises into vLLM, and what one stage settled is kept
+        self._guard("adopting handshakes", self._poll_connects)
+        self._guard("accepting decode peers", self._accept_peers)
+        self._guard("reading notifications", self._route_notifs)
+        self._guard("polling WRITEs", self._progress)
+        self._guard("polling pushes", self.receiver.poll)
+        self._guard("settling pushes", self._settle)
+        if self._expect:
+            self._guard("checking prefill peers", self._check_sources)
         recving, failed = self._recving, self._failed
         self._recving, self._failed = set(), set()
-        for pid, (rid, keys) in list(self._expect.items()):
+        sending, self._sending = self._sending, set()
+        return sending, recving, failed
+
+    def _settle(self) -> None:
+        """D: a request whose pushes from every source rank settled is finished (failed if any
+        did not arrive whole; then its prefill ranks are told to stop, in case they still
+        push after D's deadline)."""
+        for pid, (rid, keys, key) in list(self._expect.items()):
             states = [self.receiver.state(k) for k in keys]
             if PushState.WAITING in states:
                 continue
+            ok = True
             for k, st in zip(keys, states):
                 if st != PushState.READY:
                     self._error(f"push {k!r} into {rid!r} failed: {self.receiver.error(k)}")
-                    failed.add(rid)
-            self.counters.add("transfer_failures" if rid in failed else "loads")
-            recving.add(rid)
+                    ok = False
+            self.counters.add("loads" if ok else "transfer_failures")
+            self._recving.add(rid)
+            if not ok:
+                self._failed.add(rid)
+                src = self._sources.get(key)
+                if src is not None:
+                    self._cancel(pid, src.names)
             for k in keys:
                 self.receiver.forget(k)
             del self._expect[pid]
-        sending, self._sending = self._sending, set()
-        return sending, recving, failed
 
     def build_worker_meta(self) -> HmaPushWorkerMeta | None:
         if not self._new_regs:
@@ -651,4 +863,8 @@ class HmaPushWorker:
         return list(self._stats)
 
     def shutdown(self) -> None:
+        if self._hs_thread is not None:
+            self._hs_jobs.put(None)
+            self._hs_thread.join(timeout=2.0)    # daemon: a handshake in flight is dropped
+            self._hs_thread = None
         close_transport(self)
