@@ -22,24 +22,30 @@ def _cpu_seconds() -> float:
     return t.user + t.system
 
 
-def _idle_cpu(**kw) -> float:
+def _idle_cpu(idle_s: float = IDLE_S, **kw) -> float:
     agent = new_nixl_agent(f"idle-{kw}", ["UCX"], **kw)
     try:
         time.sleep(0.2)                       # let the progress thread start
         c0 = _cpu_seconds()
-        time.sleep(IDLE_S)
+        time.sleep(idle_s)
         return _cpu_seconds() - c0
     finally:
         del agent
 
 
 def test_idle_agent_does_not_spin():
-    ours = _idle_cpu()                                    # default: 1 ms poll delay
-    nixl = _idle_cpu(progress_delay_us=0)                 # NIXL's own: never sleeps
-    none = _idle_cpu(progress_thread=False)
-    print(f"\nidle CPU-seconds over {IDLE_S} s: hmacore {ours:.3f}, NIXL default {nixl:.3f}, "
-          f"no thread {none:.3f}")
-    assert nixl > 0.4 * IDLE_S, "the spinning baseline did not spin: the test cannot tell"
+    # On a loaded machine the spinning baseline gets only a share of a core: measure longer
+    # (bounded) until it has burnt enough CPU to compare against; every window measures all
+    # three settings, so the comparison stays within one window.
+    for idle_s in (IDLE_S, 4 * IDLE_S, 12 * IDLE_S):
+        ours = _idle_cpu(idle_s)                                # default: 1 ms poll delay
+        nixl = _idle_cpu(idle_s, progress_delay_us=0)           # NIXL's own: never sleeps
+        none = _idle_cpu(idle_s, progress_thread=False)
+        print(f"\nidle CPU-seconds over {idle_s} s: hmacore {ours:.3f}, NIXL default "
+              f"{nixl:.3f}, no thread {none:.3f}")
+        if nixl > 0.5:
+            break
+    assert nixl > 0.5, "the spinning baseline did not spin: the test cannot tell"
     assert ours < 0.15 * nixl
 
 
