@@ -41,6 +41,9 @@ def init_tp(tp: int, rank: int, dist_port: int, vc) -> None:
     the KV connector)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
+    # vLLM's CPU worker sets this before init; its CPU communicator reads it (KeyError
+    # otherwise) whenever vllm's compiled ops happen to be loaded in this process already
+    os.environ.setdefault("VLLM_DIST_IDENT", f"hmacore-tp-{dist_port}")
     with set_current_vllm_config(vc):
         ps.init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
                                         distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
