@@ -182,10 +182,12 @@ def proxy(name: str, port: int, logdir: Path, prefill: str, decode: str,
 
 def complete(client, prompt: list[int], *, max_tokens: int = MAX_TOKENS,
              extra: dict | None = None) -> list[int]:
-    """Greedy completion of a token-id prompt through the ``openai`` client; its token ids."""
+    """Greedy completion of a token-id prompt through the ``openai`` client; its token ids
+    (``max_tokens`` of them: EOS does not stop it)."""
     resp = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
                                      temperature=0.0,
-                                     extra_body={"return_token_ids": True, **(extra or {})})
+                                     extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                 **(extra or {})})
     ids = resp.choices[0].model_extra.get("token_ids")
     if not isinstance(ids, list):
         raise ServerError(f"no token_ids in the response: {resp}")

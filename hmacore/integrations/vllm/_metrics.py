@@ -35,6 +35,8 @@ COUNTERS: dict[str, str] = {
     "store_saves": "Store saves scheduled (one per request and step)",
     "store_keys_written": "Store keys written by saves",
     "store_keys_failed": "Store keys a save failed or was refused to write (NO_SPACE included)",
+    "store_evictions": "Store keys the embedded store evicted to make room for this engine's "
+                       "saves",
 }
 #: per-KV-cache-group counter name -> help text
 GROUP_COUNTERS: dict[str, str] = {

@@ -201,12 +201,20 @@ class HmaStoreWorker:
         return rep
 
     def wait_for_save(self, meta: HmaStoreConnectorMetadata) -> None:
+        if not meta.saves:
+            return
+        # the embedded stores count their evictions (the shared one host-wide: what this
+        # engine's saves pushed out, plus any other engine's saving at the same moment);
+        # Mooncake evicts in its master, out of sight here
+        ev0 = getattr(self.store, "evictions", None)
         for rid, sv in meta.saves.items():
             rep = self.last_saves[rid] = self._save(sv)
             self.counters.add("store_keys_written", rep.written)
             self.counters.add("store_keys_failed", rep.failed + len(rep.refused_keys))
             if len(self.last_saves) > self.LOADED_HISTORY:
                 del self.last_saves[next(iter(self.last_saves))]
+        if isinstance(ev0, int):
+            self.counters.add("store_evictions", max(0, int(self.store.evictions) - ev0))
 
     # -- results ----------------------------------------------------------------------------
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
