@@ -19,8 +19,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_product as B  # noqa: E402
 
-SPLIT = ("_follow_step", "_save_for", "_track_full", "_is_push_producer",
-         "_drop_stale_registrations", "_expire_leases", "lookup")
+SPLIT = ("_follow_step", "_follow_entries", "_push_plan", "_save_span", "_track_full",
+         "_is_push_producer", "_drop_stale_registrations", "_expire_leases", "lookup")
+#: the followed requests' TrackerSet calls (push: step_pairs is the step's one C call)
+TRACKER_SPLIT = ("add", "reserve", "step_pairs", "apply_step_lists", "finish")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         return wrapper
 
     conn = e.s.connector
-    for obj, names in ((conn.scheduler, SPLIT), (conn, B.TIMED_HOOKS)):
+    trackers = getattr(conn.scheduler, "trackers", None)
+    for obj, names in ((conn.scheduler, SPLIT), (conn, B.TIMED_HOOKS),
+                       (trackers, TRACKER_SPLIT if trackers is not None else ())):
         for name in names:
             fn = getattr(obj, name, None)
             if callable(fn):
-                setattr(obj, name, timed(fn, name))
+                setattr(obj, name, timed(fn, f"trackers.{name}" if obj is trackers else name))
     for _ in range(a.steps):
         e.step()
     for name, ns in total.most_common():

@@ -782,6 +782,69 @@ class TrackerSet:
                                   f"{len(new_block_ids)} new_block_ids entries")
         self.apply_step_flat(req_ids, ids, offsets)
 
+    def step_pairs(self, req_ids: Sequence[Hashable], new_block_ids: Sequence[Any],
+                   theirs: Sequence[Any], spans: Sequence[tuple[int, int] | None],
+                   block_sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One scheduler step of push-followed requests in one C call: append vLLM's new ids,
+        mark every request RUNNING, and pair each one's positions of the step with the
+        consumer's table (every WRITE pair of a push producer's step).
+
+        ``req_ids``: distinct tracked ids. Per request r: ``new_block_ids[r]`` None or one
+        list of ids per group (vLLM's ``CachedRequestData.new_block_ids`` entry), appended as
+        :meth:`apply_step_lists` does; ``spans[r]`` None (follow only) or ``(start, end)``
+        tokens, then ``theirs[r]`` is the consumer's positional table (any form
+        :func:`as_block_table` accepts; tuples of contiguous int32 arrays pass as they are).
+        The pairs of request r are :func:`pair_block_spans` of its appended table and
+        ``theirs[r]`` over ``spans[r]`` (same rule, same order).
+
+        Returns ``(local, remote, offsets)``: every pair of the step in two int32 arrays
+        (request by request, group by group) and int64 ``offsets`` of ``len(req_ids) * G + 1``
+        entries: request r's group g pairs are ``local[offsets[r*G + g]:offsets[r*G + g + 1]]``
+        (``remote`` likewise). All-or-nothing: an untracked, repeated or PREEMPTED-with-ids
+        request (TrackerStateError), bad ids, spans, sizes or a consumer table with a negative
+        id (BlockTableError naming the argument and the rule) change nothing.
+        """
+        if self._owner != _get_ident():
+            self._claim()
+        if not isinstance(req_ids, (list, tuple)):
+            req_ids = list(req_ids)
+        sizes = block_sizes if isinstance(block_sizes, tuple) else tuple(block_sizes)
+        converted = False
+        while True:
+            try:
+                local, remote, offsets, err = self._store.step_pairs(
+                    req_ids, new_block_ids, theirs, spans, sizes, self._nb, _PREEMPTED, _RUNNING)
+            except TypeError:
+                self._slots_of(req_ids)   # raises the TrackerStateError naming the request
+                raise
+            if err is None:
+                return local, remote, offsets
+            code, detail = err
+            if code == _k.STEP_THEIRS and not converted:
+                # a consumer table in another form: converted (and checked) once, then again
+                theirs = [t if s is None else as_block_table(t, self.num_groups,
+                                                             name=f"theirs[{r}]")
+                          for r, (t, s) in enumerate(zip(theirs, spans))]
+                converted = True
+                continue
+            if code == _k.STEP_UNKNOWN:
+                self._get(req_ids[detail])
+            cls = TrackerStateError if code == _k.STEP_STATE else BlockTableError
+            raise cls(f"step_pairs: {detail}")
+
+    def reserve(self, req_id: Hashable, blocks: Sequence[int]) -> None:
+        """Capacity hint: room for ``blocks[g]`` entries in each group of ``req_id``'s table
+        (e.g. its prompt's positions), so the steps that fill it allocate nothing. The table
+        itself is unchanged."""
+        s = self._get(req_id)
+        if len(blocks) != self.num_groups:
+            raise BlockTableError(f"blocks must have {self.num_groups} entries, got {len(blocks)}")
+        for g, n in enumerate(blocks):
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n < 2**31:
+                raise BlockTableError(f"blocks[{g}] must be an int in [0, 2**31), got {n!r}")
+        for g, n in enumerate(blocks):
+            self._store.reserve(s, g, int(n))
+
     def _slots_of(self, req_ids: Sequence[Hashable]) -> list[int]:
         return [self._get(r) for r in req_ids]
 

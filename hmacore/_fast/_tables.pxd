@@ -36,3 +36,5 @@ cdef class TableStore:
     cdef inline Py_ssize_t _k(self, Py_ssize_t s, int g) except -1
     cdef Py_ssize_t _resolve(self, object req_ids) except -2
     cdef object _spans_array(self, Py_ssize_t R, int G)
+    cdef object _check_batch(self, Py_ssize_t R, const long long* slot, const long long* off,
+                             int preempted_state)

@@ -40,6 +40,7 @@ NUM_MARKS: int
 STEP_UNKNOWN: int
 STEP_TABLE: int
 STEP_STATE: int
+STEP_THEIRS: int
 
 @disjoint_base
 class TableStore:
@@ -70,6 +71,12 @@ class TableStore:
     def step_flat(self, req_ids: list[object] | tuple[object, ...], new_ids: object, offsets: object,
                   num_blocks: int, preempted_state: int, new_state: int, running_state: int
                   ) -> tuple[int, int | str] | None: ...
+    def reserve(self, s: int, g: int, n: int) -> None: ...
+    def step_pairs(self, req_ids: list[object] | tuple[object, ...], new_block_ids: object,
+                   theirs: object, spans: object, block_sizes: object, num_blocks: int,
+                   preempted_state: int, running_state: int
+                   ) -> tuple[npt.NDArray[np.int32] | None, npt.NDArray[np.int32] | None,
+                              npt.NDArray[np.int64] | None, tuple[int, int | str] | None]: ...
     def clip_spans(self, req_ids: list[object] | tuple[object, ...], keep: npt.NDArray[np.int64]
                    ) -> tuple[npt.NDArray[np.int64] | None, int]: ...
 

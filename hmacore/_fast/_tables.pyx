@@ -11,6 +11,7 @@ from cpython.list cimport PyList_Check, PyList_GET_ITEM
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_Check
+from libc.stdlib cimport qsort
 from libc.string cimport memcpy
 
 import numpy as np
@@ -21,7 +22,8 @@ from hmacore._fast._types cimport (block_id_t, flag_t, token_t, BLOCK_ID_NPY, BL
                                    TOKEN_NPY)
 from hmacore._fast._helpers cimport (ID_OK, ID_NOT_INT, ID_NEGATIVE, ID_PAST_INT32,
                                      ID_PAST_POOL, ID_NULL, ID_CHANGED, clip_span,
-                                     first_id_out_of_range, id_bound, is_c1d_signed,
+                                     first_id_out_of_range, id_bound, is_block_id_array,
+                                     is_c1d_signed,
                                      is_list_or_tuple, seq_to_ids)
 
 cnp.import_array()
@@ -45,6 +47,47 @@ if BLOCK_ID_DTYPE.itemsize != sizeof(block_id_t) or TOKEN_DTYPE.itemsize != size
         or FLAG_DTYPE.itemsize != sizeof(flag_t):
     raise ImportError("hmacore._fast: _types.pxd typedefs and NumPy type numbers disagree")
 BLOCK_ID_LIMIT = <long long>BLOCK_ID_MAX + 1     # ids are < 2**31
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define HMACORE_PREFETCH_W(p) __builtin_prefetch((const void *)(p), 1, 3)
+    #else
+    #define HMACORE_PREFETCH_W(p) ((void)(p))
+    #endif
+    """
+    void prefetch_w "HMACORE_PREFETCH_W" (const void* p) noexcept nogil
+
+cdef enum:
+    _READ_AHEAD = 16        # int objects requested ahead of the one being converted
+
+
+cdef int read_ids_ahead(object seq, Py_ssize_t start, Py_ssize_t end, long long lo,
+                        long long hi, bint exact_int, block_id_t* dst,
+                        Py_ssize_t* bad) except -1:
+    """:func:`seq_to_ids` over ``seq[start:end]`` (same checks, results and safety), in
+    chunks of ``_READ_AHEAD`` whose int objects are requested from memory while the chunk
+    before them converts. vLLM's ids are one scattered int object each, usually out of
+    cache when a connector reads them: without the read-ahead every id waits for its own
+    cache miss, with it the misses of a chunk overlap. A prefetch never faults; only slots
+    below the list's current length are read (re-measured per chunk; seq_to_ids re-measures
+    per element)."""
+    cdef Py_ssize_t i = start, j, n, stop
+    cdef int status
+    stop = min(start + _READ_AHEAD, end, PySequence_Fast_GET_SIZE(seq))
+    for j in range(start, stop):
+        prefetch_w(PySequence_Fast_GET_ITEM(seq, j))
+    while i < end:
+        n = min(<Py_ssize_t>_READ_AHEAD, end - i)
+        stop = min(i + n + _READ_AHEAD, end, PySequence_Fast_GET_SIZE(seq))
+        for j in range(i + n, stop):
+            prefetch_w(PySequence_Fast_GET_ITEM(seq, j))
+        status = seq_to_ids(seq, i, i + n, lo, hi, exact_int,
+                            NULL if dst == NULL else dst + (i - start), bad)
+        if status != ID_OK:
+            return status
+        i += n
+    return ID_OK
 
 
 cdef Py_ssize_t first_bad_id(const block_id_t[::1] ids, long long num_blocks) noexcept nogil:
@@ -183,8 +226,8 @@ cdef int _check_int_seq(object seq, long long num_blocks, Py_ssize_t* bad) excep
     (the general path decides)."""
     if not is_list_or_tuple(seq):
         return -1
-    cdef int status = seq_to_ids(seq, 0, PySequence_Fast_GET_SIZE(seq), 0,
-                                 id_bound(num_blocks), True, NULL, bad)
+    cdef int status = read_ids_ahead(seq, 0, PySequence_Fast_GET_SIZE(seq), 0,
+                                     id_bound(num_blocks), True, NULL, bad)
     if status == ID_NOT_INT or status == ID_CHANGED:
         return -1
     return status
@@ -263,6 +306,11 @@ def flatten_step(object new_block_ids, int num_groups):
     The first pass collects the R*G per-group lists into a private list, so the second pass
     (after the allocations, which may run finalizers) never re-reads the caller's outer
     lists; each inner list is re-measured element by element (seq_to_ids)."""
+    return _flatten(new_block_ids, num_groups)
+
+
+cdef tuple _flatten(object new_block_ids, int num_groups):
+    # flatten_step's work (also the first part of TableStore.step_pairs).
     cdef Py_ssize_t R, r, g, m, total = 0, k = 0, bad = -1
     cdef int status
     if not is_list_or_tuple(new_block_ids):
@@ -299,7 +347,8 @@ def flatten_step(object new_block_ids, int num_groups):
             m = PySequence_Fast_GET_SIZE(seq)
             if k + m > total:       # a list grew between the passes
                 return None, None, "new_block_ids changed while being read"
-            status = seq_to_ids(seq, 0, m, 0, BLOCK_ID_LIMIT, True, dst + k, &bad)
+            status = read_ids_ahead(seq, 0, m, 0, <long long>BLOCK_ID_MAX + 1, True, dst + k,
+                                    &bad)
             if status == ID_CHANGED:
                 return None, None, "new_block_ids changed while being read"
             if status != ID_OK:
@@ -331,6 +380,7 @@ NUM_MARKS = _NUM_MARKS
 STEP_UNKNOWN = 1                    # detail: index into req_ids of an untracked request
 STEP_TABLE = 2                      # detail: message (bad new_ids / offsets)
 STEP_STATE = 3                      # detail: message (request in the wrong state)
+STEP_THEIRS = 4                     # detail: index r of a theirs[r] to convert (step_pairs)
 
 _EMPTY_RO = np.empty(0, dtype=BLOCK_ID_DTYPE)
 _EMPTY_RO.flags.writeable = False
@@ -794,6 +844,253 @@ cdef class TableStore:
                 self._state[s] = running_state
         return None
 
+    def reserve(self, Py_ssize_t s, int g, Py_ssize_t n):
+        """Room for at least ``n`` entries in group g of slot s: a capacity hint (the table
+        and every view are unchanged; appends up to ``n`` entries then allocate nothing)."""
+        cdef Py_ssize_t k = self._k(s, g)
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > self._gb[k].cap:
+            self._reserve(k, n)
+
+    def step_pairs(self, object req_ids, object new_block_ids, object theirs, object spans,
+                   object block_sizes, long long num_blocks, int preempted_state,
+                   int running_state):
+        """One scheduler step of the requests a push producer follows, in one call: append
+        each request's new ids, mark it running, and pair the positions of its step's tokens
+        with the consumer's positional table (every WRITE pair of the step).
+
+        ``req_ids``: list/tuple of R distinct tracked ids. ``new_block_ids``: R entries, each
+        None or G lists of exact ints in ``[0, num_blocks)`` (vLLM's ``new_block_ids``),
+        appended to the request's groups. Every request's state then becomes
+        ``running_state`` (a ``preempted_state`` request given new ids is refused: it comes
+        back with its full table). ``spans[r]``: None (follow only) or ``(start, end)``
+        tokens, ``0 <= start <= end``; then ``theirs[r]`` is the consumer's table, G
+        contiguous int32 arrays (ignored when ``spans[r]`` is None). ``block_sizes``: G ints
+        >= 1 (tokens per block of each group).
+
+        Pairing (pair_block_spans' rule): per group g the positions ``start // bs ..
+        cdiv(end, bs) - 1`` of the appended table and of ``theirs[r][g]``, positions past
+        either not paired, a position where either holds the null block 0 skipped.
+
+        Returns ``(local, remote, offsets, None)``: the pairs as two int32 arrays, request by
+        request and group by group, and ``offsets`` (int64, R*G + 1 entries): request r's
+        group g pairs are ``[offsets[r*G + g], offsets[r*G + g + 1])``. Or ``(None, None,
+        None, (code, detail))`` with nothing changed: STEP_UNKNOWN (detail: index of the
+        untracked id), STEP_THEIRS (detail: the r whose ``theirs[r]`` is not G contiguous
+        int32 arrays; the caller converts it), STEP_TABLE / STEP_STATE (detail: a message
+        naming the argument and the rule). An unhashable id raises TypeError.
+
+        All-or-nothing: every input is validated and every allocation made (room for the
+        appends; the outputs, sized by an exact count) before the first write, and a store
+        that changed meanwhile (a finalizer run by an allocation) is refused unchanged.
+        Writes go past each group's length only (views never see them). Terminates: a fixed
+        number of bounded passes over the inputs.
+        """
+        _check_seq(req_ids)
+        cdef Py_ssize_t R = len(req_ids), G = self.num_groups
+        cdef Py_ssize_t r, g, kk, p, lo, hi, m, i, count = 0, o, tl, base, bad
+        cdef long long a, b, bs
+        cdef int overflow = 0
+        cdef block_id_t t, x
+        cdef const block_id_t* tp
+        cdef const block_id_t* cur
+        cdef const block_id_t* idp
+        cdef const long long* off
+        cdef block_id_t* pa
+        cdef block_id_t* pb
+        cdef long long* po
+        cdef cnp.npy_intp dim
+        if not is_list_or_tuple(new_block_ids) or PySequence_Fast_GET_SIZE(new_block_ids) != R:
+            return _step_fail(STEP_TABLE, f"new_block_ids must be a list of {R} entries (one "
+                                          "per req_id)")
+        if not is_list_or_tuple(spans) or PySequence_Fast_GET_SIZE(spans) != R:
+            return _step_fail(STEP_TABLE, f"spans must be a list of {R} entries (one per req_id)")
+        if not is_list_or_tuple(theirs) or PySequence_Fast_GET_SIZE(theirs) != R:
+            return _step_fail(STEP_TABLE, f"theirs must be a list of {R} entries (one per req_id)")
+        if not is_list_or_tuple(block_sizes) or PySequence_Fast_GET_SIZE(block_sizes) != G:
+            return _step_fail(STEP_TABLE, f"block_sizes must be a list of {G} ints >= 1")
+        # private snapshots of the outer sequences (finalizers cannot change what is read)
+        spans, theirs, block_sizes = tuple(spans), list(theirs), tuple(block_sizes)
+        # work: G block sizes, then per request slot / start / end (start -1: no pairing),
+        # then per (request, group) the length before the appends
+        cdef long long* work = <long long*>PyMem_Malloc((G + 3 * R + R * G + 1)
+                                                        * sizeof(long long))
+        if work == NULL:
+            raise MemoryError()
+        cdef long long* bsz = work
+        cdef long long* slot = work + G
+        cdef long long* start = slot + R
+        cdef long long* end = start + R
+        cdef long long* old = end + R
+        try:
+            for g in range(G):
+                v = block_sizes[g]
+                bs = PyLong_AsLongLongAndOverflow(v, &overflow) if PyLong_CheckExact(<PyObject*>v) \
+                    else 0
+                if overflow or bs < 1:
+                    return _step_fail(STEP_TABLE, f"block_sizes[{g}] must be an int >= 1, "
+                                                  f"got {v!r}")
+                bsz[g] = bs
+            for r in range(R):
+                sp = spans[r]
+                start[r] = -1
+                if sp is None:
+                    continue
+                if not is_list_or_tuple(sp) or PySequence_Fast_GET_SIZE(sp) != 2 \
+                        or not PyLong_CheckExact(PySequence_Fast_GET_ITEM(sp, 0)) \
+                        or not PyLong_CheckExact(PySequence_Fast_GET_ITEM(sp, 1)):
+                    return _step_fail(STEP_TABLE, f"spans[{r}] must be None or (start, end) "
+                                                  f"ints, got {sp!r}")
+                a = PyLong_AsLongLongAndOverflow(sp[0], &overflow)
+                if not overflow:
+                    b = PyLong_AsLongLongAndOverflow(sp[1], &overflow)
+                if overflow or a < 0 or b < a:
+                    return _step_fail(STEP_TABLE, f"spans[{r}] = {sp!r}: need 0 <= start <= "
+                                                  "end < 2**63 (tokens)")
+                tt = theirs[r]
+                if not is_list_or_tuple(tt) or PySequence_Fast_GET_SIZE(tt) != G:
+                    return _step_fail(STEP_THEIRS, r)
+                tt = tuple(tt)
+                for g in range(G):
+                    if not is_block_id_array(<object>PySequence_Fast_GET_ITEM(tt, g)):
+                        return _step_fail(STEP_THEIRS, r)
+                theirs[r] = tt
+                start[r] = a
+                end[r] = b
+            ids, offs, msg = _flatten(new_block_ids, <int>G)
+            if msg is not None:
+                return _step_fail(STEP_TABLE, msg)
+            idp = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
+            off = <const long long*>cnp.PyArray_DATA(<cnp.ndarray>offs)
+            m = cnp.PyArray_DIM(<cnp.ndarray>ids, 0)
+            i = first_id_out_of_range(idp, m, 0, id_bound(num_blocks))
+            if i >= 0:
+                if idp[i] < 0:
+                    return _step_fail(STEP_TABLE, f"new ids: block id {idp[i]} is negative")
+                return _step_fail(STEP_TABLE, f"new ids: block id {idp[i]} is >= num_blocks "
+                                              f"({num_blocks})")
+            bad = self._resolve(req_ids)
+            if bad >= 0:
+                return _step_fail(STEP_UNKNOWN, bad)
+            for r in range(R):
+                slot[r] = self._scratch[r]
+            err = self._check_batch(R, slot, off, preempted_state)
+            if err is not None:
+                return None, None, None, err
+            # validate the consumer's tables over the spans and count the pairs
+            for r in range(R):
+                for g in range(G):
+                    kk = slot[r] * G + g
+                    old[r * G + g] = self._gb[kk].len
+                if start[r] < 0:
+                    continue
+                tt = theirs[r]
+                for g in range(G):
+                    kk = slot[r] * G + g
+                    tarr = <object>PySequence_Fast_GET_ITEM(tt, g)
+                    tp = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>tarr)
+                    tl = cnp.PyArray_DIM(<cnp.ndarray>tarr, 0)
+                    base = old[r * G + g]
+                    lo, hi = _span_positions(start[r], end[r], bsz[g],
+                                             base + off[r * G + g + 1] - off[r * G + g], tl)
+                    cur = self._gb[kk].data
+                    for p in range(lo, hi):
+                        t = tp[p]
+                        if t < 0:
+                            return _step_fail(STEP_TABLE, f"theirs[{r}][{g}][{p}]: block id "
+                                                          f"{t} is negative")
+                        x = cur[p] if p < base else idp[off[r * G + g] + p - base]
+                        count += t != 0 and x != 0
+            # every allocation before the first write
+            for r in range(R):
+                for g in range(G):
+                    m = off[r * G + g + 1] - off[r * G + g]
+                    kk = slot[r] * G + g
+                    if m and old[r * G + g] + m > self._gb[kk].cap:
+                        self._reserve(kk, old[r * G + g] + m)
+            dim = count
+            local = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)
+            remote = cnp.PyArray_EMPTY(1, &dim, BLOCK_ID_NPY, 0)
+            dim = R * G + 1
+            offsets = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
+            # an allocation may have run a finalizer that used this store: re-check
+            bad = self._resolve(req_ids)
+            for r in range(R):
+                if bad >= 0 or self._scratch[r] != slot[r]:
+                    return _step_fail(STEP_TABLE, "the tracked requests changed while the "
+                                                  "step was prepared")
+                for g in range(G):
+                    kk = slot[r] * G + g
+                    m = off[r * G + g + 1] - off[r * G + g]
+                    if self._gb[kk].len != old[r * G + g] or self._gb[kk].len + m > \
+                            self._gb[kk].cap or (m and self._state[slot[r]] == preempted_state):
+                        return _step_fail(STEP_TABLE, "the tracked requests changed while the "
+                                                      "step was prepared")
+            # commit: no allocation and no user code from here on
+            for r in range(R):
+                for g in range(G):
+                    kk = slot[r] * G + g
+                    m = off[r * G + g + 1] - off[r * G + g]
+                    if m:
+                        memcpy(self._gb[kk].data + self._gb[kk].len, idp + off[r * G + g],
+                               m * sizeof(block_id_t))
+                        self._gb[kk].len += m
+                self._state[slot[r]] = running_state
+            pa = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>local)
+            pb = <block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>remote)
+            po = <long long*>cnp.PyArray_DATA(<cnp.ndarray>offsets)
+            po[0] = 0
+            o = 0
+            for r in range(R):
+                if start[r] >= 0:
+                    tt = theirs[r]
+                for g in range(G):
+                    if start[r] >= 0:
+                        kk = slot[r] * G + g
+                        tarr = <object>PySequence_Fast_GET_ITEM(tt, g)
+                        tp = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>tarr)
+                        lo, hi = _span_positions(start[r], end[r], bsz[g], self._gb[kk].len,
+                                                 cnp.PyArray_DIM(<cnp.ndarray>tarr, 0))
+                        cur = self._gb[kk].data
+                        for p in range(lo, hi):
+                            if cur[p] != 0 and tp[p] != 0 and o < count:
+                                pa[o] = cur[p]
+                                pb[o] = tp[p]
+                                o += 1
+                    po[r * G + g + 1] = o
+            return local, remote, offsets, None
+        finally:
+            PyMem_Free(work)
+
+    cdef object _check_batch(self, Py_ssize_t R, const long long* slot, const long long* off,
+                             int preempted_state):
+        # step_pairs: distinct slots (an id given twice is refused), no appends to a
+        # PREEMPTED request. None when fine, else (code, message).
+        cdef Py_ssize_t r, q, G = self.num_groups
+        cdef long long* order
+        if R > 1:
+            order = <long long*>PyMem_Malloc(R * sizeof(long long))
+            if order == NULL:
+                raise MemoryError()
+            try:
+                memcpy(order, slot, R * sizeof(long long))
+                qsort(order, R, sizeof(long long), _cmp_ll)
+                for r in range(1, R):
+                    if order[r] == order[r - 1]:
+                        for q in range(R):
+                            if slot[q] == order[r]:
+                                break
+                        return STEP_STATE, (f"req_ids[{q}] is given twice (one entry per "
+                                            "request and step)")
+            finally:
+                PyMem_Free(order)
+        for r in range(R):
+            if self._state[slot[r]] == preempted_state and off[(r + 1) * G] > off[r * G]:
+                return STEP_STATE, (f"req_ids[{r}] is PREEMPTED: a resumed request brings its "
+                                    "full table (replace), not appended ids")
+        return None
+
     def clip_spans(self, object req_ids, object keep):
         """``(spans, -1)``: an int64 array ``(R, G, 2)`` whose ``[r, g]`` row is the ``[start,
         end)`` range (blocks of group g) that :meth:`clip_views` would return for
@@ -842,6 +1139,30 @@ cdef class TableStore:
                                             cnp.PyArray_DATA(<cnp.ndarray>self._spans_buf))
         cnp.set_array_base(<cnp.ndarray>out, self._spans_buf)
         return out
+
+
+cdef inline tuple _step_fail(int code, object detail):
+    return None, None, None, (code, detail)
+
+
+cdef int _cmp_ll(const void* a, const void* b) noexcept nogil:
+    cdef long long x = (<const long long*>a)[0], y = (<const long long*>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef inline (Py_ssize_t, Py_ssize_t) _span_positions(long long start, long long end,
+                                                    long long bs, Py_ssize_t mine_len,
+                                                    Py_ssize_t theirs_len) noexcept:
+    # Positions [lo, hi) of the blocks covering tokens [start, end) (block size bs >= 1),
+    # clipped to both tables; empty (lo == hi) when none.
+    cdef long long lo = start // bs, hi = end // bs + (end % bs != 0)
+    if hi > mine_len:
+        hi = mine_len
+    if hi > theirs_len:
+        hi = theirs_len
+    if hi < lo:
+        hi = lo
+    return <Py_ssize_t>lo, <Py_ssize_t>hi
 
 
 cdef inline PyObject* _lookup(dict index, object req_ids, Py_ssize_t r) except? NULL:

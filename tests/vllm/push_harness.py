@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
 from hmacore.demo.paged_memory import _write_pages, allocate_paged_kv, expected_pages, read_pages
 from hmacore.plan import layer_sort_key
+from hmacore.tables import pair_block_spans
 
 JUNK = 0xAA
 
@@ -43,6 +44,7 @@ class Engine:
         self.outputs: list = []
         self.forward = True
         self.mirror_checks = 0
+        self.save_checks = 0
 
     @property
     def conn(self):
@@ -79,6 +81,7 @@ class Engine:
                 H.assert_mirror(trk.block_ids(rid), mgr.get_block_ids(rid), self.kcc,
                                 (rid, len(self.metas)))
                 self.mirror_checks += 1
+        self._check_push_saves(so)
         self.w.bind_connector_metadata(so.kv_connector_metadata)
         if so.total_num_scheduled_tokens and self.forward:
             self._forward(so)
@@ -92,6 +95,27 @@ class Engine:
             failed_recving=r.failed_recving, worker_meta=wmeta))
         self.outputs.append(out)
         return so
+
+    def _check_push_saves(self, so) -> None:
+        """Every PushSave of the step (built in one C call for all push requests) against
+        the per-request pairing of vLLM's own table with D's registration over the step's
+        tokens (pair_block_spans): the same WRITE pairs, group by group."""
+        saves = getattr(so.kv_connector_metadata, "push_saves", None) or {}
+        conn, mgr = self.conn, self.s.kv_cache_manager
+        for rid, save in saves.items():
+            req = self.s.requests[rid]
+            n = so.num_scheduled_tokens[rid]
+            computed = req.num_computed_tokens - n       # schedule() advanced it already
+            start = 0 if save.step == 0 else computed
+            end = min(computed + n, req.num_prompt_tokens)
+            table = [np.asarray(g, np.int32) for g in mgr.get_block_ids(rid)]
+            want = pair_block_spans(table, conn._registered[save.push_id],
+                                    [g.block_size for g in self.layout.groups], start, end)
+            for g in range(self.layout.num_groups):
+                assert save.local_block_ids[g].dtype == save.remote_block_ids[g].dtype == np.int32
+                assert save.local_block_ids[g].tolist() == want[0][g].tolist(), (rid, g, save.step)
+                assert save.remote_block_ids[g].tolist() == want[1][g].tolist(), (rid, g, save.step)
+            self.save_checks += 1
 
     def close(self):
         self.w.shutdown()

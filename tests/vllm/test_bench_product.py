@@ -94,4 +94,6 @@ def test_hook_split_names_where_the_time_goes(capsys):
     import hook_split
     assert hook_split.main(["hma_push_P", "gptoss", "8", "4096", "prefill", "--steps", "3"]) == 0
     out = capsys.readouterr().out
-    assert "build_connector_meta" in out and "_follow_step" in out and "ms/step" in out
+    assert "build_connector_meta" in out and "ms/step" in out
+    # the push plan, its follow part and its one C call per step
+    assert "_push_plan" in out and "_follow_entries" in out and "trackers.step_pairs" in out

@@ -113,6 +113,8 @@ def test_push_moves_every_byte(case, order):
         # P follows p-req until its final WRITE is planned (inside schedule()): every
         # earlier push step's table was checked against vLLM's
         assert P.mirror_checks >= len(steps) - 1
+        # every push step's WRITE pairs equal the per-request pairing of vLLM's own table
+        assert P.save_checks == len(steps)
         stats = P.w.stats()
         assert stats and stats[-1]["ok"] and stats[-1]["push_id"] == "push-1", stats
         assert stats[-1]["steps"] == len(steps)

@@ -171,15 +171,34 @@ class TableFollower:
         """Apply one step's preemptions and allocations to the tracked requests; yield the
         tracked scheduled ids (untracked ones are skipped with one membership test)."""
         trackers = self.trackers
+        scheduled, new_ids = self._follow_entries(scheduler_output)
+        rids = [rid for rid, ids in zip(scheduled, new_ids) if ids is not None]
+        if rids:
+            trackers.apply_step_lists(rids, [ids for ids in new_ids if ids is not None])
+        for rid in scheduled:
+            if trackers.state(rid) != RequestState.RUNNING:
+                trackers.set_state(rid, RequestState.RUNNING)
+            yield rid
+
+    def _follow_entries(self, scheduler_output: Any) -> tuple[list[str], list[Any]]:
+        """The first part of a step's follow: pending requests added from their full table,
+        preemptions applied, new and resumed requests' full tables merged. Returns the
+        tracked scheduled ids and, aligned with them, the ids each still has to append
+        (vLLM's ``new_block_ids`` entry; None when there is nothing to append): the caller
+        appends them in one C call (:meth:`TrackerSet.apply_step_lists` or
+        :meth:`TrackerSet.step_pairs`) and marks every scheduled request RUNNING."""
+        trackers = self.trackers
         fresh = self.__dict__.pop("_fresh", None) or ()
         pending: dict[str, int] = self.__dict__.get("_pending") or {}
         if pending:
             for rid, ids, full in C.scheduled_entries(scheduler_output, list(pending)):
                 if full:
-                    trackers.add(rid, ids, num_prompt_tokens=pending.pop(rid))
+                    prompt = pending.pop(rid)
+                    trackers.add(rid, ids, num_prompt_tokens=prompt)
+                    self._on_followed(rid, prompt)
                     fresh = {*fresh, rid}
         if not len(trackers):
-            return
+            return [], []
         for rid in C.preempted_ids(scheduler_output):
             if rid in trackers:
                 trackers.preempt(rid)
@@ -190,18 +209,17 @@ class TableFollower:
             entries = C.scheduled_entries(scheduler_output, list(trackers))
         else:
             entries = (e for e in C.iter_scheduled(scheduler_output) if e[0] in trackers)
-        rids, new_ids, scheduled = [], [], []
+        scheduled: list[str] = []
+        new_ids: list[Any] = []
         for rid, ids, full in entries:
             scheduled.append(rid)
             if full:
                 if rid not in fresh:
                     self._track_full(rid, ids, trackers.num_prompt_tokens(rid))
-            elif ids is not None:
-                rids.append(rid)
+                new_ids.append(None)
+            else:
                 new_ids.append(ids)
-        if rids:
-            trackers.apply_step_lists(rids, new_ids)
-        for rid in scheduled:
-            if trackers.state(rid) != RequestState.RUNNING:
-                trackers.set_state(rid, RequestState.RUNNING)
-            yield rid
+        return scheduled, new_ids
+
+    def _on_followed(self, rid: str, num_prompt_tokens: int) -> None:
+        """Hook: ``rid`` is followed from its first full table (``_follow_from_output``)."""

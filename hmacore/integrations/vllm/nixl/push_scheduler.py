@@ -238,21 +238,93 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         """This step's metadata: D registrations, P per-request WRITE ranges, expiries."""
         now = self.clock()
         meta = HmaPushConnectorMetadata(scheduler_clock=now)
-        num_sched = scheduler_output.num_scheduled_tokens
-        for rid in self._follow_step(scheduler_output):
-            try:
-                save = self._save_for(rid, int(num_sched.get(rid, 0)))
-            except HmacoreError as e:        # e.g. D registered ids P cannot pair
-                save = self._give_up_push(rid, e)
-            if save is not None:
-                meta.push_saves[rid] = save
+        meta.push_saves = self._push_plan(scheduler_output)
         meta.push_regs, self._regs_pending = self._regs_pending, {}
         meta.reqs_to_send, self._new_leases = self._new_leases, {}
         meta.expired, self._expired_pending = self._expired_pending, set()
         meta.push_aborts, self._aborts = self._aborts, set()
         return meta
 
-    def _save_for(self, rid: str, scheduled: int) -> PushSave | None:
+    def _push_plan(self, scheduler_output: Any) -> dict[str, PushSave]:
+        """P: one :class:`PushSave` per scheduled push request with something to write. The
+        followed requests' new ids are appended and every WRITE pair of the step is made in
+        one C call (:meth:`TrackerSet.step_pairs`): the work follows the step's new blocks,
+        never the prompt, and makes no Python object per block; what is left per request is
+        deciding its token span and wrapping its pairs (views of the step's arrays)."""
+        scheduled, new_ids = self._follow_entries(scheduler_output)
+        if not scheduled:
+            return {}
+        num_sched = scheduler_output.num_scheduled_tokens
+        theirs: list[Any] = []
+        spans: list[tuple[int, int] | None] = []
+        plans: list[tuple[str, int, bool] | None] = []
+        for rid in scheduled:
+            plan = self._save_span(rid, int(num_sched.get(rid, 0)))
+            if plan is None:
+                theirs.append(None)
+                spans.append(None)
+                plans.append(None)
+            else:
+                remote, start, end, pid, step, final = plan
+                theirs.append(remote)
+                spans.append((start, end))
+                plans.append((pid, step, final))
+        try:
+            local, rem, offsets = self.trackers.step_pairs(scheduled, new_ids, theirs, spans,
+                                                           self._block_sizes)
+        except HmacoreError as e:       # e.g. D registered ids P cannot pair: nothing applied
+            return self._push_plan_each(scheduled, new_ids, theirs, spans, plans, e)
+        saves: dict[str, PushSave] = {}
+        G = len(self._block_sizes)
+        off = offsets.tolist()
+        for r, p in enumerate(plans):
+            if p is None:
+                continue
+            rid = scheduled[r]
+            pid, step, final = p
+            cuts = off[r * G:(r + 1) * G + 1]
+            self._push_steps[rid] = step + 1
+            if final:
+                # the prompt's last push: nothing more to follow for this request
+                self.trackers.finish(rid)
+            saves[rid] = PushSave(
+                request_id=rid, push_id=pid, step=step,
+                local_block_ids=[local[a:b] for a, b in zip(cuts, cuts[1:])],
+                remote_block_ids=[rem[a:b] for a, b in zip(cuts, cuts[1:])], final=final)
+        return saves
+
+    def _push_plan_each(self, scheduled, new_ids, theirs, spans, plans,
+                        err: Exception) -> dict[str, PushSave]:
+        """The step's plan when the batched call refused it (it changed nothing): follow the
+        step without pairing, then pair each push request alone; a request whose pairs are
+        refused runs on without push (:meth:`_give_up_push`), the others push as usual."""
+        logger.debug("batched push plan refused (%s); pairing request by request", err)
+        self.trackers.step_pairs(scheduled, new_ids, [None] * len(scheduled),
+                                 [None] * len(scheduled), self._block_sizes)
+        saves: dict[str, PushSave] = {}
+        for rid, remote, span, p in zip(scheduled, theirs, spans, plans):
+            if p is None or span is None:
+                continue
+            pid, step, final = p
+            try:
+                local, rem = pair_block_spans(self.trackers.block_ids(rid, copy=False), remote,
+                                              self._block_sizes, span[0], span[1])
+            except HmacoreError as e:
+                self._give_up_push(rid, e)
+                continue
+            self._push_steps[rid] = step + 1
+            if final:
+                self.trackers.finish(rid)
+            saves[rid] = PushSave(request_id=rid, push_id=pid, step=step,
+                                  local_block_ids=list(local), remote_block_ids=list(rem),
+                                  final=final)
+        return saves
+
+    def _save_span(self, rid: str, scheduled: int
+                   ) -> tuple[tuple[np.ndarray, ...], int, int, str, int, bool] | None:
+        """What ``rid`` pushes this step: ``(D's table, start, end, push id, step, final)``
+        (tokens ``[start, end)``: every position up to the step's end in its first pushed
+        step, so a local prefix hit on P is pushed too), or None when nothing."""
         if rid not in self._push_reqs or rid in self._unpushed or rid in self._push_ended:
             return None
         request, pid = self._push_reqs[rid]
@@ -261,20 +333,16 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             return None
         total = int(request.num_prompt_tokens)
         step = self._push_steps.get(rid, 0)
-        start = 0 if step == 0 else int(request.num_computed_tokens)
-        end = min(int(request.num_computed_tokens) + scheduled, total)
+        computed = int(request.num_computed_tokens)
+        start = 0 if step == 0 else computed
+        end = min(computed + scheduled, total)
         if start >= end:
             return None
-        # only this step's positions, paired in C for all groups at once: the work does not
-        # grow with the prompt and makes no Python object per block
-        local, rem = pair_block_spans(self.trackers.block_ids(rid, copy=False), remote,
-                                      self._block_sizes, start, end)
-        self._push_steps[rid] = step + 1
-        if end >= total:
-            # the prompt's last push: nothing more to follow for this request
-            self.trackers.finish(rid)
-        return PushSave(request_id=rid, push_id=pid, step=step, local_block_ids=list(local),
-                        remote_block_ids=list(rem), final=end >= total)
+        return remote, start, end, pid, step, end >= total
+
+    def _on_followed(self, rid: str, num_prompt_tokens: int) -> None:
+        # a push request's table fills up to its prompt: room for it once, no regrowth
+        self.trackers.reserve(rid, [-(-num_prompt_tokens // bs) for bs in self._block_sizes])
 
     def _give_up_push(self, rid: str, err: Exception) -> None:
         """A push request whose step cannot be paired: it runs on without push (its blocks
