@@ -122,10 +122,21 @@ def test_unpairable_step_gives_up_the_push(monkeypatch):
         D.s.add_request(r)
         PH.step_until(lambda: "odd" in P.conn.registered(), [D, P], what="P registers")
 
-        def unpairable(rid, scheduled):
+        # the step's batched pairing refuses (it changes nothing), and so does pairing this
+        # request alone: the fallback gives up its push; following the step still works
+        from hmacore.integrations.vllm.nixl import push_scheduler
+        batched = P.conn.trackers.step_pairs
+
+        def refuse_pairs(scheduled, new_ids, theirs, spans, block_sizes):
+            if any(t is not None for t in theirs):
+                raise BlockTableError("group 1: 3 local vs 2 remote blocks")
+            return batched(scheduled, new_ids, theirs, spans, block_sizes)
+
+        def unpairable(*args, **kwargs):
             raise BlockTableError("group 1: 3 local vs 2 remote blocks")
 
-        monkeypatch.setattr(P.conn, "_save_for", unpairable)
+        monkeypatch.setattr(P.conn.trackers, "step_pairs", refuse_pairs)
+        monkeypatch.setattr(push_scheduler, "pair_block_spans", unpairable)
         p = H.make_request("p", _prompt(100), 16, params=p_params, max_tokens=1)
         P.s.add_request(p)
         PH.step_until(lambda: not P.s.requests and r.request_id in D.conn.failed_recving
