@@ -20,7 +20,8 @@ import os
 import sys
 
 
-def _same(fd: int, path: str) -> bool:
+def same_file(fd: int, path: str) -> bool:
+    """Is ``path`` still the file open as ``fd`` (not removed or replaced)?"""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -45,7 +46,7 @@ def watch(directory: str, name: str) -> bool:
             fcntl.flock(users_fd, fcntl.LOCK_UN)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             try:
-                if not (_same(lock_fd, lock_p) and _same(users_fd, users_p)):
+                if not (same_file(lock_fd, lock_p) and same_file(users_fd, users_p)):
                     return False              # removed (or removed and made anew) by a user
                 try:
                     fcntl.flock(users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

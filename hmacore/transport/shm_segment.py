@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from ..errors import StoreError
+from ._shm_sentinel import same_file as _same_file   # the sentinel imports nothing of ours
 
 __all__ = ["Segment", "sweep_stale", "segment_paths", "valid_segment_name"]
 
@@ -55,15 +56,6 @@ def segment_paths(directory: str, name: str) -> tuple[str, str, str]:
     """(data, lock, users) paths of segment ``name``."""
     base = os.path.join(directory, name)
     return base, base + ".lock", base + ".users"
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    fst = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
 def _try_flock(fd: int, op: int) -> bool:

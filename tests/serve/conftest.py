@@ -4,12 +4,10 @@ the example proxy, the ``openai`` client over HTTP, ``/metrics`` scrapes.
 Every test here is marked ``vllm``, ``engine`` and ``serve``. Servers are children in their
 own process groups, bounded in start-up time and stopped by PID (serve_harness.Server).
 """
-import importlib.util
 import os
 import sys
 import tempfile
 
-import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -18,22 +16,14 @@ os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "hm
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))       # tests/: ports
+sys.path.insert(0, os.path.dirname(HERE))       # tests/: ports, engine_marks
 
-_VLLM_SPEC = importlib.util.find_spec("vllm")
-_HAVE_VLLM = _VLLM_SPEC is not None and _VLLM_SPEC.origin is not None
+from engine_marks import ignore_without_vllm, mark_directory  # noqa: E402
 
 
 def pytest_ignore_collect(collection_path, config):
-    markexpr = (config.option.markexpr or "").replace(" ", "")
-    if not _HAVE_VLLM and ("notvllm" in markexpr or "notengine" in markexpr):
-        return True
-    return None
+    return ignore_without_vllm(config)
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if str(item.fspath).startswith(HERE):
-            item.add_marker(pytest.mark.vllm)
-            item.add_marker(pytest.mark.engine)
-            item.add_marker(pytest.mark.serve)
+    mark_directory(items, HERE, "vllm", "engine", "serve")

@@ -3,7 +3,7 @@ Scheduler, real NIXL, two in-process engines): the request settles long before
 ``push_recv_timeout`` (900 s here; every wait below is bounded far lower), under both
 ``kv_load_failure_policy`` values, and no connector hook raises into the engine loop.
 The same with real engines and killed / restarted prefill processes:
-tests/engine/test_push_peer_loss.py."""
+tests/engine/test_push_peer_loss_inference.py."""
 import pytest
 
 import harness as H
