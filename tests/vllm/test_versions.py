@@ -26,8 +26,7 @@ def test_release_of_a_version_string(text, release):
     assert C._release(text) == release
 
 
-@pytest.mark.parametrize("fake,allowed", [("0.34.0", False), ("0.31.2", False),
-                                          ("0.34.0", True)])
+@pytest.mark.parametrize("fake,allowed", [("0.31.2", False), ("0.34.0", True)])
 def test_other_versions_are_refused_unless_allowed(fake, allowed):
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("HMACORE_ALLOW_VLLM_VERSION", None)
