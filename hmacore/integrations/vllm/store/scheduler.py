@@ -53,12 +53,14 @@ __all__ = ["HmaStoreScheduler", "hashes_array", "hit_finder", "key_builder"]
 
 
 def hit_finder(layout: Any, vllm_config: Any, kv_cache_config: Any) -> HitFinder:
-    """The HitFinder vLLM's own coordinator would be for this engine: ``eagle`` from the
-    speculative config (``use_eagle_block_drop``), ``alignment`` from the engine core's
-    ``cache_hit_alignment_tokens`` (block-aligned hits with prefix caching off). Scheduler and
-    worker use the same one: store masks and boundary puts depend on both."""
-    return HitFinder(layout, eagle=C.eagle_block_drop(vllm_config),
-                     alignment=C.cache_hit_alignment_tokens(kv_cache_config, vllm_config))
+    """The HitFinder vLLM's own store coordinator would be for this engine: the installed
+    vLLM's store rule (``_compat.store_hit_rule``: ``eagle`` from the speculative config, the
+    eagle drop on flagged groups, windows covering ``extra_retained_tokens`` from 0.33),
+    ``alignment`` from the engine core's ``cache_hit_alignment_tokens`` (block-aligned hits
+    with prefix caching off). Scheduler and worker use the same one: store masks and
+    boundary puts depend on it."""
+    return HitFinder(layout, alignment=C.cache_hit_alignment_tokens(kv_cache_config, vllm_config),
+                     **C.store_hit_rule(vllm_config))
 
 
 def hashes_array(block_hashes: Any, start: int = 0, stop: int | None = None) -> np.ndarray:
