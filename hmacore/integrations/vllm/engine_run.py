@@ -35,7 +35,7 @@ from typing import Any
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hmacore.demo.engine_run")
+    p = argparse.ArgumentParser(prog="python -m hmacore.integrations.vllm.engine_run")
     p.add_argument("--model", required=True)
     p.add_argument("--kv-transfer-config", default="",
                    help="JSON KVTransferConfig (empty: no connector)")
