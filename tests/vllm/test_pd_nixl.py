@@ -410,3 +410,24 @@ def test_read_answered_alive_while_the_lease_holds():
     finally:
         P.close()
         D.close()
+
+
+@pytest.mark.parametrize("posting", ["blocks", "dynamic"])
+def test_posting_mode_from_the_config(posting):
+    # kv_connector_extra_config.nixl_posting reaches the worker's NIXL agent: "blocks" posts
+    # one descriptor per block and layer slot, "dynamic" the coalesced runs; the bytes agree
+    P = Engine(lambda: H.gemma_like(num_blocks=64), extra={"nixl_posting": posting})
+    D = Engine(lambda: H.gemma_like(num_blocks=64), extra={"nixl_posting": posting})
+    try:
+        assert D.w.worker.agent.posting == posting
+        ok, same = _load_from(P, D, f"post-{posting}", 150)
+        assert ok and same
+        c = D.w.worker.counters._data
+        descs, blocks = c["transfer_descriptors"], c["transfer_block_descriptors"]
+        if posting == "blocks":
+            assert descs == blocks
+        else:
+            assert descs < blocks, c
+    finally:
+        P.close()
+        D.close()

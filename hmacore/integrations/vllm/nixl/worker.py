@@ -127,6 +127,7 @@ class HmaNixlWorker:
             handshake, which pairs only with such workers).
         sync_timeout: seconds a sync load may take before it is reported failed.
         progress_delay_us: the NIXL agent's progress-thread poll delay (microseconds).
+        posting: how a READ's descriptors reach NIXL (:mod:`hmacore.transport.nixl_post`).
         confirm_timeout: seconds a finished READ waits for its source's ``alive`` before the
             load is reported failed (the lease duration: past it the lease is gone anyway).
     """
@@ -134,7 +135,7 @@ class HmaNixlWorker:
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  tp: WorkerTp | None = None, sync_timeout: float = 30.0,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
-                 confirm_timeout: float = 30.0) -> None:
+                 confirm_timeout: float = 30.0, posting: str = "auto") -> None:
         configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
         self.layout = layout
         self.num_blocks = int(num_blocks)
@@ -146,6 +147,7 @@ class HmaNixlWorker:
         self.sync_timeout = sync_timeout
         self.progress_delay_us = progress_delay_us
         self.confirm_timeout = float(confirm_timeout)
+        self.posting = posting
         self.agent: NixlAgent | None = None
         self.server: HandshakeServer | None = None
         self._done_msg = done_message(self.rank, self.tp_size)
@@ -169,7 +171,8 @@ class HmaNixlWorker:
         plan = TransferPlan.from_kv_caches(self.layout, kv_caches, num_blocks=self.num_blocks)
         self.agent = NixlAgent(self.name, plan,
                                tp=self.tp.handshake_args() if self.tp is not None else None,
-                               progress_delay_us=self.progress_delay_us)
+                               progress_delay_us=self.progress_delay_us,
+                               posting=self.posting)
         # a reader only needs to notify us: its pages may be shaped for another TP size
         self.server = HandshakeServer(self.agent.handshake_payload(), host=self.host,
                                       port=self.port, on_peer=self.agent.add_notify_peer)
