@@ -23,6 +23,7 @@ from vllm.config import KVEventsConfig
 from hmacore.hits import HitFinder
 from hmacore.integrations.vllm import _compat as C
 from hmacore.integrations.vllm.layout import layout_from_kv_cache_config
+from hmacore.route_hashing import BlockHasher
 from hmacore.route_index import RoutingIndex
 
 pytestmark = pytest.mark.vllm
@@ -191,3 +192,19 @@ def test_digest_events(monkeypatch):
           f"{fleet.mismatches} mismatches")
     assert fleet.mismatches == 0, fleet.failures[:5]
     assert fleet.hits > 0 and fleet.removed > 0
+
+
+def test_hasher_matches_installed_vllm():
+    """Every algorithm against vLLM's own request block hasher, and its seed."""
+    from vllm.utils import hashing
+    from vllm.v1.core import kv_cache_utils as kcu
+    toks = [7, 3, 900, 12] * 9
+    for algo in ("sha256", "sha256_cbor"):
+        fn = hashing.get_hash_fn_by_name(algo)
+        kcu.init_none_hash(fn)
+        parent, want = None, []
+        for s in range(0, len(toks) - 3, 4):
+            parent = kcu.hash_block_tokens(fn, parent, toks[s:s + 4], None)
+            want.append(bytes(parent))
+        assert BlockHasher(4, algo, seed=kcu.get_none_hash_seed()).hashes(toks) == want, algo
+    kcu.init_none_hash(hashing.sha256)     # what the harness's requests use
