@@ -175,9 +175,9 @@ class RoutingIndex:
                     raise HashInputError(f"hashes must be ints in [0, 2**64): {e}") from None
                 if values.ndim != 1:
                     raise HashInputError("hashes must be a flat sequence of ints")
-            out = np.zeros((values.size, _INT_WIDTH), dtype=np.uint8)
-            out[:, 8:] = values.astype(">u8").view(np.uint8).reshape(-1, 8)
-            return out
+            out = np.zeros((values.size, 2), dtype=">u8")   # 8 zero bytes + big-endian int
+            out[:, 1] = values
+            return out.view(np.uint8).reshape(-1, _INT_WIDTH)
         ds = self.digest_size
         if isinstance(hashes, np.ndarray):
             if hashes.dtype != np.uint8 or hashes.ndim != 2 or hashes.shape[1] != ds:
@@ -223,17 +223,29 @@ class RoutingIndex:
             hashes: per row the hash (see :meth:`digests`).
 
         The whole batch is validated first; a bad row refuses the batch, nothing applied.
+        Python lists of ints (as msgspec decodes vLLM's batches) take one compiled pass.
         """
+        if self.int_hashes and type(ops) is list and type(groups) is list \
+                and type(hashes) is list:
+            try:
+                ops_a, groups_a, keys = _route.pack_event_lists(ops, groups, hashes,
+                                                                self.num_groups)
+            except OverflowError as e:
+                raise HashInputError(str(e)) from None
+            except TypeError as e:
+                raise ArgumentTypeError(str(e)) from None
+            except ValueError as e:
+                raise ArgumentValueError(str(e)) from None
+            return self._apply(key, ops_a, groups_a, keys, int((ops_a == OP_CLEAR).sum()))
         ops_a = _int_array("ops", ops, np.int8)
         groups_a = _int_array("groups", groups, np.int32)
         if ops_a.size != groups_a.size:
             raise ArgumentValueError(f"ops and groups must have one entry per row: "
                                      f"{ops_a.size} ops, {groups_a.size} groups")
-        if ops_a.size and not np.isin(ops_a, (OP_STORE, OP_REMOVE, OP_CLEAR)).all():
+        if ops_a.size and (ops_a.min() < OP_REMOVE or ops_a.max() > OP_STORE):
             raise ArgumentValueError("ops must be 1 (store), -1 (remove) or 0 (clear)")
         events = ops_a != OP_CLEAR
-        g = groups_a[events]
-        if g.size and ((g < 0) | (g >= self.num_groups)).any():
+        if groups_a.size and (((groups_a < 0) | (groups_a >= self.num_groups)) & events).any():
             raise ArgumentValueError(f"groups must be group ids in [0, {self.num_groups})")
         digests = self.digests(hashes)
         if digests.shape[0] != ops_a.size:

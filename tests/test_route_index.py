@@ -147,14 +147,28 @@ def test_bad_batch_is_refused_whole(index):
         index.apply(key, [1, 1], [1, 7], hs[:2])
     with pytest.raises(ArgumentValueError, match="ops"):
         index.apply(key, [1, 2], [1, 1], hs[:2])
-    with pytest.raises(ArgumentValueError, match="one row per op"):
+    with pytest.raises(ArgumentValueError, match="one (row|entry) per"):
         index.apply(key, [1, 1], [1, 1], hs[:3])
     with pytest.raises(HashInputError, match="2\\*\\*64"):
         index.apply(key, [1], [1], [-1])
-    with pytest.raises(HashInputError):
+    with pytest.raises(ArgumentTypeError, match="hashes\\[0\\]"):
         index.apply(key, [1], [1], [b"x" * 32])
     with pytest.raises(ArgumentTypeError):
         index.apply(key, [1], [1.5], hs[:1])
+    # the same refusals through the numpy path
+    with pytest.raises(ArgumentValueError, match="groups"):
+        index.apply(key, np.array([1, 1]), np.array([1, 7]), np.array(hs[:2], np.uint64))
+    with pytest.raises(ArgumentValueError, match="ops"):
+        index.apply(key, np.array([1, 2]), np.array([1, 1]), np.array(hs[:2], np.uint64))
+    with pytest.raises(ArgumentValueError, match="one (row|entry) per"):
+        index.apply(key, np.array([1, 1]), np.array([1, 1]), np.array(hs[:3], np.uint64))
+    with pytest.raises(HashInputError):
+        index.apply(key, np.array([1]), np.array([1]), np.array([-1]))
+    with pytest.raises(HashInputError):
+        index.apply(key, [1], [1], [2**64])
+    # a bad last row refuses the whole batch
+    with pytest.raises(ArgumentValueError, match="groups\\[2\\]"):
+        index.apply(key, [1, 1, 1], [1, 1, 9], hs[:3])
     assert index.resident_blocks(key) == 0
     with pytest.raises(ArgumentValueError, match="num_tokens"):
         index.query_hashes([], -1)
