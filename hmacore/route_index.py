@@ -232,11 +232,12 @@ class RoutingIndex:
                                                                 self.num_groups)
             except OverflowError as e:
                 raise HashInputError(str(e)) from None
-            except TypeError as e:
-                raise ArgumentTypeError(str(e)) from None
             except ValueError as e:
                 raise ArgumentValueError(str(e)) from None
-            return self._apply(key, ops_a, groups_a, keys, int((ops_a == OP_CLEAR).sum()))
+            except TypeError:
+                pass                 # not plain ints (numpy scalars, ...): the general path
+            else:
+                return self._apply(key, ops_a, groups_a, keys, int((ops_a == OP_CLEAR).sum()))
         ops_a = _int_array("ops", ops, np.int8)
         groups_a = _int_array("groups", groups, np.int32)
         if ops_a.size != groups_a.size:
@@ -305,10 +306,10 @@ class RoutingIndex:
         keys = self.fold(hashes)
         max_length = max(int(num_tokens) - 1, 0)
         hits = {}
-        run = self.finder._kernel.run
+        hit_tokens = self.finder.hit_tokens
         with self._lock:
             for key, eng in self._engines.items():
-                hits[key] = run(eng.layers[0], keys, max_length, True)[0] if keys.shape[0] else 0
+                hits[key] = hit_tokens(keys, eng.layers[0], max_length) if keys.shape[0] else 0
         best = max(hits.values(), default=0)
         best_engines = tuple(k for k, v in hits.items() if v == best) if best else ()
         return RouteResult(hits, best, best_engines, int(num_tokens))
