@@ -7,7 +7,7 @@ prediction for that engine, made from the events emitted until that moment, must
 the manager finds. The prediction is made twice: from the request's own hashes and from its
 token ids hashed by the index (which must equal vLLM's ``Request.block_hashes``).
 
-``HMACORE_ROUTE_REQUESTS`` (default 500) sets the requests per layout.
+``HMACORE_ROUTE_REQUESTS`` (default 350: 1050 requests over the three layouts) sets the requests per layout.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from hmacore.route_index import RoutingIndex
 
 pytestmark = pytest.mark.vllm
 
-REQUESTS = int(os.environ.get("HMACORE_ROUTE_REQUESTS", "500"))
+REQUESTS = int(os.environ.get("HMACORE_ROUTE_REQUESTS", "350"))
 ENGINES = 3
 
 # (vllm_config kwargs, KV cache config factory, prompt length range, max output tokens): pools
