@@ -38,7 +38,8 @@ CASES = {
                      (20, 700), 24),
     "qwen3-next-like": (dict(block_size=64, mamba_cache_mode="align"),
                         lambda: H.qwen3_next_like(num_blocks=90), (40, 1200), 24),
-    "dsv4-like": (dict(block_size=16), lambda: H.dsv4_like(num_blocks=600), (100, 1600), 400),
+    "dsv4-like": (dict(block_size=16, max_num_batched_tokens=512),
+                  lambda: H.dsv4_like(num_blocks=400), (100, 1600), 400),
 }
 
 
@@ -66,7 +67,7 @@ class Fleet:
         self.stored = self.removed = 0
         self.failures: list = []
         for e in range(ENGINES):
-            vc = H.vllm_config(connector=False, max_num_batched_tokens=2048, **vkw)
+            vc = H.vllm_config(connector=False, **{"max_num_batched_tokens": 2048, **vkw})
             vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
             kcc = kcc_fn()
             s = H.make_scheduler(vc, kcc)
@@ -155,10 +156,13 @@ class Fleet:
                 if s.reset_prefix_cache():
                     self.resets += 1
                     self.index_check_empty_after_flush(key, s)
-        for _ in range(2000):
+        for _ in range(4000):
             if not any(s.has_unfinished_requests() for _, s in self.scheds):
                 break
             self.step_all()
+        # no engine stalled (a request the pool can never hold would stop the traffic)
+        assert not any(s.has_unfinished_requests() for _, s in self.scheds), \
+            [(k, len(s.waiting), len(s.running)) for k, s in self.scheds]
 
     def index_check_empty_after_flush(self, key, s):
         self.feed(key, s.kv_cache_manager.take_events())
