@@ -349,6 +349,7 @@ def worker_step(worker: Any, so: Any) -> dict:
     worker.wait_for_save()
     r = worker.get_transfer_results(so.finished_req_ids)
     meta = worker.build_connector_worker_meta()
+    invalid = worker.get_block_ids_with_load_errors()
     worker.clear_connector_metadata()
     return dict(finished_sending=r.finished_sending, finished_recving=r.finished_recving,
-                failed_recving=r.failed_recving, worker_meta=meta)
+                failed_recving=r.failed_recving, worker_meta=meta, invalid_block_ids=invalid)

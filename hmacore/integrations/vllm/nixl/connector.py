@@ -85,7 +85,8 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                 self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
                                             sched.engine_id, sched.listen_host,
                                             sched.port, tp=tp,
-                                            progress_delay_us=sched.progress_delay_us)
+                                            progress_delay_us=sched.progress_delay_us,
+                                            recompute=sched.recompute)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
@@ -143,7 +144,7 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         return w.stats() if hasattr(w, "stats") else []
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of failed sync loads (single-group models; see HmaNixlWorker._sync_failed)."""
+        """Blocks of failed loads of single-group models (see HmaNixlWorker._block_report)."""
         w = self.worker
         return w.take_invalid_blocks() if w is not None and hasattr(w, "take_invalid_blocks") \
             else set()
