@@ -30,8 +30,8 @@ from ..spec import GroupKind
 from ..tables import as_block_table
 
 __all__ = ["OK", "NO_SPACE", "INVALID", "NOT_FOUND", "RPC_FAIL", "KVStore", "EmbeddedStore",
-           "GroupSegments", "split_key", "lookup_hit", "save_blocks", "save_state", "load_blocks", "load_blocks_failed",
-           "SaveReport"]
+           "GroupSegments", "split_key", "lookup_hit", "save_blocks", "save_state", "load_blocks",
+           "load_blocks_failed", "SaveReport"]
 
 OK = 0
 NO_SPACE = -200
@@ -526,7 +526,9 @@ def load_blocks_failed(finder: HitFinder, keys: KeyBuilder, store: KVStore, hash
                              f"({finder.num_groups})")
     hashes = _check_hashes(hashes)
     h = finder.hash_block_size
-    all_keys, all_parts, where = [], [], []
+    all_keys: list[str] = []
+    all_parts: list = []
+    where: list[tuple[int, int]] = []
     for g in finder.group_ids:
         mask = hit.masks[g]
         blocks = np.flatnonzero(mask).astype(np.int64)

@@ -14,7 +14,7 @@ import pytest
 
 import harness as H
 from test_partial_recovery import LAYERS
-from test_pd_nixl import Engine, drain_p, p_prefill
+from test_pd_nixl import Engine, p_prefill
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from hmacore.errors import TransferError
