@@ -37,14 +37,11 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from .errors import ArgumentTypeError, ArgumentValueError
+from .grain import cdiv
 from .spec import GroupKind, GroupSpec, KVLayout
 
 NULL_BLOCK = 0
 UNKNOWN = -1     # a block that is present (local prefix hit) but whose id is not ours to report
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _int(name: str, value: object, minimum: int = 0) -> int:
@@ -60,7 +57,7 @@ def needed_blocks(spec: GroupSpec, p: int) -> range:
     bs = spec.block_size
     if p <= 0:
         return range(0)
-    hi = _cdiv(p, bs)
+    hi = cdiv(p, bs)
     if spec.kind == GroupKind.SLIDING_WINDOW:
         reach = int(spec.sliding_window or 1) - 1 + spec.extra_retained_tokens
         return range(max(0, p - reach) // bs, hi)
@@ -162,7 +159,7 @@ def vllm_landing(block_size: int, table: Sequence[int], reported: Iterable[int],
     (``Scheduler._update_requests_with_invalid_blocks``): ``i * block_size`` at the first
     index ``i < cdiv(end, block_size)`` whose id is reported, else ``end``."""
     ids = set(reported)
-    for i in range(min(len(table), _cdiv(end, block_size))):
+    for i in range(min(len(table), cdiv(end, block_size))):
         if table[i] in ids:
             return i * block_size
     return end
