@@ -14,6 +14,7 @@ from .plan import TransferPlan
 from .presets import DEFAULT_PRESET, get_preset, preset_names
 from .route_hashing import BlockHasher
 from .route_index import ApplyStats, RouteResult, RoutingIndex
+from .recovery import VllmReport, plan_vllm_report, safe_restart_point
 from .spec import GroupKind, GroupSpec, KVLayout, MambaMode
 from .tables import (RequestState, TrackerSet, as_block_table, count_hashed, fill_blocks,
                      from_wire, to_wire)
@@ -28,6 +29,7 @@ __all__ = ["ArgumentOverflowError", "ArgumentTypeError", "ArgumentValueError", "
            "get_preset", "preset_names", "GroupKind", "GroupSpec", "KVLayout", "MambaMode",
            "RequestState", "TrackerSet", "as_block_table", "count_hashed", "fill_blocks",
            "from_wire", "to_wire", "clip_to_window", "expand_to_kernel", "map_block_size",
-           "trim_remote_to_local", "RoutingIndex", "RouteResult", "ApplyStats", "BlockHasher"]
+           "trim_remote_to_local", "RoutingIndex", "RouteResult", "ApplyStats", "BlockHasher",
+           "VllmReport", "plan_vllm_report", "safe_restart_point"]
 
 __version__ = "0.1.0"

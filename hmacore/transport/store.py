@@ -31,7 +31,7 @@ from ..tables import as_block_table
 
 __all__ = ["OK", "NO_SPACE", "INVALID", "NOT_FOUND", "RPC_FAIL", "KVStore", "EmbeddedStore",
            "GroupSegments", "split_key", "lookup_hit", "save_blocks", "save_state", "load_blocks",
-           "SaveReport"]
+           "load_blocks_failed", "SaveReport"]
 
 OK = 0
 NO_SPACE = -200
@@ -512,12 +512,23 @@ def load_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
                 segments: Sequence[GroupSegments | None]) -> bool:
     """Load the blocks of ``hit`` (its masks) into group tables ``block_ids``; True if every
     block arrived. An empty load is a success that never reaches the store."""
+    return not load_blocks_failed(finder, keys, store, hashes, hit, block_ids, segments)
+
+
+def load_blocks_failed(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
+                       hit: HitResult, block_ids: Sequence[Sequence[int]],
+                       segments: Sequence[GroupSegments | None]) -> list[tuple[int, int]]:
+    """:func:`load_blocks` that says what did not arrive: the ``(group, block index)`` of
+    every block whose key was missing, evicted, short or otherwise failed (every block of
+    the load when the store call itself failed). Empty: everything arrived."""
     if len(block_ids) != finder.num_groups or len(segments) != finder.num_groups:
         raise HashInputError(f"block_ids and segments need one entry per group "
                              f"({finder.num_groups})")
     hashes = _check_hashes(hashes)
     h = finder.hash_block_size
-    all_keys, all_parts = [], []
+    all_keys: list[str] = []
+    all_parts: list = []
+    where: list[tuple[int, int]] = []
     for g in finder.group_ids:
         mask = hit.masks[g]
         blocks = np.flatnonzero(mask).astype(np.int64)
@@ -539,10 +550,13 @@ def load_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
             raise HashInputError(f"segments[{g}] is missing for a loaded group")
         all_keys.extend(keys.keys(g, finder.key_digests(hashes, g, rows)))
         all_parts.extend(seg.parts(table[blocks]))
+        where.extend((g, int(b)) for b in blocks)
     if not all_keys:
-        return True
+        return []
     try:
         codes = list(store.batch_get(all_keys, all_parts))
     except Exception:
-        return False
-    return len(codes) == len(all_keys) and all(c >= 0 for c in codes)
+        return where
+    if len(codes) != len(all_keys):
+        return where
+    return [w for w, c in zip(where, codes) if c < 0]

@@ -10,7 +10,10 @@ Faults (set in the engine process by the runner's ``fault`` command → :func:`s
   finishing nor failing: a prefill engine killed after that dies mid-push.
 * ``{"corrupt_group": g}``: after a load completes, one loaded block of group g (the last one of
   the request's table) is overwritten with noise in every layer of the group.
-  (``FaultyStoreConnector`` supports ``corrupt_group`` only.)
+* ``{"drop_last_key_group": g}`` (``FaultyStoreConnector``): the store key of the last block
+  of group g in a request's first load is removed between the scheduler's lookup and the
+  worker's load (an eviction in between): that load fails, the fresh lookup sees the rest.
+  (``FaultyStoreConnector`` supports ``corrupt_group`` and ``drop_last_key_group``.)
 * ``None``: no fault.
 """
 from __future__ import annotations
@@ -42,6 +45,20 @@ def _corrupt(caches: dict, layers_of: list[list[str]], ids: list[list[int]] | No
         page.copy_(torch.randn(page.shape, generator=gen, dtype=torch.float32).to(page.dtype))
 
 
+def _drop_last_key(w, ld, g: int) -> None:
+    """Remove the store key of the last block of group g the load ``ld`` reads."""
+    import numpy as np
+
+    from hmacore.integrations.vllm.store.worker import _hashes
+    bs, h = w.finder.block_sizes[g], w.finder.hash_block_size
+    last = ld.hit_tokens // bs - 1
+    if last < 0:
+        return
+    rows = np.array([(last + 1) * (bs // h) - 1], dtype=np.int64)
+    keys = w.keys.keys(g, w.finder.key_digests(_hashes(ld.hashes, ld.digest_size), g, rows))
+    w.store.batch_remove(keys)
+
+
 def _layers_of(kv_cache_config) -> list[list[str]]:
     return [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
 
@@ -54,12 +71,18 @@ class FaultyStoreConnector(HmaStoreConnector):
             return
         layers_of, caches = _layers_of(kv_cache_config), {}
         register, start_load = w.register_kv_caches, w.start_load_kv
+        dropped: set[str] = set()
 
         def _register(kv_caches):
             caches.update(kv_caches)
             return register(kv_caches)
 
         def _start_load(meta):
+            if FAULT and "drop_last_key_group" in FAULT:
+                for rid, ld in meta.loads.items():
+                    if rid not in dropped:
+                        dropped.add(rid)
+                        _drop_last_key(w, ld, int(FAULT["drop_last_key_group"]))
             start_load(meta)
             for rid in meta.loads:
                 _corrupt(caches, layers_of, w.loaded_blocks.get(rid))

@@ -62,6 +62,39 @@ def main(role: str, case: str, port: int) -> None:
     inst.close()
 
 
+def partial(case: str, fault: str, port: int) -> None:
+    """Role B of ``connector-partial-*``: the key of block ``fault`` ("group.index") is
+    removed from the master between the scheduler's lookup and the worker's load; prints the
+    recovery and what the request computed afterwards (tests/vllm/test_partial_recovery.py)."""
+    import test_partial_recovery as R
+    extra = {"store": "mooncake", "master": f"127.0.0.1:{port}", "connect_timeout_s": 20,
+             "global_segment_size": 128 << 20, "load_async": True}
+    _, _, n = T.CASES[case]
+    prompt = [1 + i % 900 for i in range(n)]
+    eng = R.Engine(case, extra)
+    g, idx = (int(x) for x in fault.split("."))
+    r = H.make_request("b", prompt, eng.hbs, max_tokens=2)
+    eng.s.add_request(r)
+    hook, done = R.remover(eng, "b", [(g, idx)])
+    eng.step(before_load=hook)
+    rep = eng.w.worker.recoveries.get("b")
+    eng.run()
+    first = next(i for i, sc in enumerate(eng.scheduled) if "b" in sc)
+    prefill = sum(sc["b"] for sc, c in zip(eng.scheduled, eng.computed_before)
+                  if "b" in sc and c["b"] < n)
+    print(json.dumps({"removed": len(done[0]) if done else 0,
+                      "per_request": rep.per_request if rep else None,
+                      "safe": rep.safe_tokens if rep else None,
+                      "lands_at": rep.lands_at if rep else None,
+                      "invalid": sorted(eng.invalid[0]),
+                      "restart": eng.computed_before[first]["b"], "prefill": prefill,
+                      "status": r.status.name, "n": n}), flush=True)
+    eng.close()
+
+
 if __name__ == "__main__":
     os.environ.setdefault("GLOG_minloglevel", "2")
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    if sys.argv[1] == "B-partial":
+        partial(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -210,6 +210,10 @@ def netns_main(mode, port):
         if mode.startswith("connector-"):   # HmaStoreConnector, one instance per process
             case = mode.split("-", 1)[1]
             roles = os.path.join(HERE, "connector_roles.py")
+            loader_args = ["B", case, str(port)]
+            if case.startswith("partial-"):   # partial-<case>-<group>.<index>: a key removed
+                _, case, fault = case.split("-")
+                loader_args = ["B-partial", case, fault, str(port)]
             saver = subprocess.Popen([sys.executable, roles, "A", case, str(port)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             lines = []
@@ -219,7 +223,7 @@ def netns_main(mode, port):
                     lines.append(ln)
                     break
             saved = json.loads(lines[-1] or "{}")
-            loader = subprocess.run([sys.executable, roles, "B", case, str(port)],
+            loader = subprocess.run([sys.executable, roles, *loader_args],
                                     capture_output=True, text=True, timeout=180)
             lines = [ln for ln in loader.stdout.splitlines() if ln.startswith("{")]
             loaded = json.loads(lines[-1]) if lines else {"error": loader.stderr[-3000:]}

@@ -58,3 +58,24 @@ def test_store_connector_across_processes(case, port, hit):
     assert loader.get("hit") == hit, r
     assert loader["compared"] > 0 and loader["mismatched"] == 0
     assert loader["miss"] == 0 and loader["leak_free"] is True
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case,fault,port,restart", [
+    # one group is not among the connector cases: gemma (full 16 + sliding 16/window 64)
+    # and qwen3next (full 64 + Mamba); the hit is 144 / 192 tokens
+    ("gemma", "1.8", 50101, 128),      # the last sliding block: 128 is intact in both groups
+    ("gemma", "0.5", 50111, 80),       # a full block in the middle
+    ("qwen3next", "1.2", 50121, 0),    # the Mamba state: no other state was saved
+])
+def test_store_connector_key_removed_between_lookup_and_load(case, fault, port, restart):
+    """A real master loses one key between the scheduler's lookup and the worker's load:
+    the request is reported per request (several groups), vLLM restarts it, and the fresh
+    lookup loads exactly the prefix intact in every group."""
+    r = run_scenario(f"connector-partial-{case}-{fault}", port=port)
+    saver, loader = r["saver"], r["loader"]
+    assert saver.get("failed") == 0, r
+    assert loader.get("removed") == 1 and loader["per_request"] is True, r
+    assert loader["invalid"] == [] and loader["restart"] == restart, r
+    assert loader["prefill"] == loader["n"] - restart, r
+    assert loader["status"] == "FINISHED_LENGTH_CAPPED", r

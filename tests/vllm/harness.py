@@ -208,7 +208,7 @@ def make_request(rid: str, prompt: list[int], hash_bs: int, *, max_tokens: int =
 
 def runner_output(so: Any, sched: Scheduler | None = None, *, token: int = 7,
                   finished_sending=None, finished_recving=None, failed_recving=None,
-                  worker_meta=None) -> ModelRunnerOutput:
+                  worker_meta=None, invalid_block_ids=None) -> ModelRunnerOutput:
     """One sampled token for every scheduled request whose prompt is complete after this
     step (a partial prefill chunk samples nothing, as in the real model runner)."""
     req_ids = list(so.num_scheduled_tokens)
@@ -221,6 +221,7 @@ def runner_output(so: Any, sched: Scheduler | None = None, *, token: int = 7,
     kvo = KVConnectorOutput(finished_sending=set(finished_sending or ()) or None,
                             finished_recving=set(finished_recving or ()) or None,
                             failed_recving=set(failed_recving or ()),
+                            invalid_block_ids=set(invalid_block_ids or ()),
                             kv_connector_worker_meta=worker_meta)
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=[sampled(r) for r in req_ids], logprobs=None,
@@ -357,6 +358,7 @@ def worker_step(worker: Any, so: Any) -> dict:
     worker.wait_for_save()
     r = worker.get_transfer_results(so.finished_req_ids)
     meta = worker.build_connector_worker_meta()
+    invalid = worker.get_block_ids_with_load_errors()
     worker.clear_connector_metadata()
     return dict(finished_sending=r.finished_sending, finished_recving=r.finished_recving,
-                failed_recving=r.failed_recving, worker_meta=meta)
+                failed_recving=r.failed_recving, worker_meta=meta, invalid_block_ids=invalid)

@@ -358,7 +358,8 @@ def test_async_load_failure_is_failed_recving_and_recompute(store_name):
         prompt = [1 + i % 900 for i in range(n)]
         A.s.add_request(H.make_request("a", prompt, A.hbs, max_tokens=2))
         A.run(write=True)
-        B = Instance(case, {"store": "half-failing", "load_async": True}, policy="recompute")
+        B = Instance(case, {"store": "half-failing", "load_async": True, "load_retries": 0},
+                     policy="recompute")
         r = H.make_request("b", prompt, B.hbs, max_tokens=2)
         B.s.add_request(r)
         B.step()

@@ -27,7 +27,7 @@ NIXL_KEYS = frozenset({
 STORE_KEYS = frozenset({
     "store", "store_name", "store_capacity_bytes", "store_scope", "store_page_bytes", "master",
     "local_hostname", "protocol", "global_segment_size", "local_buffer_size",
-    "connect_timeout_s", "load_async", "model_name", "cache_prefix", "store_namespace",
+    "connect_timeout_s", "load_async", "load_retries", "model_name", "cache_prefix", "store_namespace",
 })
 
 _PREFIX = "kv_connector_extra_config"

@@ -36,6 +36,9 @@ COUNTERS: dict[str, str] = {
     "store_lookups": "Store lookups (one per request per scheduling pass)",
     "store_hit_tokens": "Tokens found in the store by lookups that led to a load",
     "store_loads": "Store loads scheduled",
+    "store_load_retries": "Fresh store lookups for requests whose async load failed as a whole",
+    "store_load_failures": "Store loads where some block did not arrive (key missing or "
+                           "evicted since the lookup, short or failed get)",
     "store_saves": "Store saves scheduled (one per request and step)",
     "store_keys_written": "Store keys written by saves",
     "store_keys_failed": "Store keys a save failed or was refused to write (NO_SPACE included)",

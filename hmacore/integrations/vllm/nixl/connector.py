@@ -88,7 +88,8 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                                             sched.port, tp=tp,
                                             progress_delay_us=sched.progress_delay_us,
                                             confirm_timeout=sched.lease_s,
-                                            posting=sched.posting)
+                                            posting=sched.posting,
+                                            recompute=sched.recompute)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
@@ -146,7 +147,7 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         return w.stats() if hasattr(w, "stats") else []
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of failed sync loads (single-group models; see HmaNixlWorker._sync_failed)."""
+        """Blocks of failed loads of single-group models (see HmaNixlWorker._block_report)."""
         w = self.worker
         return w.take_invalid_blocks() if w is not None and hasattr(w, "take_invalid_blocks") \
             else set()

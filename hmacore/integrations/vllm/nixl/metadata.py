@@ -47,6 +47,7 @@ class RecvRequest:
     remote: RemotePeer | None
     awaiting: bool                      # parked in WAITING_FOR_REMOTE_KVS (async load)
     num_external_tokens: int = 0
+    start_tokens: int | None = None     # tokens computed before the load (its local hit)
 
 
 @dataclasses.dataclass

@@ -18,7 +18,8 @@ Contracts kept (vllm-hma.md §1.6, §4.2, §4.7, §4.8):
   for a normal finish with blocks, under a lease of ``kv_lease_duration`` seconds, renewed by
   D heartbeats (worker metadata) and expired here: an expired lease is reported to vLLM as
   ``finished_sending`` so the blocks are freed.
-* Failures are per request (``failed_recving``); vLLM's recompute/fail policy then applies.
+* Failures: per request (``failed_recving``), or block ids for one-group models (see
+  HmaNixlWorker); vLLM's recompute/fail policy then applies.
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class HmaNixlScheduler:
         if ktc is None:
             raise ConfigError("HmaNixlConnector needs vllm_config.kv_transfer_config")
         extra = check_keys(ktc.kv_connector_extra_config, NIXL_KEYS, "HmaNixlConnector")
+        # the worker picks its block-level failure report by it (see HmaNixlWorker)
+        self.recompute = getattr(ktc, "kv_load_failure_policy", "fail") == "recompute"
         self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_config=vllm_config)
         self.kv_cache_config = kv_cache_config
         self.clock = clock
@@ -290,7 +293,8 @@ class HmaNixlScheduler:
                 request_id=rid, local_block_ids=local,
                 local_num_computed_blocks=computed, remote=remote,
                 awaiting=num_external_tokens > 0 and not self.sync_load,
-                num_external_tokens=int(num_external_tokens))
+                num_external_tokens=int(num_external_tokens),
+                start_tokens=None if start is None else int(start))
         params["do_remote_prefill"] = False
         params["_hma_remote_processed"] = True
 

@@ -26,9 +26,14 @@ Pull mode over :class:`hmacore.transport.nixl.NixlAgent`, one worker per TP rank
   a freed block is reused only by a forward pass after a ``start_load_kv`` that carried the
   expiry, so ALIVE proves the READ read intact blocks. D takes a load only when every rank
   it read from answered ALIVE; LATE or no answer within the lease duration fails it.
-* Failures are per request: a READ that cannot be posted or fails is reported in both
-  ``finished_recving`` and ``failed_recving`` once none of the request's READs is still in
-  flight (vLLM then applies its load-failure policy).
+* Failures: a READ that cannot be posted or fails invalidates every block of the load (a
+  READ fails as a whole). Once none of the request's READs is in flight: with one KV cache
+  group, the ids :func:`hmacore.recovery.plan_vllm_report` picks go to
+  ``get_block_ids_with_load_errors`` when vLLM then restarts the request at a point safe for
+  its window (the load's first block; ``recompute`` keeps the local prefix, ``fail`` fails
+  the request alone); otherwise (several groups: vLLM 0.32 / 0.33 raise on block ids) an
+  async load is reported in ``finished_recving`` and ``failed_recving`` and vLLM restarts it
+  from 0. See docs/vllm.md, "Partial load failures".
 
 Units: block ids per group (blocks of that group); times in seconds. PP > 1 is refused by
 the connector; Mamba groups pair only between engines of equal TP size.
@@ -40,7 +45,9 @@ import time
 from typing import Any
 
 from ....errors import HandshakeError, HmacoreError, TransferError
+from ....grain import cdiv
 from ....plan import TransferPlan
+from ....recovery import UNKNOWN, VllmReport, plan_vllm_report
 from ....spec import GroupKind
 from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
 from ....transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
@@ -113,6 +120,7 @@ class _Load:
     remote_rid: str = ""
     confirm_by: float = 0.0                        # time.monotonic() deadline for answers
     late: bool = False                             # a source answered LATE (not a link fault)
+    recv: Any = None                               # the RecvRequest (its restart point)
 
 
 class HmaNixlWorker:
@@ -135,7 +143,8 @@ class HmaNixlWorker:
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  tp: WorkerTp | None = None, sync_timeout: float = 30.0,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
-                 confirm_timeout: float = 30.0, posting: str = "auto") -> None:
+                 confirm_timeout: float = 30.0, posting: str = "auto",
+                 recompute: bool = False) -> None:
         configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
         self.layout = layout
         self.num_blocks = int(num_blocks)
@@ -148,6 +157,7 @@ class HmaNixlWorker:
         self.progress_delay_us = progress_delay_us
         self.confirm_timeout = float(confirm_timeout)
         self.posting = posting
+        self.recompute = recompute      # kv_load_failure_policy == "recompute"
         self.agent: NixlAgent | None = None
         self.server: HandshakeServer | None = None
         self._done_msg = done_message(self.rank, self.tp_size)
@@ -162,7 +172,8 @@ class HmaNixlWorker:
         self._renewed: set[str] = set()
         self._late: dict[str, float] = {}      # P rid whose lease ended -> forget at (monotonic)
         self._stale_answers: dict[str, float] = {}   # D: answers no load waits for -> until
-        self._invalid_blocks: set[int] = set()   # single-group sync loads that failed
+        self._invalid_blocks: set[int] = set()   # failed loads of single-group models
+        self.recoveries: dict[str, VllmReport] = {}   # rid -> last block-level report
         self._stale_peers: set[str] = set()      # agents of dropped sources, to remove
         self.counters = StatsCounter()           # vLLM's stats / /metrics (_metrics.py)
 
@@ -288,7 +299,7 @@ class HmaNixlWorker:
         if err is None and not load.failed:
             err = self._await_answers(load)
         if err is not None or load.failed:
-            self._sync_failed(rid, load.local_ids, err or "a READ failed", load.source)
+            self._sync_failed(rid, load.recv, err or "a READ failed", load.source)
 
     def _await_answers(self, load: _Load) -> str | None:
         """A sync load's READs are done: wait (at most ``sync_timeout`` s) for the sources'
@@ -307,20 +318,66 @@ class HmaNixlWorker:
                 time.sleep(0.001)
         return "the prefill engine's lease had ended" if load.failed else None
 
-    def _sync_failed(self, rid: str, local_ids, err, source) -> None:
-        """A sync load that failed: its blocks go to vLLM as invalid (recomputed or the
-        request failed, by kv_load_failure_policy). vLLM 0.32 takes invalid block ids only
-        for single-group models; with several groups it has no per-request path for a sync
-        load, so the step must fail (why the scheduler warns about sync_load with HMA)."""
+    def _block_report(self, rid: str, rr) -> VllmReport | None:
+        """vLLM's restart for a failed load of a one-group model, every block the load fills
+        counted failed; None when vLLM cannot be told by block ids (several groups, no
+        window-safe landing block, unknown start)."""
+        if rr is None or self.layout.num_groups != 1 or rr.start_tokens is None:
+            return None
+        bs = self.layout.groups[0].block_size
+        start, fills = int(rr.start_tokens), [int(b) for b in rr.local_block_ids[0]]
+        end = start + int(rr.num_external_tokens)
+        n = cdiv(end, bs)
+        first, local = n - len(fills), start // bs
+        if not fills or first < local:
+            return None
+        table = [UNKNOWN] * local + [0] * (first - local) + fills
+        try:
+            rep = plan_vllm_report(self.layout, [table], [(0, i) for i in range(first, n)],
+                                   start=start, end=end)
+        except HmacoreError as e:     # a hook must not raise: fall back to per request
+            logger.warning("no block-level report for %s: %s", rid, e)
+            return None
+        self.recoveries[rid] = rep
+        if len(self.recoveries) > 1024:
+            del self.recoveries[next(iter(self.recoveries))]
+        return None if rep.per_request else rep
+
+    def _sync_failed(self, rid: str, rr, err, source) -> None:
+        """A sync load that failed. vLLM has no per-request path for a sync load (it ignores
+        failed_recving of a running request): one group, its blocks go to vLLM as invalid
+        (the request restarts at the safe point, or fails alone under ``fail``); several
+        groups, or no window-safe landing under ``recompute``, the step must fail (why the
+        scheduler warns about sync_load with HMA)."""
         if source is not None:
             self._drop_source(source)
-        if self.layout.num_groups == 1:
+        rep = self._block_report(rid, rr)
+        if rep is not None:
+            logger.warning("sync KV load of %s failed (%s); vLLM restarts it at token %d",
+                           rid, err, rep.lands_at)
+            self._invalid_blocks |= rep.block_ids
+            return
+        if self.layout.num_groups == 1 and not self.recompute and rr is not None \
+                and len(rr.local_block_ids[0]):
+            # fail policy: any block of the load fails the request alone
             logger.warning("sync KV load of %s failed (%s); its blocks are reported invalid",
                            rid, err)
-            self._invalid_blocks.update(int(b) for g in local_ids for b in g)
+            self._invalid_blocks.update(int(b) for b in rr.local_block_ids[0])
             return
-        raise RuntimeError(f"sync KV load of {rid!r} failed: {err} (sync_load with several KV "
-                           "cache groups has no failure path in vLLM 0.32; use async loads)")
+        raise RuntimeError(f"sync KV load of {rid!r} failed: {err} (vLLM 0.32 cannot restart "
+                           "this sync load at a point safe for every group; use async loads)")
+
+    def _async_failed(self, rid: str, rr) -> bool:
+        """An async load that failed: block ids when vLLM then keeps the local prefix (a
+        restart at 0 frees the request's blocks: failed_recving says the same). True: report
+        it in failed_recving."""
+        rep = self._block_report(rid, rr)
+        if rep is not None and rep.lands_at > 0:
+            logger.warning("KV load of %s failed; vLLM restarts it at token %d", rid,
+                           rep.lands_at)
+            self._invalid_blocks |= rep.block_ids
+            return False
+        return True
 
     def take_invalid_blocks(self) -> set[int]:
         """Blocks of failed sync loads since the last call (single-group models)."""
@@ -352,7 +409,7 @@ class HmaNixlWorker:
             for peer in src.peers:
                 if peer not in src.readers:
                     self.agent.send_notif(peer, remote.request_id, self._done_msg)
-            self._recving[rid] = _Load(posted, source=key, local_ids=tuple(local),
+            self._recving[rid] = _Load(posted, source=key, local_ids=tuple(local), recv=rr,
                                        confirm=set(src.readers),
                                        remote_rid=remote.request_id)
             c = self.counters
@@ -375,14 +432,15 @@ class HmaNixlWorker:
                     self._done_recving.add(rid)
             elif posted:       # READs already in flight write into our blocks: let them end
                 self._recving[rid] = _Load(posted, failed=True, local_ids=tuple(
-                    rr.local_block_ids))
+                    rr.local_block_ids), recv=rr)
                 if not rr.awaiting:
                     self._finish_sync(rid, self._recving.pop(rid))
             elif rr.awaiting:
                 self._done_recving.add(rid)
-                self._failed_recving.add(rid)
+                if self._async_failed(rid, rr):
+                    self._failed_recving.add(rid)
             else:
-                self._sync_failed(rid, rr.local_block_ids, e, None)
+                self._sync_failed(rid, rr, e, None)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` of this rank since the
@@ -433,7 +491,8 @@ class HmaNixlWorker:
         recving.add(rid)
         if load.failed:
             self.counters.add("transfer_failures")
-            failed.add(rid)
+            if self._async_failed(rid, load.recv):
+                failed.add(rid)
             if load.confirm_by and load.remote_rid:
                 # answers may still come (a late or slow source): drop them when they do
                 self._stale_answers[load.remote_rid] = time.monotonic() + self.confirm_timeout

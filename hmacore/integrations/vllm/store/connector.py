@@ -85,6 +85,11 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                 release_store(store)
 
     # -- worker side -----------------------------------------------------------------------------
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of partially failed loads vLLM can restart from (see HmaStoreWorker)."""
+        w = self.worker
+        return w.take_invalid_blocks() if w is not None else set()
+
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Nothing per layer: whole blocks of every group are saved in ``wait_for_save``."""
         return

@@ -41,7 +41,7 @@ from ....tables import RequestState, TrackerSet
 from ....transport.store import lookup_hit, lookup_hit_indexed
 from .. import _compat as C
 from .._clip import skipped_blocks
-from .._config import STORE_KEYS, check_keys, flag, text
+from .._config import STORE_KEYS, check_keys, flag, number, text
 from .._metrics import StatsCounter
 from .._roles import TableFollower
 from ..layout import layout_from_kv_cache_config
@@ -110,6 +110,12 @@ class HmaStoreScheduler(TableFollower):
         self.keys = key_builder(vllm_config, extra)
         self.store = store
         self.load_async = flag(extra, "load_async", False)
+        # a request whose async load failed as a whole (vLLM restarts it from 0) looks the
+        # store up afresh this many times: blocks that went missing since the first lookup
+        # are then left out by the hit rule itself, which keeps exactly the prefix intact in
+        # every group (vLLM 0.32 / 0.33 take no block ids from multi-group models)
+        self.load_retries = number(extra, "load_retries", 1, integer=True, minimum=0)
+        self._retries: dict[str, int] = {}
         self.do_load = bool(ktc.is_kv_consumer)
         self.do_save = bool(ktc.is_kv_producer)
         self.trackers = TrackerSet(self.layout)
@@ -118,6 +124,9 @@ class HmaStoreScheduler(TableFollower):
         self._hits: dict[str, tuple[int, int]] = {}     # rid -> (num hash rows, hit tokens)
         self._loads: dict[str, StoreLoad] = {}
         self.failed_recving: set[str] = set()
+        # rid -> the block ids its load writes, until the request ends: a load reported
+        # through invalid block ids is never retried (a short get would fail again)
+        self._loading: dict[str, frozenset[int]] = {}
         self.stats = {"lookups": 0, "hit_tokens": 0, "loads": 0, "saves": 0}
         self.counters = StatsCounter()     # vLLM's stats / /metrics (_metrics.py)
         self._index_ns = self._index_namespace()
@@ -192,6 +201,7 @@ class HmaStoreScheduler(TableFollower):
             request_id=rid, hit_tokens=hit, skip_tokens=skip,
             block_ids=[list(g) for g in table], hashes=b"".join(rows),
             digest_size=len(rows[0]), awaiting=self.load_async)
+        self._loading[rid] = frozenset(int(b) for g in table for b in g if b)
         if rid in self.trackers:
             # what was loaded is in the store already: saves start after it
             self.trackers.set_saved_tokens(rid, max(self.trackers.saved_tokens(rid), hit))
@@ -206,6 +216,7 @@ class HmaStoreScheduler(TableFollower):
         meta = HmaStoreConnectorMetadata()
         for rid in C.preempted_ids(scheduler_output):
             self._hits.pop(rid, None)
+            self._loading.pop(rid, None)    # its blocks were freed: ids may be reused
         scheduled = scheduler_output.num_scheduled_tokens
         for rid in self._follow_step(scheduler_output):
             if self.do_save:
@@ -269,8 +280,19 @@ class HmaStoreScheduler(TableFollower):
                          state_blocks=states, block_offsets=offsets, row_offset=row0)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            for rid, ids in self._loading.items():
+                if ids & invalid:
+                    self.failed_recving.add(rid)   # vLLM restarts it; never re-load it
         for rid in connector_output.failed_recving or ():
-            self.failed_recving.add(rid)
+            tries = self._retries.get(rid, 0)
+            if tries < self.load_retries:
+                self._retries[rid] = tries + 1
+                self.counters.add("store_load_retries")
+            else:
+                self.failed_recving.add(rid)
+            self._loading.pop(rid, None)      # vLLM frees its blocks (or fails it)
             self._hits.pop(rid, None)
             if rid in self.trackers:
                 # vLLM frees and reallocates (recompute policy): the next full table replaces
@@ -285,5 +307,7 @@ class HmaStoreScheduler(TableFollower):
         self._requests.pop(rid, None)
         self._hits.pop(rid, None)
         self._loads.pop(rid, None)
+        self._loading.pop(rid, None)
+        self._retries.pop(rid, None)
         self.failed_recving.discard(rid)
         return False, None

@@ -12,14 +12,20 @@
   already present are skipped; NO_SPACE stops the save). Save failures are logged, never
   raised. Mamba (align) state blocks named by the save go through ``save_state`` (boundary
   puts); a state layer's segment is its whole page per block (sub-states and padding).
-* Failures are per request: an async load that fails is reported in ``finished_recving`` and
-  ``failed_recving`` (vLLM's ``kv_load_failure_policy`` applies); a sync load that fails raises
-  (with several KV cache groups vLLM cannot be told which blocks are invalid).
+* Failures: a load knows which blocks did not arrive (key missing or evicted since the
+  lookup, short or failed get). :func:`hmacore.recovery.plan_vllm_report` picks the restart
+  point safe in every group; where vLLM can be told by block ids (one KV cache group, a block
+  this load wrote at that point) the ids go to ``get_block_ids_with_load_errors`` and vLLM
+  restarts the request there (``recompute``) or fails it alone (``fail``). Otherwise an async
+  load is reported in ``finished_recving`` and ``failed_recving`` (vLLM restarts it from 0);
+  a sync load raises (with several KV cache groups vLLM 0.32/0.33 has no per-request path
+  for a sync load; it refuses invalid block ids). See docs/vllm.md, "Partial load failures".
 
 Single worker (TP = PP = 1), like HmaNixlConnector.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -29,9 +35,10 @@ from .._metrics import StatsCounter
 from ....hits import HitFinder, HitResult
 from ....keys import KeyBuilder
 from ....plan import _layer_parts
+from ....recovery import UNKNOWN, VllmReport, plan_vllm_report
 from ....spec import GroupKind
-from ....transport.store import NO_SPACE, OK, GroupSegments, SaveReport, load_blocks, \
-    save_blocks, save_state
+from ....transport.store import NO_SPACE, OK, GroupSegments, SaveReport, \
+    save_blocks, save_state, load_blocks_failed
 from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
 from .. import _compat as C
 
@@ -108,6 +115,9 @@ class HmaStoreWorker:
         self._regions: list[int] = []
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self._invalid_blocks: set[int] = set()   # for get_block_ids_with_load_errors
+        # rid -> the recovery of its last partially failed load (tests, debugging)
+        self.recoveries: dict[str, VllmReport] = {}
         self.last_saves: dict[str, SaveReport] = {}
         # rid -> per-group ids filled, the last LOADED_HISTORY loads (for tests and debugging)
         self.loaded_blocks: dict[str, list[list[int]]] = {}
@@ -150,32 +160,75 @@ class HmaStoreWorker:
             filled.append(table[np.flatnonzero(m)].tolist() if m.size else [])
         return HitResult(int(ld.hit_tokens), tuple(masks)), filled
 
-    def _load(self, ld: StoreLoad) -> bool:
+    def _load(self, ld: StoreLoad) -> tuple[HitResult | None, list[tuple[int, int]]]:
+        """Run one load: ``(hit, failed positions)``; ``(None, [])`` when it was rejected
+        before reaching the store (nothing is known to have arrived)."""
         try:
             hashes = _hashes(ld.hashes, ld.digest_size)
             hit, filled = self._load_hit(ld, hashes)
-            ok = load_blocks(self.finder, self.keys, self.store, hashes, hit, ld.block_ids,
-                             self._need_segments())
+            failed = load_blocks_failed(self.finder, self.keys, self.store, hashes, hit,
+                                        ld.block_ids, self._need_segments())
         except HmacoreError as e:
             logger.warning("store load of %s rejected: %s", ld.request_id, e)
-            return False
-        if ok:
+            return None, []
+        if not failed:
             self.loaded_blocks[ld.request_id] = filled
             if len(self.loaded_blocks) > self.LOADED_HISTORY:   # a record, not a leak
                 del self.loaded_blocks[next(iter(self.loaded_blocks))]
-        return ok
+        return hit, failed
+
+    def _recovery(self, ld: StoreLoad, hit: HitResult | None,
+                  failed: list[tuple[int, int]]) -> VllmReport | None:
+        """What to tell vLLM about a partially failed load (None: per request). Blocks the
+        load did not write are present (local prefix hit) but never ours to report."""
+        if hit is None:
+            return None
+        tables = []
+        for g, ids in enumerate(ld.block_ids):
+            mask = hit.masks[g]
+            tables.append([b if b == 0 or (i < len(mask) and mask[i]) else UNKNOWN
+                           for i, b in enumerate(ids)])
+        try:
+            rep = plan_vllm_report(self.layout, tables, failed, start=int(ld.skip_tokens),
+                                   end=int(ld.hit_tokens))
+        except HmacoreError as e:   # a bug here must not take the engine down
+            logger.warning("no recovery plan for %s: %s", ld.request_id, e)
+            return None
+        if rep.lands_at == 0 and not rep.per_request and ld.awaiting:
+            # vLLM frees an async request restarting at 0: the per-request path does the
+            # same and lets the scheduler side look the store up afresh (load_retries)
+            rep = dataclasses.replace(rep, block_ids=frozenset(), per_request=True)
+        self.recoveries[ld.request_id] = rep
+        if len(self.recoveries) > self.LOADED_HISTORY:
+            del self.recoveries[next(iter(self.recoveries))]
+        return rep
 
     def start_load_kv(self, meta: HmaStoreConnectorMetadata) -> None:
         for rid, ld in meta.loads.items():
-            ok = self._load(ld)
+            hit, failed = self._load(ld)
+            ok = hit is not None and not failed
             if ld.awaiting:
                 self._done_recving.add(rid)
-                if not ok:
-                    logger.warning("async store load of %s failed; reported failed_recving", rid)
-                    self._failed_recving.add(rid)
-            elif not ok:
+            if ok:
+                continue
+            self.counters.add("store_load_failures")
+            rep = self._recovery(ld, hit, failed)
+            if rep is not None and not rep.per_request:
+                logger.warning("store load of %s: %d blocks did not arrive; vLLM restarts it "
+                               "at token %d (safe point %d)", rid, len(failed), rep.lands_at,
+                               rep.safe_tokens)
+                self._invalid_blocks |= rep.block_ids
+            elif ld.awaiting:
+                logger.warning("async store load of %s failed; reported failed_recving", rid)
+                self._failed_recving.add(rid)
+            else:
                 raise RuntimeError(f"sync KV load of {rid!r} from the store failed (set "
                                    "load_async: true to have vLLM recompute instead)")
+
+    def take_invalid_blocks(self) -> set[int]:
+        """Block ids for ``get_block_ids_with_load_errors`` since the last call."""
+        out, self._invalid_blocks = self._invalid_blocks, set()
+        return out
 
     # -- saves ------------------------------------------------------------------------------
     def _save(self, sv: StoreSave) -> SaveReport:
