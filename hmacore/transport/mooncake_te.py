@@ -297,7 +297,7 @@ class MooncakeTeAgent:
                 raise self._fail(request_id, f"bad descriptor pairs for {peer!r}: {e}") from None
             lrows, rrows, t.runs, t.mechanism = runs.local, runs.remote, runs.num_runs, "runs"
         t.descriptors = int(lrows.shape[0])
-        note = self._notify(request_id, notif) if notif is not None else None
+        note = self._notify(request_id, bytes(notif)) if notif is not None else None
         from mooncake.engine import TransferOpcode
         code = TransferOpcode.Read if op == "READ" else TransferOpcode.Write
         calls = split_calls(lrows[:, 0], rrows[:, 0], lrows[:, 1],

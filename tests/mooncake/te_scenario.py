@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))         # repo root
 sys.path.insert(0, HERE)
 
 from hmacore.demo.paged_memory import allocate_paged_kv, fill_pattern, verify_pattern  # noqa: E402
-from hmacore.errors import HandshakeError, TransferError  # noqa: E402
+from hmacore.errors import TransferError  # noqa: E402
 from hmacore.plan import TransferPlan  # noqa: E402
 from hmacore.presets import get_preset  # noqa: E402
 from hmacore.spec import GroupKind, GroupSpec, KVLayout  # noqa: E402
