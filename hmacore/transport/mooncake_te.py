@@ -133,6 +133,8 @@ class MooncakeTeAgent:
             default; a namespace's or host's own address across machines).
         protocol: the engine's transport (``"tcp"``; ``"rdma"`` needs RDMA devices).
         hma: HMA on/off, carried in the handshake (peers must agree).
+        tp: keyword arguments of :meth:`HandshakePayload.for_tp_plan` (the TP-aware
+            handshake the vLLM connector speaks); peers must still have this TP size.
         posting: ``"auto"`` (one entry per maximal run) or ``"blocks"`` (per block).
         transfer_timeout_s: the engine's own transfer timeout (``MC_TRANSFER_TIMEOUT``,
             seconds, >= 5), used when the environment does not set it.
@@ -140,7 +142,8 @@ class MooncakeTeAgent:
     """
 
     def __init__(self, name: str, plan: TransferPlan, *, hostname: str = "127.0.0.1",
-                 protocol: str = "tcp", hma: bool = True, posting: str = "auto",
+                 protocol: str = "tcp", hma: bool = True, tp: dict[str, Any] | None = None,
+                 posting: str = "auto",
                  transfer_timeout_s: int = 10, workers: int = 4):
         if not isinstance(name, str) or not name or ":" in name:
             raise ValueError(f"name must be a non-empty str without ':', got {name!r}")
@@ -156,6 +159,7 @@ class MooncakeTeAgent:
         self.name = name
         self.plan = plan
         self.hma = hma
+        self.tp = dict(tp) if tp is not None else None
         self.posting = posting
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(transfer_timeout_s))
         from mooncake.engine import TransferEngine  # lazy: core never imports mooncake
@@ -190,6 +194,9 @@ class MooncakeTeAgent:
         return endpoint_metadata(self.session, self._doorbell.ctypes.data)
 
     def handshake_payload(self) -> HandshakePayload:
+        if self.tp is not None:
+            return HandshakePayload.for_tp_plan(self.plan, self.name, self.metadata(),
+                                                hma=self.hma, **self.tp)
         return HandshakePayload.for_plan(self.plan, self.name, self.metadata(), hma=self.hma)
 
     def add_peer(self, payload: HandshakePayload, *, pair: Any = None) -> str:
