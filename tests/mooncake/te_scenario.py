@@ -11,8 +11,9 @@ process it started by PID. Modes:
   reference (the pattern exactly where it read, zeros elsewhere); it WRITEs the same kinds
   into the peer, and the peer compares all of its memory the same way. Notifications ride a
   transfer and travel alone (every byte value).
-* ``kill``: a large READ is in flight when the peer is SIGKILLed: it must be reported failed
-  within a bound; the agent then serves a new peer byte-exactly.
+* ``kill``: a 128 MiB READ is in flight (its first bytes have landed) when the peer is
+  SIGKILLed: it must be reported failed within a bound; the agent then serves a new peer
+  byte-exactly.
 * ``badargs``: bad arguments are refused with clear errors and the agent stays usable.
 """
 from __future__ import annotations
@@ -242,7 +243,14 @@ def mode_kill() -> dict:
             proc, port = start_peer({**cfg, "name": f"te-victim{attempt}"})
             peer = connect(me, port)
             r["tries"] += 1
+            for m in me.paged.storages:
+                m[...] = 0
             t = me.agent.read(f"big{attempt}", peer, everything, everything)
+            # kill once the first bytes have landed (the READ is really moving data)
+            first = me.paged.storages[0].reshape(-1)[:1 << 20]
+            until = time.monotonic() + 30
+            while me.agent.poll(t) == "PROC" and not first.any() and time.monotonic() < until:
+                time.sleep(0.0005)
             if me.agent.poll(t) != "PROC":      # finished before we could kill: try again
                 me.agent.send_notif(peer, "bye", b"bye")
                 stop(proc)

@@ -66,6 +66,7 @@ def test_every_group_kind_byte_exact_reads_and_writes():
 def test_peer_killed_mid_transfer_fails_bounded_and_survivor_serves():
     r = run_te("kill")
     assert r["outcome"] == "failed", r
+    assert 0 < r["arrived_fraction"] < 1, r                  # killed while bytes were landing
     assert "te-victim" in r["error"] and r["failure_recorded"] is True
     assert r["valid_after_failure"] is False
     assert r["fail_s"] < 60                                  # the engine's own bound: 10 s
