@@ -185,7 +185,7 @@ class MooncakeTeAgent:
         self._peers: dict[str, _Peer] = {}
         self._valid: dict[str, tuple[np.ndarray, ...]] = {}
         self._failed: dict[str, TransferError] = {}
-        self._notifs: dict[str, list[bytes]] = {}
+        self._notifs: dict[str, list[tuple[str, bytes]]] = {}   # rid -> (sender, body)
         self._closed = False
 
     # -- peers -------------------------------------------------------------------------
@@ -423,13 +423,24 @@ class MooncakeTeAgent:
         self._check_open()
         for n in self._engine.get_notifies():
             rid, sep, body = str(n.msg).partition(":")
-            self._notifs.setdefault(rid, []).append(body.encode("latin-1") if sep else b"")
+            self._notifs.setdefault(rid, []).append(
+                (str(n.name), body.encode("latin-1") if sep else b""))
 
     def notifications(self, request_id: str, *, fetch: bool = True) -> list[bytes]:
         """Messages received so far for a request (consumed)."""
+        return [body for _, body in self.notifications_from(request_id, fetch=fetch)]
+
+    def notifications_from(self, request_id: str, *, fetch: bool = True
+                           ) -> list[tuple[str, bytes]]:
+        """:meth:`notifications` with each message's sender (the peer's agent name: the
+        ``TransferNotify`` name it sent)."""
         if fetch:
             self.fetch_notifs()
         return self._notifs.pop(request_id, [])
+
+    def has_notifications(self, request_id: str) -> bool:
+        """True when messages for ``request_id`` are queued (nothing fetched or consumed)."""
+        return request_id in self._notifs
 
     def wait_notif(self, request_id: str, timeout: float = 10.0) -> bytes:
         """First message for ``request_id``, waiting at most ``timeout`` s."""
@@ -438,7 +449,7 @@ class MooncakeTeAgent:
             self.fetch_notifs()
             queue = self._notifs.get(request_id)
             if queue:
-                return queue.pop(0)
+                return queue.pop(0)[1]
             if time.monotonic() >= deadline:
                 raise TransferError(f"no notification for request {request_id!r} within "
                                     f"{timeout} s", request_id=request_id)

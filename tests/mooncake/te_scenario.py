@@ -222,6 +222,13 @@ def mode_exact() -> dict:
             every_byte = bytes(range(256)) + b":x:"
             me.agent.send_notif("te-peer", "echo1", every_byte)
             r["echo_same"] = me.agent.wait_notif("echo1", timeout=60) == every_byte
+            me.agent.send_notif("te-peer", "echo2", b"who")
+            until = time.monotonic() + 60
+            while not me.agent.has_notifications("echo2") and time.monotonic() < until:
+                me.agent.fetch_notifs()
+                time.sleep(0.002)
+            r["echo_from"] = [[who, body.decode()] for who, body in
+                              me.agent.notifications_from("echo2", fetch=False)]
             me.agent.send_notif("te-peer", "bye", b"bye")
             r["peer_rc"] = proc.wait(timeout=60)
         finally:

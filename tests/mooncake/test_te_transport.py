@@ -58,6 +58,7 @@ def test_every_group_kind_byte_exact_reads_and_writes():
         assert fresh[0]["descriptors"] * 5 <= fresh[0]["block_descriptors"], preset
         assert res["peer_notifs"] == {"w5": ["written"]}      # rode the last WRITE
         assert res["echo_same"] is True                      # every byte value, alone
+        assert res["echo_from"] == [["te-peer", "who"]]     # the sender's agent name
         assert res["peer_rc"] == 0
 
 
