@@ -12,6 +12,8 @@ from .hits import ExistenceSet, ExternalBlockPool, HitFinder, HitResult
 from .keys import KeyBuilder, RankNamespace
 from .plan import TransferPlan
 from .presets import DEFAULT_PRESET, get_preset, preset_names
+from .route_hashing import BlockHasher
+from .route_index import ApplyStats, RouteResult, RoutingIndex
 from .spec import GroupKind, GroupSpec, KVLayout, MambaMode
 from .tables import (RequestState, TrackerSet, as_block_table, count_hashed, fill_blocks,
                      from_wire, to_wire)
@@ -26,6 +28,6 @@ __all__ = ["ArgumentOverflowError", "ArgumentTypeError", "ArgumentValueError", "
            "get_preset", "preset_names", "GroupKind", "GroupSpec", "KVLayout", "MambaMode",
            "RequestState", "TrackerSet", "as_block_table", "count_hashed", "fill_blocks",
            "from_wire", "to_wire", "clip_to_window", "expand_to_kernel", "map_block_size",
-           "trim_remote_to_local"]
+           "trim_remote_to_local", "RoutingIndex", "RouteResult", "ApplyStats", "BlockHasher"]
 
 __version__ = "0.1.0"

@@ -40,7 +40,7 @@ from ..tp import PAGE_LAYOUTS, kv_heads_of_rank
 __all__ = ["PROTOCOL_VERSION", "HandshakePayload", "HandshakeServer", "TpDescription",
            "exchange_handshake", "tp_fingerprint_fields"]
 
-PROTOCOL_VERSION = 2  # 2: optional TP description (heterogeneous TP)
+PROTOCOL_VERSION = 3  # 2: optional TP description (heterogeneous TP); 3: READs confirmed
 
 
 

@@ -123,7 +123,7 @@ class NixlAgent:
         self._peers: dict[str, _Peer] = {}
         self._valid: dict[str, tuple[np.ndarray, ...]] = {}
         self._failed: dict[str, TransferError] = {}
-        self._notifs: dict[str, list[bytes]] = {}
+        self._notifs: dict[str, list[tuple[str, bytes]]] = {}   # rid -> (sender, body)
         self._closed = False
 
     def _rows_table(self, rows: np.ndarray, ranges) -> DescTable | None:
@@ -463,17 +463,29 @@ class NixlAgent:
             new = self._agent.get_new_notifs()
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
             raise TransferError(f"reading notifications failed: {type(e).__name__}: {e}") from e
-        for msgs in new.values():
+        for sender, msgs in new.items():
+            name = sender.decode(errors="replace") if isinstance(sender, bytes) else str(sender)
             for m in msgs:
                 rid, sep, body = bytes(m).partition(b":")
-                self._notifs.setdefault(rid.decode(errors="replace"), []).append(body if sep else b"")
+                self._notifs.setdefault(rid.decode(errors="replace"), []).append(
+                    (name, body if sep else b""))
 
     def notifications(self, request_id: str, *, fetch: bool = True) -> list[bytes]:
         """Messages received so far for a request (consumed). ``fetch=False`` skips asking
         NIXL for new ones (call :meth:`fetch_notifs` once, then this for many requests)."""
+        return [body for _, body in self.notifications_from(request_id, fetch=fetch)]
+
+    def notifications_from(self, request_id: str, *, fetch: bool = True
+                           ) -> list[tuple[str, bytes]]:
+        """:meth:`notifications` with each message's sender (the peer's agent name), so an
+        answer can go back to it."""
         if fetch:
             self._drain_notifs()
         return self._notifs.pop(request_id, [])
+
+    def has_notifications(self, request_id: str) -> bool:
+        """True when messages for ``request_id`` are queued (nothing fetched or consumed)."""
+        return request_id in self._notifs
 
     def fetch_notifs(self) -> None:
         """Move NIXL's new notifications into the per-request queues."""
@@ -487,7 +499,7 @@ class NixlAgent:
             self._drain_notifs()
             queue = self._notifs.get(request_id)
             if queue:
-                return queue.pop(0)
+                return queue.pop(0)[1]
             if time.monotonic() >= deadline:
                 raise TransferError(f"no notification for request {request_id!r} within {timeout} s",
                                     request_id=request_id)

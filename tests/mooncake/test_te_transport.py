@@ -115,6 +115,7 @@ def test_nixl_driver_satisfies_the_interface():
         missing = [m for m in ("metadata", "handshake_payload", "add_peer", "add_notify_peer",
                                "remove_peer", "peers", "read", "write", "poll", "wait",
                                "valid_blocks", "failure", "send_notif", "notifications",
+                               "notifications_from", "has_notifications",
                                "fetch_notifs", "wait_notif", "close")
                    if not hasattr(cls, m)]
         assert not missing, (cls, missing)

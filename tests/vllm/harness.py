@@ -44,6 +44,10 @@ def model_config() -> ModelConfig:
                        dtype="auto", max_model_len=MAX_LEN)
 
 
+#: store_capacity_bytes of the tests' HmaStoreConnector configs (see vllm_config)
+STORE_TEST_CAPACITY = 64 << 20
+
+
 def vllm_config(*, kv_role: str = "kv_both", block_size: int = 16, extra: dict | None = None,
                 load_failure_policy: str = "fail", mamba_cache_mode: str | None = None,
                 max_num_batched_tokens: int = 256, connector: bool = True,
@@ -58,9 +62,14 @@ def vllm_config(*, kv_role: str = "kv_both", block_size: int = 16, extra: dict |
         cache.mamba_cache_mode = mamba_cache_mode
     ktc = None
     if connector:
+        extra = dict(extra or {})
+        if kv_connector == "HmaStoreConnector":
+            # the shared store reserves its whole capacity in /dev/shm at creation (1 GiB by
+            # default) and a pytest process keeps every store it opened: tests hold 64 MiB
+            extra.setdefault("store_capacity_bytes", STORE_TEST_CAPACITY)
         ktc = KVTransferConfig(kv_connector=kv_connector,
                                kv_connector_module_path="hmacore.integrations.vllm",
-                               kv_role=kv_role, kv_connector_extra_config=dict(extra or {}),
+                               kv_role=kv_role, kv_connector_extra_config=extra,
                                kv_load_failure_policy=load_failure_policy)
         if engine_id is not None:   # rank processes must share the scheduler's engine id
             ktc.engine_id = engine_id

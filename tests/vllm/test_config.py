@@ -1,5 +1,6 @@
 """kv_connector_extra_config of both connectors: unknown keys refused with a suggestion,
 every value typed and bounded, every error a ConfigError (also a ValueError) naming the key."""
+import os
 import pytest
 
 import harness as H
@@ -33,6 +34,8 @@ def store(extra):
     ({"nixl_progress_delay_us": -1}, "nixl_progress_delay_us must be an integer >= 0"),
     ({"nixl_progress_delay_us": "fast"}, "nixl_progress_delay_us must be an integer >= 0"),
     ({"transfer_mode": "pushy"}, "transfer_mode must be one of"),
+    ({"nixl_posting": "fast"}, r"nixl_posting must be one of \['auto', 'dynamic', 'prepped', "
+                               r"'blocks'\], got 'fast'"),
     ({"transfer_mode": "push", "push_recv_timeout": -3}, "push_recv_timeout must be a number > 0"),
 ])
 def test_nixl_config_errors_name_the_key(extra, match):
@@ -44,7 +47,7 @@ def test_nixl_config_errors_name_the_key(extra, match):
 @pytest.mark.parametrize("extra,match", [
     ({"load_asynch": True}, r"'load_asynch' \(did you mean 'load_async'\?\)"),
     ({"load_async": "yes"}, "load_async must be true or false"),
-    ({"store_capacity_bytes": "big", "store_name": "cfg-test"},
+    ({"store_capacity_bytes": "big", "store_name": f"cfg-test-{os.getpid()}"},
      "store_capacity_bytes must be an integer >= 1"),
     ({"store": "mooncake"}, '"store": "mooncake" needs'),
     ({"store": "nowhere"}, "is not \"embedded\""),
@@ -58,7 +61,9 @@ def test_store_config_errors_name_the_key(extra, match):
 def test_good_configs_read_typed_values():
     c = nixl({"kv_lease_duration": "12.5", "side_channel_port": 5611, "sync_load": "true"})
     assert (c.scheduler.lease_s, c.scheduler.port, c.scheduler.sync_load) == (12.5, 5611, True)
-    s = store({"load_async": True, "store_name": "cfg-good"})
+    assert c.scheduler.posting == "auto"
+    assert nixl({"nixl_posting": "blocks"}).scheduler.posting == "blocks"
+    s = store({"load_async": True, "store_name": f"cfg-good-{os.getpid()}"})
     assert s.scheduler.load_async is True
 
 

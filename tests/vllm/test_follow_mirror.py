@@ -10,6 +10,7 @@ At every step, for every request HmaStoreConnector tracks:
 * a save carries only the new positions and hash rows (its size does not grow with the
   request).
 """
+import os
 import random
 
 import pytest
@@ -33,7 +34,7 @@ POOLS = {"gemma": 48, "dsv4": 520, "qwen3next": 40}
 def test_followed_tables_mirror_vllm(case, seed):
     rng = random.Random(seed)
     vkw, _, prompt = CASES[case]
-    name = f"mirror-{case}-{seed}"
+    name = f"mirror-{case}-{seed}-{os.getpid()}"
     CASES[name] = (vkw, lambda: _small(case), prompt)
     inst = Instance(name, {"store_name": name})
     try:

@@ -2,7 +2,9 @@
 Scheduler with a SCHEDULER-role HmaNixlConnector and a WORKER-role one over paged KV memory.
 P prefills and holds its blocks; D pulls them by READ; the bytes D holds equal P's; P frees
 on D's notification; neither engine leaks a block."""
+import contextlib
 import os
+import threading
 import time
 
 import pytest
@@ -76,6 +78,7 @@ def test_pd_pull_moves_the_right_bytes(case):
         while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
             assert time.monotonic() < deadline, "READ did not complete"
             D.d.step()
+            P.d.step()          # P answers the READ's done: D takes the data only then
         # D's blocks hold P's bytes, group by group, position by position
         local, remote = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids,
                                              D.w.layout)
@@ -144,6 +147,30 @@ def drain_p(P):
     H.assert_no_leak(P.s)
 
 
+@contextlib.contextmanager
+def stepping(engine):
+    """Step ``engine`` on a thread while the body runs (a sync load blocks the caller's
+    step; the prefill engine, another process in real use, keeps stepping)."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop():
+        try:
+            while not stop.is_set():
+                engine.d.step()
+                time.sleep(0.002)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    assert not t.is_alive() and not errors, errors
+
+
 def test_sync_load_completes_before_the_forward_pass():
     P = Engine(lambda: H.gemma_like(num_blocks=64))
     D = Engine(lambda: H.gemma_like(num_blocks=64), extra={"sync_load": True})
@@ -151,7 +178,8 @@ def test_sync_load_completes_before_the_forward_pass():
         prompt, params = p_prefill(P, 150)
         r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
         D.s.add_request(r)
-        D.d.step()                         # one step: READ posted and waited, request runs
+        with stepping(P):                  # a live P answers the READ's done meanwhile
+            D.d.step()                     # one step: READ posted and waited, request runs
         assert r.status == H.RequestStatus.RUNNING
         rr = D.d.metas[-1].reqs_to_recv["d"]
         local, remote = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids,
@@ -203,6 +231,7 @@ def _load_from(P, D, rid, n, base=1):
     while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
         assert time.monotonic() < deadline, "the load never ended"
         D.d.step()
+        P.d.step()
     ok = "d-" + rid not in D.s.connector.scheduler.failed_recving
     local, remote = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids, D.w.layout)
     same = all((read_pages(D.paged.kv_caches[name], local[g]) ==
@@ -326,6 +355,87 @@ def test_connector_stats_count_what_moved():
                                     {"model_name": "m", "engine": "0",
                                      "group": str(sliding)}) == p["blocks_clipped"][str(sliding)]
         drain_p(P)
+    finally:
+        P.close()
+        D.close()
+
+
+def test_read_finished_after_the_lease_ended_is_a_failed_load():
+    # P's lease ends (its blocks freed, reusable) before P's worker hears the READ's done:
+    # P answers LATE and D reports the load failed (recompute), never taking bytes that a
+    # reused block may have overwritten. Modelled here by P's scheduler stepping without
+    # its worker (P's worker stalled) past the lease, then the worker catching up.
+    P = Engine(lambda: H.gemma_like(num_blocks=64), extra={"kv_lease_duration": 1})
+    D = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute")
+    try:
+        prompt, params = p_prefill(P, 150)
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        D.d.step()                                   # READ posted (done on its way to P)
+        assert any(len(g) for g in D.d.metas[-1].reqs_to_recv["d"].local_block_ids)
+        worker, P.d.worker = P.d.worker, None
+        time.sleep(1.3)
+        P.d.step()                                   # the lease expires: blocks freed
+        assert not P.s.requests
+        P.d.worker = worker
+        deadline = time.monotonic() + 20
+        while "d" not in D.s.connector.scheduler.failed_recving:
+            assert time.monotonic() < deadline, "the failed load was never reported"
+            P.d.step()                               # worker: lease ended, done -> LATE
+            D.d.step()
+        assert r.num_computed_tokens == 0            # recompute: nothing loaded was kept
+        late = D.w.worker.counters._data.get("late_reads", 0)
+        assert late == 1, D.w.worker.counters._data
+        D.d.run()
+        assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        H.assert_no_leak(D.s)
+        H.assert_no_leak(P.s)
+    finally:
+        P.close()
+        D.close()
+
+
+def test_read_answered_alive_while_the_lease_holds():
+    # the control of the test above: the same flow with P's worker live answers ALIVE and
+    # the load succeeds with P's bytes
+    P = Engine(lambda: H.gemma_like(num_blocks=64), extra={"kv_lease_duration": 1})
+    D = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute")
+    try:
+        prompt, params = p_prefill(P, 150)
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        D.d.step()
+        deadline = time.monotonic() + 20
+        while r.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
+            assert time.monotonic() < deadline, "the load never ended"
+            P.d.step()
+            D.d.step()
+        assert "d" not in D.s.connector.scheduler.failed_recving
+        assert r.num_computed_tokens > 0
+        assert D.w.worker.counters._data.get("late_reads", 0) == 0
+        D.d.run()
+        drain_p(P)
+    finally:
+        P.close()
+        D.close()
+
+
+@pytest.mark.parametrize("posting", ["blocks", "dynamic"])
+def test_posting_mode_from_the_config(posting):
+    # kv_connector_extra_config.nixl_posting reaches the worker's NIXL agent: "blocks" posts
+    # one descriptor per block and layer slot, "dynamic" the coalesced runs; the bytes agree
+    P = Engine(lambda: H.gemma_like(num_blocks=64), extra={"nixl_posting": posting})
+    D = Engine(lambda: H.gemma_like(num_blocks=64), extra={"nixl_posting": posting})
+    try:
+        assert D.w.worker.agent.posting == posting
+        ok, same = _load_from(P, D, f"post-{posting}", 150)
+        assert ok and same
+        c = D.w.worker.counters._data
+        descs, blocks = c["transfer_descriptors"], c["transfer_block_descriptors"]
+        if posting == "blocks":
+            assert descs == blocks
+        else:
+            assert descs < blocks, c
     finally:
         P.close()
         D.close()

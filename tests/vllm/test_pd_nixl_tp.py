@@ -33,7 +33,9 @@ def _prefill(P, prompt, rid="req"):
     return P.finished_params()[rid]
 
 
-def _decode_until_loaded(D, prompt, params, rid="d-req"):
+def _decode_until_loaded(D, prompt, params, rid="d-req", P=None):
+    """D steps until its load ended; P (holding the lease) steps too, as a live prefill
+    engine does: it answers each READ's done (D takes the data only then)."""
     hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
     req = H.make_request(rid, prompt, hbs, params=params, max_tokens=3)
     D.s.add_request(req)
@@ -43,6 +45,8 @@ def _decode_until_loaded(D, prompt, params, rid="d-req"):
     while req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
         assert time.monotonic() < deadline, "the READs did not complete"
         D.step()
+        if P is not None:
+            P.step()
     return req, rr
 
 
@@ -63,7 +67,7 @@ def test_mixed_tp_pull_every_byte(engines, case, tp_p, tp_d):
     prompt = [1 + (i * 7 + tp_p * 13 + tp_d) % 900 for i in range(n)]
     params = _prefill(P, prompt, rid=f"p-{rid}")
     assert params["tp_size"] == tp_p and params["remote_port"] == P.port
-    req, rr = _decode_until_loaded(D, prompt, params, rid=f"d-{rid}")
+    req, rr = _decode_until_loaded(D, prompt, params, rid=f"d-{rid}", P=P)
     assert req.status != H.RequestStatus.FINISHED_ERROR
     assert req.num_computed_tokens >= n - 1, "D recomputed instead of loading"
     local, _ = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids, D.layout)

@@ -21,7 +21,7 @@ __all__ = ["NIXL_KEYS", "STORE_KEYS", "check_keys", "number", "flag", "text", "s
 NIXL_KEYS = frozenset({
     "kv_lease_duration", "side_channel_host", "side_channel_listen_host", "side_channel_port",
     "sync_load",
-    "nixl_progress_delay_us", "transfer_mode", "push_register_timeout", "push_recv_timeout",
+    "nixl_progress_delay_us", "nixl_posting", "transfer_mode", "push_register_timeout", "push_recv_timeout",
     "transport",
 })
 #: every key HmaStoreConnector reads (store selection, Mooncake client, keys, loads)

@@ -29,6 +29,10 @@ COUNTERS: dict[str, str] = {
     "transfer_failures": "KV loads or pushes that failed (handshake, NIXL error, deadline)",
     "loads": "KV loads completed (every transfer of the request done)",
     "lease_expiries": "Prefill-side leases that expired before the decode side released them",
+    "late_reads": "KV loads whose READ finished after the prefill engine's lease had ended "
+                  "(its blocks may have been reused): reported failed",
+    "read_confirm_timeouts": "KV loads whose READ finished but whose prefill rank never "
+                             "confirmed its lease within kv_lease_duration: reported failed",
     "store_lookups": "Store lookups (one per request per scheduling pass)",
     "store_hit_tokens": "Tokens found in the store by lookups that led to a load",
     "store_loads": "Store loads scheduled",

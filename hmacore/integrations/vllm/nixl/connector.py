@@ -82,13 +82,16 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                                             sched.engine_id, sched.listen_host,
                                             sched.port, recv_timeout=sched.recv_timeout,
                                             lease_s=sched.lease_s, tp=tp,
-                                            progress_delay_us=sched.progress_delay_us)
+                                            progress_delay_us=sched.progress_delay_us,
+                                            posting=sched.posting)
             else:
                 from .worker import HmaNixlWorker  # imports the NIXL driver lazily
                 self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
                                             sched.engine_id, sched.listen_host,
                                             sched.port, tp=tp,
                                             progress_delay_us=sched.progress_delay_us,
+                                            confirm_timeout=sched.lease_s,
+                                            posting=sched.posting,
                                             transport=self.transport)
 
     @property

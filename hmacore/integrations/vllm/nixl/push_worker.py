@@ -145,12 +145,14 @@ class HmaPushWorker:
         gate_timeout: P, seconds a step waits for the previous step's WRITEs of a push.
         tp: this rank's :class:`~._tp.WorkerTp` (None: rank 0 of TP 1).
         progress_delay_us: the NIXL agent's progress-thread poll delay (microseconds).
+        posting: how a WRITE's descriptors reach NIXL (:mod:`hmacore.transport.nixl_post`).
     """
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  recv_timeout: float = 60.0, lease_s: float = 30.0,
                  gate_timeout: float = 5.0, tp: Any = None,
-                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> None:
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
+                 posting: str = "auto") -> None:
         configure_ucx_env()
         self.layout = layout
         self.num_blocks = int(num_blocks)
@@ -162,6 +164,7 @@ class HmaPushWorker:
         self.recv_timeout, self.lease_s, self.gate_timeout = recv_timeout, lease_s, gate_timeout
         self.agent = None
         self.progress_delay_us = progress_delay_us
+        self.posting = posting
         self.server: HandshakeServer | None = None
         self.plan: TransferPlan | None = None
         self.layers: LayerPlan | None = None
@@ -202,7 +205,8 @@ class HmaPushWorker:
         self.plan = plan
         self.layers = LayerPlan(plan)
         self.agent = DescAgent(self.name, plan.registration_ranges(), mem_type=plan.mem_type,
-                               progress_delay_us=self.progress_delay_us)
+                               progress_delay_us=self.progress_delay_us,
+                               posting=self.posting)
         self.pusher = LayerwisePusher(self.agent, self.layers)
         self.receiver = LayerwiseReceiver(self._inbox, len(self.layers.layers))
         self._me = self._payload()

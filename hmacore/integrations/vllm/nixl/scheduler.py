@@ -31,9 +31,10 @@ from ....spec import GroupKind
 from ....tables import as_block_table, count_hashed, fill_blocks, \
     from_wire
 from ....transport import DEFAULT_PROGRESS_DELAY_US
+from ....transport.nixl_post import POSTINGS
 from .. import _compat as C
 from .._clip import clip_table
-from .._config import NIXL_KEYS, check_keys, flag, number, side_channel
+from .._config import NIXL_KEYS, check_keys, flag, number, side_channel, text
 from .._metrics import StatsCounter
 from ..layout import layout_from_kv_cache_config
 from .metadata import HmaNixlConnectorMetadata, RecvRequest, RemotePeer
@@ -58,7 +59,9 @@ class HmaNixlScheduler:
             asynchronously, the request waits in WAITING_FOR_REMOTE_KVS; True: the worker
             must finish the read in ``start_load_kv`` before the forward pass),
             ``nixl_progress_delay_us`` (the workers' NIXL progress-thread poll delay, default
-            1000; 0 restores NIXL's own thread, which spins a core).
+            1000; 0 restores NIXL's own thread, which spins a core), ``nixl_posting`` (how
+            a transfer's descriptors reach NIXL: ``auto`` (default), ``dynamic``,
+            ``prepped`` or ``blocks``; :mod:`hmacore.transport.nixl_post`).
         kv_cache_config: the scheduler's ``KVCacheConfig``.
         clock: monotonic seconds; injectable for lease tests.
     """
@@ -97,6 +100,11 @@ class HmaNixlScheduler:
         # 0: NIXL's own thread, which spins a core)
         self.progress_delay_us = number(extra, "nixl_progress_delay_us",
                                         DEFAULT_PROGRESS_DELAY_US, integer=True, minimum=0)
+        posting = text(extra, "nixl_posting", "auto")
+        if posting not in POSTINGS:
+            raise ConfigError(f"kv_connector_extra_config.nixl_posting must be one of "
+                              f"{list(POSTINGS)}, got {posting!r}")
+        self.posting = posting
         has_mamba = any(s.kind == GroupKind.MAMBA for s in self.layout.groups)
         # Tokens D recomputes itself (Mamba needs h(N-1) to derive h(N)); P stops short.
         self.backoff = max(1 if has_mamba else 0, C.prefill_lookahead_tokens(vllm_config) - 1)

@@ -21,6 +21,11 @@ Pull mode over :class:`hmacore.transport.nixl.NixlAgent`, one worker per TP rank
   rank of the reading D engine said done (vLLM's KVOutputAggregator then waits for every P
   rank); ``HB`` messages become lease renewals (:class:`HmaNixlWorkerMeta`); expired and
   aborted requests are forgotten (their blocks were freed by the scheduler side).
+* Leases and in-flight READs: each READ's ``done`` asks for an answer (:data:`ASK`). A P
+  rank answers ALIVE while the request's lease holds, LATE once it ended (expiry, abort):
+  a freed block is reused only by a forward pass after a ``start_load_kv`` that carried the
+  expiry, so ALIVE proves the READ read intact blocks. D takes a load only when every rank
+  it read from answered ALIVE; LATE or no answer within the lease duration fails it.
 * Failures are per request: a READ that cannot be posted or fails is reported in both
   ``finished_recving`` and ``failed_recving`` once none of the request's READs is still in
   flight (vLLM then applies its load-failure policy).
@@ -54,13 +59,20 @@ logger = C.get_logger(__name__)
 __all__ = ["HmaNixlWorker", "done_message", "parse_done"]
 
 
-def done_message(rank: int, tp_size: int) -> bytes:
-    """What decode rank ``rank`` of a TP-``tp_size`` engine tells each prefill rank."""
-    return b"done@%d/%d" % (rank, tp_size)
+#: suffix of the ``done`` a READ carries: the prefill rank answers it ALIVE or LATE
+ASK = b"+ask"
+
+
+def done_message(rank: int, tp_size: int, *, ask: bool = False) -> bytes:
+    """What decode rank ``rank`` of a TP-``tp_size`` engine tells each prefill rank
+    (``ask``: the one its READ carries, which the prefill rank answers)."""
+    return b"done@%d/%d" % (rank, tp_size) + (ASK if ask else b"")
 
 
 def parse_done(msg: bytes) -> tuple[int, int] | None:
     """``(rank, tp_size)`` of a done message (plain ``b"done"``: rank 0 of 1), else None."""
+    if msg.endswith(ASK):
+        msg = msg[:-len(ASK)]
     if msg == b"done":
         return 0, 1
     if not msg.startswith(b"done@"):
@@ -82,14 +94,26 @@ class _Source:
     engine_id: str = ""
 
 
+#: P's answers to a reader's ``done`` (see :meth:`HmaNixlWorker._answer_done`)
+ALIVE, LATE = b"alive", b"late"
+
+
 @dataclasses.dataclass
 class _Load:
-    """A D-side load in flight: one READ per source rank."""
+    """A D-side load in flight: one READ per source rank, then the sources' answers.
+
+    ``confirm``: the reading peers whose ``alive`` is still awaited (a READ's data is taken
+    only once the rank it read from says its lease still held the blocks when the READ's
+    ``done`` reached it); ``remote_rid``: P's request id (the answers' key)."""
 
     transfers: list[Transfer]
     failed: bool = False
     source: tuple[str, int, int] | None = None     # _sources key (dropped if the load fails)
     local_ids: tuple = ()                          # sync loads: blocks to report on failure
+    confirm: set[str] = dataclasses.field(default_factory=set)
+    remote_rid: str = ""
+    confirm_by: float = 0.0                        # time.monotonic() deadline for answers
+    late: bool = False                             # a source answered LATE (not a link fault)
 
 
 class HmaNixlWorker:
@@ -104,12 +128,17 @@ class HmaNixlWorker:
             handshake, which pairs only with such workers).
         sync_timeout: seconds a sync load may take before it is reported failed.
         progress_delay_us: the NIXL agent's progress-thread poll delay (microseconds).
+        posting: how a READ's descriptors reach NIXL (:mod:`hmacore.transport.nixl_post`);
+            over Mooncake TE only ``"auto"`` (runs) and ``"blocks"``.
+        confirm_timeout: seconds a finished READ waits for its source's ``alive`` before the
+            load is reported failed (the lease duration: past it the lease is gone anyway).
         transport: ``"nixl"`` or ``"mooncake"`` (:mod:`hmacore.transport.base`).
     """
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  tp: WorkerTp | None = None, sync_timeout: float = 30.0,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
+                 confirm_timeout: float = 30.0, posting: str = "auto",
                  transport: str = "nixl") -> None:
         self.transport = check_transport(transport)
         configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
@@ -122,9 +151,12 @@ class HmaNixlWorker:
         self.host, self.port = host, (tp.port(port) if tp is not None else port)
         self.sync_timeout = sync_timeout
         self.progress_delay_us = progress_delay_us
+        self.confirm_timeout = float(confirm_timeout)
+        self.posting = posting
         self.agent: KvTransport | None = None
         self.server: HandshakeServer | None = None
         self._done_msg = done_message(self.rank, self.tp_size)
+        self._read_done_msg = done_message(self.rank, self.tp_size, ask=True)
         self._sources: dict[tuple[str, int, int], _Source] = {}
         self._engine_peers: dict[str, tuple[str, ...]] = {}   # remote engine -> its ranks
         self._recving: dict[str, _Load] = {}                  # local rid -> READs in flight
@@ -133,6 +165,8 @@ class HmaNixlWorker:
         self._sending: dict[str, float] = {}                  # P rid -> local deadline
         self._done_from: dict[str, tuple[int, set[int]]] = {}  # P rid -> (D tp, D ranks done)
         self._renewed: set[str] = set()
+        self._late: dict[str, float] = {}      # P rid whose lease ended -> forget at (monotonic)
+        self._stale_answers: dict[str, float] = {}   # D: answers no load waits for -> until
         self._invalid_blocks: set[int] = set()   # single-group sync loads that failed
         self._stale_peers: set[str] = set()      # agents of dropped sources, to remove
         self.counters = StatsCounter()           # vLLM's stats / /metrics (_metrics.py)
@@ -146,11 +180,17 @@ class HmaNixlWorker:
                 raise ConfigError("transport 'mooncake' advertises the address its engine "
                                   "listens on: set side_channel_listen_host to a routable "
                                   f"address, not {self.host!r}")
-            from ....transport.mooncake_te import MooncakeTeAgent
-            self.agent = MooncakeTeAgent(self.name, plan, hostname=self.host, tp=tp)
+            from ....transport.mooncake_te import TE_POSTINGS, MooncakeTeAgent
+            if self.posting not in TE_POSTINGS:
+                raise ConfigError(f"kv_connector_extra_config.nixl_posting must be one of "
+                                  f"{list(TE_POSTINGS)} with transport 'mooncake', got "
+                                  f"{self.posting!r}")
+            self.agent = MooncakeTeAgent(self.name, plan, hostname=self.host, tp=tp,
+                                         posting=self.posting)
         else:
             self.agent = NixlAgent(self.name, plan, tp=tp,
-                                   progress_delay_us=self.progress_delay_us)
+                                   progress_delay_us=self.progress_delay_us,
+                                   posting=self.posting)
         # a reader only needs to notify us: its pages may be shaped for another TP size
         self.server = HandshakeServer(self.agent.handshake_payload(), host=self.host,
                                       port=self.port, on_peer=self.agent.add_notify_peer)
@@ -242,8 +282,7 @@ class HmaNixlWorker:
         for rid, deadline in meta.reqs_to_send.items():      # P: (re)new leases
             self._sending[rid] = now + (deadline - meta.scheduler_clock)
         for rid in meta.expired | meta.reqs_not_processed:
-            self._sending.pop(rid, None)
-            self._done_from.pop(rid, None)
+            self._lease_ended(rid)
         for rid, rr in meta.reqs_to_recv.items():            # D: post reads
             self._start_read(rid, rr)
         for rid, rr in meta.reqs_to_recv.items():
@@ -264,8 +303,27 @@ class HmaNixlWorker:
                 self.agent.wait(t, timeout=self.sync_timeout)
             except TransferError as e:
                 err = err or e
+        if err is None and not load.failed:
+            err = self._await_answers(load)
         if err is not None or load.failed:
             self._sync_failed(rid, load.local_ids, err or "a READ failed", load.source)
+
+    def _await_answers(self, load: _Load) -> str | None:
+        """A sync load's READs are done: wait (at most ``sync_timeout`` s) for the sources'
+        answers. Returns why the load failed, or None."""
+        deadline = time.monotonic() + self.sync_timeout
+        while load.confirm and not load.failed:
+            try:
+                self.agent.fetch_notifs()
+            except TransferError as e:
+                return f"answers not read: {e}"
+            self._fold_answers(load)
+            if load.confirm and not load.failed:
+                if time.monotonic() >= deadline:
+                    self.counters.add("read_confirm_timeouts")
+                    return f"no answer from {sorted(load.confirm)} within {self.sync_timeout} s"
+                time.sleep(0.001)
+        return "the prefill engine's lease had ended" if load.failed else None
 
     def _sync_failed(self, rid: str, local_ids, err, source) -> None:
         """A sync load that failed: its blocks go to vLLM as invalid (recomputed or the
@@ -308,11 +366,13 @@ class HmaNixlWorker:
             local, rem = trim_remote_to_local(rr.local_block_ids, remote.block_ids, self.layout)
             for peer in src.readers:
                 posted.append(self.agent.read(remote.request_id, peer, local, rem,
-                                              notif=self._done_msg))
+                                              notif=self._read_done_msg))
             for peer in src.peers:
                 if peer not in src.readers:
                     self.agent.send_notif(peer, remote.request_id, self._done_msg)
-            self._recving[rid] = _Load(posted, source=key, local_ids=tuple(local))
+            self._recving[rid] = _Load(posted, source=key, local_ids=tuple(local),
+                                       confirm=set(src.readers),
+                                       remote_rid=remote.request_id)
             c = self.counters
             for t in posted:
                 c.add("transfers")
@@ -347,6 +407,8 @@ class HmaNixlWorker:
         last call."""
         recving, failed = self._done_recving, self._failed_recving
         self._done_recving, self._failed_recving = set(), set()
+        now = time.monotonic()
+        answering = False
         for rid, load in list(self._recving.items()):
             busy = False
             for t in load.transfers:
@@ -356,42 +418,118 @@ class HmaNixlWorker:
                     if not load.failed:
                         logger.warning("KV load of %s failed: %s", rid, e)
                     load.failed = True
-            if not busy:
-                del self._recving[rid]
-                recving.add(rid)
-                if load.failed:
-                    self.counters.add("transfer_failures")
-                else:
-                    self.counters.add("loads")
-                    done_at = time.monotonic()      # Transfer.posted_at's clock
-                    for t in load.transfers:
-                        if t.posted_at:
-                            self.counters.add("transfer_seconds", done_at - t.posted_at)
-                if load.failed:
-                    failed.add(rid)
-                    if load.source is not None:
-                        self._drop_source(load.source)   # reconnect on the next load
-        sending = set()
-        now = time.perf_counter()
-        if self._sending:
+            if busy:
+                continue
+            if load.confirm and not load.failed:
+                load.confirm_by = load.confirm_by or now + self.confirm_timeout
+                answering = True            # folded below, from this step's notifications
+                continue
+            self._end_load(rid, load, recving, failed)
+        if self._sending or self._late or answering or self._stale_answers:
             try:
                 self.agent.fetch_notifs()     # once per step, not once per request
             except TransferError as e:        # leases still end by expiry
                 logger.warning("notifications not read this step: %s", e)
+        if answering:
+            self._take_answers(now, recving, failed)
+        sending = set()
+        wall = time.perf_counter()
         for rid, deadline in list(self._sending.items()):
             if self._heard_from_all(rid):
                 sending.add(rid)
                 del self._sending[rid]
-            elif deadline < now - 1.0:    # the scheduler side frees it; stop watching
-                del self._sending[rid]
-                self._done_from.pop(rid, None)
+            elif deadline < wall - 1.0:   # the scheduler side frees it; stop watching
+                self._lease_ended(rid)
+        if self._late or self._stale_answers:
+            self._answer_late(now)
         if self._stale_peers:
             self._reap_stale_peers()
         return sending, recving, failed
 
+    def _end_load(self, rid: str, load: _Load, recving: set[str], failed: set[str]) -> None:
+        del self._recving[rid]
+        recving.add(rid)
+        if load.failed:
+            self.counters.add("transfer_failures")
+            failed.add(rid)
+            if load.confirm_by and load.remote_rid:
+                # answers may still come (a late or slow source): drop them when they do
+                self._stale_answers[load.remote_rid] = time.monotonic() + self.confirm_timeout
+            if load.source is not None and not load.late:
+                self._drop_source(load.source)   # reconnect on the next load
+            return
+        self.counters.add("loads")
+        done_at = time.monotonic()      # Transfer.posted_at's clock
+        for t in load.transfers:
+            if t.posted_at:
+                self.counters.add("transfer_seconds", done_at - t.posted_at)
+
+    def _take_answers(self, now: float, recving: set[str], failed: set[str]) -> None:
+        """D: end the loads whose READs are done once every source answered (any LATE, or
+        no answer by ``confirm_timeout``: failed, vLLM's load-failure policy applies)."""
+        for rid, load in list(self._recving.items()):
+            if not load.confirm_by or load.failed:
+                continue
+            self._fold_answers(load)
+            if load.confirm and not load.failed:
+                if now < load.confirm_by:
+                    continue
+                logger.warning("KV load of %s: no answer from %s within %.1f s; reported "
+                               "failed", rid, sorted(load.confirm), self.confirm_timeout)
+                self.counters.add("read_confirm_timeouts")
+                load.failed = True
+            self._end_load(rid, load, recving, failed)
+
+    def _fold_answers(self, load: _Load) -> None:
+        """Fold the sources' answers to this load's ``done`` (see :meth:`_answer_done`)."""
+        for sender, body in self.agent.notifications_from(load.remote_rid, fetch=False):
+            if sender not in load.confirm:
+                continue
+            if body == ALIVE:
+                load.confirm.discard(sender)
+            elif body == LATE:
+                logger.warning("KV load from %s: the prefill engine's lease on request %s had "
+                               "ended when the READ finished (its blocks may have been reused); "
+                               "the load is reported failed", sender, load.remote_rid)
+                self.counters.add("late_reads")
+                load.failed = load.late = True
+                load.confirm.clear()
+            else:
+                logger.warning("unknown answer %r from %s for %s ignored", body, sender,
+                               load.remote_rid)
+
+    def _lease_ended(self, rid: str) -> None:
+        """P: ``rid``'s blocks are (or may be) freed: a ``done`` that still comes for it is
+        answered LATE, for as long as a reader may wait for the answer."""
+        self._sending.pop(rid, None)
+        self._done_from.pop(rid, None)
+        self._late[rid] = time.monotonic() + 2 * self.confirm_timeout
+
+    def _answer_late(self, now: float) -> None:
+        for rid, forget_at in list(self._late.items()):
+            for sender, m in self.agent.notifications_from(rid, fetch=False):
+                if m.endswith(ASK):
+                    self._answer(sender, rid, LATE)
+            if now > forget_at:
+                del self._late[rid]
+        for rid, forget_at in list(self._stale_answers.items()):
+            self.agent.notifications(rid, fetch=False)
+            if now > forget_at:
+                del self._stale_answers[rid]
+
+    def _answer(self, sender: str, rid: str, answer: bytes) -> None:
+        try:
+            self.agent.send_notif(sender, rid, answer)
+        except HmacoreError as e:     # the reader is gone or unknown: it fails its load itself
+            logger.warning("answer %r for %s to %s not sent: %s", answer, rid, sender, e)
+
     def _heard_from_all(self, rid: str) -> bool:
-        """Fold this request's new notifications in; True once every D rank said done."""
-        for m in self.agent.notifications(rid, fetch=False):
+        """P: fold this request's new notifications in; True once every D rank said done.
+        A READ's ``done`` is answered ALIVE at once: the lease still holds the blocks here,
+        and no forward pass can have written into them (a freed block is reused only after
+        a step whose metadata carried its expiry, and that step's ``start_load_kv`` ran
+        :meth:`_lease_ended` first), so the READ that finished before it read them intact."""
+        for sender, m in self.agent.notifications_from(rid, fetch=False):
             if m == b"HB":
                 self._renewed.add(rid)
                 continue
@@ -399,6 +537,8 @@ class HmaNixlWorker:
             if who is None:
                 logger.warning("unknown notification %r for %s ignored", m, rid)
                 continue
+            if m.endswith(ASK):
+                self._answer(sender, rid, ALIVE)
             rank, size = who
             tp, ranks = self._done_from.setdefault(rid, (size, set()))
             if size != tp:

@@ -1,0 +1,181 @@
+"""Routing index: hmacore's RoutingIndex next to the plain-Python dict-of-counts index doing the
+same rule (tests/oracle_route.py: a dict (group, hash) -> count per engine + the Python
+transcription of vLLM's hit rule), in one run, on the same events and queries.
+
+    python bench/bench_route.py [--preset gpt-oss-120b] [--engines 16] [--repeat 5]
+
+Reports (every hmacore answer is checked equal to the Python index's before timing):
+- events applied per second: one vLLM-like event stream (every group's blocks of 16 prompts
+  stored, then half of them evicted) flattened to rows; hmacore takes Python lists (ops, groups
+  and the 64-bit int hashes vLLM publishes, as decoded; converting them is timed), the Python
+  index the same lists with pre-folded 8-byte keys (its conversion is not timed);
+- query time for 4k / 32k / 128k-token prompts over N engines, engine i holding the first
+  (i+1)/N of the prompt in every group, or engine 0 all of it and the others none: hash
+  computation (vLLM's sha256 chain, the same
+  Python code in both, reported once) and lookup separately;
+- bytes per resident block per engine (hmacore: table bytes / keys; Python: tracemalloc of
+  the dict with its keys).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]   # this checkout's hmacore and the oracle
+
+from oracle_route import OracleRoute  # noqa: E402
+
+from hmacore.presets import get_preset  # noqa: E402
+from hmacore.route_index import OP_REMOVE, OP_STORE, RoutingIndex  # noqa: E402
+
+SIZES = (4096, 32768, 131072)
+
+
+def timed(fn, repeat):
+    """Fastest of ``repeat`` calls (after one warm-up call; the least disturbed by other load
+    on a shared machine, for both implementations alike) and the last result."""
+    out = fn()
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts), out
+
+
+def block_rows(index, digests, fraction=1.0):
+    """(groups, row indices) of every group's blocks in the first ``fraction`` of a prompt:
+    block i of group g is hash row (i+1)*k - 1, k = bs_g / h."""
+    groups, rows = [], []
+    for g in index.finder.group_ids:
+        k = index.finder.block_sizes[g] // index.hash_block_size
+        nb = int(len(digests) // k * fraction)
+        r = (np.arange(nb) + 1) * k - 1
+        groups.append(np.full(nb, g, np.int32))
+        rows.append(r)
+    return np.concatenate(groups), np.concatenate(rows)
+
+
+def event_stream(index, rng, prompts=16, tokens=8192):
+    """A vLLM-like stream: all blocks of ``prompts`` random prompts stored, then half removed."""
+    ops, groups, ints = [], [], []
+    for _ in range(prompts):
+        toks = rng.integers(1, 30000, tokens).tolist()
+        d = index.block_hashes(toks)
+        g, r = block_rows(index, d)
+        h = [int.from_bytes(d[i][-8:], "big") for i in r]
+        ops.append(np.full(len(h), OP_STORE, np.int8))
+        groups.append(g)
+        ints.extend(h)
+    ops_a, groups_a = np.concatenate(ops), np.concatenate(groups)
+    half = rng.permutation(len(ints))[:len(ints) // 2]
+    ops_a = np.concatenate([ops_a, np.full(half.size, OP_REMOVE, np.int8)])
+    groups_a = np.concatenate([groups_a, groups_a[half]])
+    ints = ints + [ints[i] for i in half]
+    return ops_a, groups_a, np.array(ints, np.uint64)
+
+
+def bench_events(layout, engines, repeat, rng):
+    index = RoutingIndex(layout)
+    ops, groups, ints = event_stream(index, rng)
+    keys8 = [int(v).to_bytes(8, "big") for v in ints]
+    gl, ol = groups.tolist(), ops.tolist()
+    ints_list = ints.tolist()        # as msgspec decodes an event batch: Python ints
+    hm = RoutingIndex(layout)
+    key = hm.add_engine("e")
+    py = OracleRoute(layout)
+
+    def run_hm():
+        hm.reset_engine(key)
+        hm.apply(key, ol, gl, ints_list)
+
+    def run_py():
+        py.engines[key] = {}
+        py.apply(key, ol, gl, keys8)
+    t_hm, _ = timed(run_hm, repeat)
+    t_py, _ = timed(run_py, repeat)
+    assert hm.resident_blocks(key) == len(py.engines[key])
+    n = len(ops)
+    return n, n / t_hm, n / t_py
+
+
+def memory(layout, engines_unused, rng):
+    index = RoutingIndex(layout)
+    toks = rng.integers(1, 30000, 131072).tolist()
+    d = index.block_hashes(toks)
+    g, r = block_rows(index, d)
+    ints = [int.from_bytes(d[i][-8:], "big") for i in r]
+    key = index.add_engine("e")
+    index.apply(key, np.full(len(ints), OP_STORE, np.int8), g, ints)
+    hm_bytes = index.nbytes(key) / index.resident_blocks(key)
+    py = OracleRoute(layout)
+    keys8 = [v.to_bytes(8, "big") for v in ints]
+    gl = g.tolist()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    py.add_engine(key)
+    py.apply(key, [OP_STORE] * len(ints), gl, keys8)
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    # the key bytes objects existed before (the events'); count them as the index's own copy
+    py_bytes = (after - before + sum(sys.getsizeof(k) for k in keys8)) / len(py.engines[key])
+    return hm_bytes, py_bytes, index.resident_blocks(key)
+
+
+def bench_query(layout, engines, tokens, repeat, rng, spread=True):
+    index = RoutingIndex(layout)
+    py = OracleRoute(layout)
+    toks = rng.integers(1, 30000, tokens).tolist()
+    t_hash, digests = timed(lambda: index.block_hashes(toks), max(1, repeat // 2))
+    for e in range(engines):
+        key = index.add_engine(f"e{e}")
+        py.add_engine(key)
+        g, r = block_rows(index, digests, (e + 1) / engines if spread else float(e == 0))
+        ints = [int.from_bytes(digests[i][-8:], "big") for i in r]
+        index.apply(key, np.full(len(ints), OP_STORE, np.int8), g, ints)
+        py.apply(key, [OP_STORE] * len(ints), g.tolist(), [v.to_bytes(8, "big") for v in ints])
+    arr = np.frombuffer(b"".join(digests), np.uint8).reshape(-1, len(digests[0]))
+    t_hm, got = timed(lambda: index.query_hashes(arr, tokens), repeat)
+    t_py, want = timed(lambda: py.hits(digests, tokens), max(1, repeat // 2))
+    assert got.hits == want, (got.hits, want)
+    return t_hash, t_hm, t_py, got.best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gpt-oss-120b")
+    ap.add_argument("--engines", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    layout = get_preset(args.preset)
+    rng = np.random.default_rng(0)
+    print(f"## Routing index, {args.preset}, {args.engines} engines "
+          f"(best of {args.repeat}; hmacore vs plain-Python dict index, same rule)\n")
+    n, hm_rate, py_rate = bench_events(layout, args.engines, args.repeat, rng)
+    print("| events | rows | hmacore rows/s | Python rows/s | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| store all + evict half | {n} | {hm_rate:,.0f} | {py_rate:,.0f} | "
+          f"{hm_rate / py_rate:.1f}x |\n")
+    print("| prompt tokens | residency | hash rows | hash computation | hmacore lookup | "
+          "Python lookup | ratio | best hit |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for tokens in SIZES:
+        for spread, label in ((True, "engine i: (i+1)/N"), (False, "engine 0: all")):
+            t_hash, t_hm, t_py, best = bench_query(layout, args.engines, tokens, args.repeat,
+                                                   rng, spread)
+            print(f"| {tokens} | {label} | {tokens // layout.hash_block_size} | "
+                  f"{t_hash * 1e3:.2f} ms | {t_hm * 1e6:.1f} us | {t_py * 1e3:.2f} ms | "
+                  f"{t_py / t_hm:.0f}x | {best} |")
+    hm_b, py_b, blocks = memory(layout, args.engines, rng)
+    print(f"\nbytes per resident block per engine ({blocks} blocks): hmacore {hm_b:.1f}, "
+          f"Python {py_b:.1f} ({py_b / hm_b:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""A KV-aware routing index: per engine, per KV cache group, the resident block hashes, fed
+by vLLM's KV events; a query gives every engine's prefix hit by vLLM's hybrid rule.
+
+Residency follows vLLM's prefix cache exactly when each engine's events arrive in order and
+once each (the event adapter's job: ZMQ sequence numbers, replay or ``reset_engine`` on a gap):
+a ``BlockStored`` hash is one insertion of (group, hash), a ``BlockRemoved`` hash one removal,
+and vLLM may hold one key in several blocks, so each key carries a count and is resident while
+it is positive (see hmacore/_fast/_route.pyx). Odd input never corrupts the index:
+
+- a remove of a key that is not resident is a no-op (counted as ``ignored``);
+- a duplicated store raises the count, so the key stays resident until a matching remove;
+- events of an engine that was never added (or was removed) are dropped and counted;
+- ``AllBlocksCleared`` (op 0) and ``reset_engine`` empty that engine only;
+- a batch with a bad row (group out of range, malformed hash) is refused whole, before any
+  row is applied.
+
+Hashes: block i of group g is named by hash row ``(i+1)*bs_g/h - 1`` (vLLM >= 0.32), which is
+what vLLM's events carry, so one ``(group, row hash)`` key space serves every group whatever
+its block size. With ``int_hashes=True`` (vLLM's default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)
+events carry the low 64 bits of each digest (big-endian) and queries fold their digests the
+same way; with False they carry the digest bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._fast import _route
+from ._fast._hits import ExistenceSet
+from .errors import ArgumentTypeError, ArgumentValueError, ConfigError, HashInputError, LayoutError
+from .hits import HitFinder
+from .route_hashing import BlockHasher
+from .spec import KVLayout
+
+__all__ = ["RoutingIndex", "RouteResult", "ApplyStats", "OP_STORE", "OP_REMOVE", "OP_CLEAR"]
+
+OP_STORE, OP_REMOVE, OP_CLEAR = 1, -1, 0
+_INT_WIDTH = 16     # an int hash is kept as 8 zero bytes + its 8 big-endian bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteResult:
+    """Per engine key, the hit in tokens; ``best`` the longest; ``best_engines`` the engines
+    that hold it (empty when ``best`` is 0); ``num_tokens`` the prompt length."""
+
+    hits: dict
+    best: int
+    best_engines: tuple
+    num_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyStats:
+    """What one ``apply`` did: stores, removes that lowered a count, removes of keys not
+    resident (no-ops), rows dropped because their engine is unknown, clears."""
+
+    stored: int = 0
+    removed: int = 0
+    ignored: int = 0
+    unknown_engine: int = 0
+    cleared: int = 0
+
+
+class _Engine:
+    __slots__ = ("layers",)
+
+    def __init__(self, digest_size: int) -> None:
+        self.layers: list[ExistenceSet] = [ExistenceSet(digest_size)]
+
+
+class RoutingIndex:
+    """Which engines hold which prefix, by vLLM's cross-group longest-hit rule.
+
+    Args:
+        layout: the model's KV cache groups (the same on every engine).
+        hash_block_size: vLLM's hash block size in tokens; None takes the layout's (the gcd of
+            the group block sizes); anything else must equal it.
+        finder: the hit rule; None builds ``HitFinder(layout, **rule)`` (vLLM's core
+            coordinator with the default rule; the vLLM integration derives the engine's own:
+            ``alignment`` from ``cache_hit_alignment_tokens``, eagle flags from
+            ``_compat.core_hit_rule``).
+        int_hashes: events carry 64-bit int hashes (vLLM's default) rather than digests.
+        hash_algo / seed: the engines' ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``
+            (see hmacore.route_hashing), for :meth:`query` on token ids.
+
+    Engine keys are any hashable, by convention ``(engine_id, data_parallel_rank)``.
+    Thread-safe: one lock serialises event application and queries.
+    """
+
+    def __init__(self, layout: KVLayout, hash_block_size: int | None = None, *,
+                 finder: HitFinder | None = None, int_hashes: bool = True,
+                 hash_algo: str = "sha256", seed: str | None = None, **rule: Any) -> None:
+        if not isinstance(layout, KVLayout):
+            raise LayoutError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if finder is None:
+            finder = HitFinder(layout, **rule)
+        elif rule:
+            raise ConfigError(f"pass either finder or rule keywords, not both: {sorted(rule)}")
+        if not isinstance(finder, HitFinder) or finder.layout != layout:
+            raise ConfigError("finder must be a HitFinder built for this layout")
+        if hash_block_size is not None and hash_block_size != finder.hash_block_size:
+            raise ConfigError(f"hash_block_size must equal the layout's hash block size "
+                              f"{finder.hash_block_size} tokens, got {hash_block_size!r}")
+        self.layout = layout
+        self.finder = finder
+        self.num_groups = layout.num_groups
+        self.hash_block_size = finder.hash_block_size
+        self.int_hashes = bool(int_hashes)
+        self.hasher = BlockHasher(self.hash_block_size, hash_algo, seed)
+        self.digest_size = _INT_WIDTH if self.int_hashes else self.hasher.digest_size
+        self._engines: dict[Hashable, _Engine] = {}
+        self._lock = threading.Lock()
+
+    # -- engines ----------------------------------------------------------------------------
+    def add_engine(self, engine_id: str, dp_rank: int = 0) -> tuple[str, int]:
+        """Register an engine (idempotent); returns its key ``(engine_id, dp_rank)``."""
+        if not isinstance(engine_id, str) or not engine_id:
+            raise ArgumentValueError(f"engine_id must be a non-empty str, got {engine_id!r}")
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)) or dp_rank < 0:
+            raise ArgumentValueError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
+        key = (engine_id, int(dp_rank))
+        with self._lock:
+            self._engines.setdefault(key, _Engine(self.digest_size))
+        return key
+
+    def remove_engine(self, key: Hashable) -> bool:
+        """Forget an engine; its later events are dropped. False if it was unknown."""
+        with self._lock:
+            return self._engines.pop(key, None) is not None
+
+    def reset_engine(self, key: Hashable) -> bool:
+        """Empty an engine (its event stream restarted or lost events). False if unknown."""
+        with self._lock:
+            eng = self._engines.get(key)
+            if eng is None:
+                return False
+            eng.layers = [ExistenceSet(self.digest_size)]
+            return True
+
+    @property
+    def engines(self) -> tuple:
+        with self._lock:
+            return tuple(self._engines)
+
+    def resident_blocks(self, key: Hashable) -> int:
+        """Distinct resident (group, hash) keys of an engine."""
+        with self._lock:
+            return len(self._engines[key].layers[0])
+
+    def nbytes(self, key: Hashable) -> int:
+        """Bytes held for an engine's residency (every layer's table)."""
+        with self._lock:
+            return sum(layer.nbytes for layer in self._engines[key].layers)
+
+    # -- events -----------------------------------------------------------------------------
+    def digests(self, hashes: Any) -> np.ndarray:
+        """Event hashes as the index's (N, digest_size) uint8 keys: 64-bit ints (a sequence
+        of ints in [0, 2**64) or an integer array) with ``int_hashes``, else digest bytes (a
+        sequence of bytes or an (N, digest) uint8 array)."""
+        if self.int_hashes:
+            if isinstance(hashes, np.ndarray):
+                if hashes.dtype.kind not in "iu" or hashes.ndim != 1:
+                    raise HashInputError("hashes must be a 1-D integer array of 64-bit hashes")
+                if hashes.dtype.kind == "i" and hashes.size and hashes.min() < 0:
+                    raise HashInputError("hashes must be >= 0 (vLLM's unsigned 64-bit hashes)")
+                values = hashes.astype(np.uint64)
+            else:
+                try:
+                    values = np.array(list(hashes), dtype=np.uint64)
+                except (OverflowError, TypeError, ValueError) as e:
+                    raise HashInputError(f"hashes must be ints in [0, 2**64): {e}") from None
+                if values.ndim != 1:
+                    raise HashInputError("hashes must be a flat sequence of ints")
+            out = np.zeros((values.size, 2), dtype=">u8")   # 8 zero bytes + big-endian int
+            out[:, 1] = values
+            return out.view(np.uint8).reshape(-1, _INT_WIDTH)
+        ds = self.digest_size
+        if isinstance(hashes, np.ndarray):
+            if hashes.dtype != np.uint8 or hashes.ndim != 2 or hashes.shape[1] != ds:
+                raise HashInputError(f"hashes must be an (N, {ds}) uint8 array")
+            return np.ascontiguousarray(hashes)
+        rows = list(hashes)
+        if not all(isinstance(b, bytes) and len(b) == ds for b in rows):
+            raise HashInputError(f"hashes must be {ds}-byte digests")
+        if not rows:
+            return np.zeros((0, ds), dtype=np.uint8)
+        return np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(-1, ds).copy()
+
+    def fold(self, hashes: np.ndarray | Sequence[bytes]) -> np.ndarray:
+        """vLLM hash rows (digests, as ``Request.block_hashes`` or :meth:`block_hashes`) as
+        the index's keys: the last 8 bytes with ``int_hashes`` (vLLM's
+        ``maybe_convert_block_hash``), else the digests."""
+        if not isinstance(hashes, np.ndarray):
+            rows = list(hashes)
+            width = len(rows[0]) if rows else self.hasher.digest_size
+            if not all(isinstance(b, bytes) and len(b) == width for b in rows):
+                raise HashInputError("hashes must be equal-length digests (bytes)")
+            hashes = (np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(-1, width) if rows
+                      else np.zeros((0, width), dtype=np.uint8))
+        if hashes.dtype != np.uint8 or hashes.ndim != 2 or hashes.shape[1] < 8:
+            raise HashInputError("hashes must be an (N, digest) uint8 array")
+        if not self.int_hashes:
+            if hashes.shape[1] != self.digest_size:
+                raise HashInputError(f"hashes must be {self.digest_size}-byte digests")
+            return np.ascontiguousarray(hashes)
+        out = np.zeros((hashes.shape[0], _INT_WIDTH), dtype=np.uint8)
+        out[:, 8:] = hashes[:, -8:]
+        return out
+
+    def apply(self, key: Hashable, ops: Any, groups: Any, hashes: Any) -> ApplyStats:
+        """Apply one engine's events in order, flattened to one row per block hash.
+
+        Args:
+            key: the engine key.
+            ops: per row OP_STORE (1, a ``BlockStored`` hash), OP_REMOVE (-1, a
+                ``BlockRemoved`` hash) or OP_CLEAR (0, ``AllBlocksCleared``; its group and
+                hash are ignored).
+            groups: per row the event's ``group_idx``.
+            hashes: per row the hash (see :meth:`digests`).
+
+        The whole batch is validated first; a bad row refuses the batch, nothing applied.
+        Python lists of ints (as msgspec decodes vLLM's batches) take one compiled pass.
+        """
+        if self.int_hashes and type(ops) is list and type(groups) is list \
+                and type(hashes) is list:
+            try:
+                ops_a, groups_a, keys = _route.pack_event_lists(ops, groups, hashes,
+                                                                self.num_groups)
+            except OverflowError as e:
+                raise HashInputError(str(e)) from None
+            except ValueError as e:
+                raise ArgumentValueError(str(e)) from None
+            except TypeError:
+                pass                 # not plain ints (numpy scalars, ...): the general path
+            else:
+                return self._apply(key, ops_a, groups_a, keys, int((ops_a == OP_CLEAR).sum()))
+        ops_a = _int_array("ops", ops, np.int8)
+        groups_a = _int_array("groups", groups, np.int32)
+        if ops_a.size != groups_a.size:
+            raise ArgumentValueError(f"ops and groups must have one entry per row: "
+                                     f"{ops_a.size} ops, {groups_a.size} groups")
+        if ops_a.size and (ops_a.min() < OP_REMOVE or ops_a.max() > OP_STORE):
+            raise ArgumentValueError("ops must be 1 (store), -1 (remove) or 0 (clear)")
+        events = ops_a != OP_CLEAR
+        if groups_a.size and (((groups_a < 0) | (groups_a >= self.num_groups)) & events).any():
+            raise ArgumentValueError(f"groups must be group ids in [0, {self.num_groups})")
+        digests = self.digests(hashes)
+        if digests.shape[0] != ops_a.size:
+            raise ArgumentValueError(f"hashes must have one row per op: {digests.shape[0]} "
+                                     f"hashes, {ops_a.size} ops")
+        return self._apply(key, ops_a, groups_a, digests, int(ops_a.size - events.sum()))
+
+    def _apply(self, key: Hashable, ops: np.ndarray, groups: np.ndarray, digests: np.ndarray,
+               clears: int) -> ApplyStats:
+        with self._lock:
+            eng = self._engines.get(key)
+            if eng is None:
+                return ApplyStats(unknown_engine=int(ops.size))
+            stored, removed, ignored, _ = _route.apply_rows(eng.layers, ops, groups, digests)
+        return ApplyStats(stored=stored, removed=removed, ignored=ignored, cleared=clears)
+
+    def _event(self, key: Hashable, op: int, group: int, hashes: Any) -> ApplyStats:
+        if isinstance(group, bool) or not isinstance(group, (int, np.integer)) \
+                or not 0 <= group < self.num_groups:
+            raise ArgumentValueError(f"group must be a group id in [0, {self.num_groups}), "
+                                     f"got {group!r}")
+        d = self.digests(hashes)
+        n = d.shape[0]
+        return self._apply(key, np.full(n, op, np.int8), np.full(n, group, np.int32), d, 0)
+
+    def store(self, key: Hashable, group: int, hashes: Any) -> ApplyStats:
+        """One ``BlockStored`` event (its ``group_idx`` and ``block_hashes``)."""
+        return self._event(key, OP_STORE, group, hashes)
+
+    def remove(self, key: Hashable, group: int, hashes: Any) -> ApplyStats:
+        """One ``BlockRemoved`` event (its ``group_idx`` and ``block_hashes``)."""
+        return self._event(key, OP_REMOVE, group, hashes)
+
+    def clear(self, key: Hashable) -> ApplyStats:
+        """``AllBlocksCleared``: the engine's prefix cache was reset."""
+        d = np.zeros((1, self.digest_size), np.uint8)
+        return self._apply(key, np.zeros(1, np.int8), np.zeros(1, np.int32), d, 1)
+
+    # -- queries ----------------------------------------------------------------------------
+    def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """vLLM's hash rows of a prompt (see hmacore.route_hashing.BlockHasher)."""
+        return self.hasher.hashes(token_ids)
+
+    def query(self, token_ids: Sequence[int]) -> RouteResult:
+        """Every engine's hit for a prompt: hash it the way the engines do, then
+        :meth:`query_hashes`."""
+        return self.query_hashes(self.block_hashes(token_ids), len(token_ids))
+
+    def query_hashes(self, hashes: np.ndarray | Sequence[bytes], num_tokens: int) -> RouteResult:
+        """Every engine's hit for a request of ``num_tokens`` tokens whose hash rows are
+        ``hashes`` (digests: vLLM's ``Request.block_hashes`` or :meth:`block_hashes`). The hit
+        is capped at ``num_tokens - 1`` as vLLM's scheduler caps it (the last token is always
+        recomputed)."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) \
+                or num_tokens < 0:
+            raise ArgumentValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        keys = self.fold(hashes)
+        max_length = max(int(num_tokens) - 1, 0)
+        hits = {}
+        hit_tokens = self.finder.hit_tokens
+        with self._lock:
+            for key, eng in self._engines.items():
+                hits[key] = hit_tokens(keys, eng.layers[0], max_length) if keys.shape[0] else 0
+        best = max(hits.values(), default=0)
+        best_engines = tuple(k for k, v in hits.items() if v == best) if best else ()
+        return RouteResult(hits, best, best_engines, int(num_tokens))
+
+
+def _int_array(name: str, values: Any, dtype: Any) -> np.ndarray:
+    a = np.asarray(values)
+    if a.size == 0:
+        return np.zeros(0, dtype)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise ArgumentTypeError(f"{name} must be a flat sequence of ints")
+    info = np.iinfo(dtype)
+    if a.min() < info.min or a.max() > info.max:
+        raise ArgumentValueError(f"{name} must fit {np.dtype(dtype).name}")
+    return np.ascontiguousarray(a, dtype=dtype)

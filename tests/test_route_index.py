@@ -1,0 +1,239 @@
+"""RoutingIndex: differential property tests against the plain-Python oracle (random layouts,
+random event streams with disorder, duplicates, unknown engines and clears, random queries),
+the semantics of odd events, bad input, and the hash re-implementation against vLLM's
+published algorithm."""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hmacore.errors import ArgumentTypeError, ArgumentValueError, ConfigError, HashInputError
+from hmacore.presets import get_preset
+from hmacore.route_hashing import BlockHasher
+from hmacore.route_index import OP_CLEAR, OP_REMOVE, OP_STORE, RoutingIndex
+
+from hits_scenarios import layouts
+from oracle_route import OracleRoute, fold
+
+
+def chain(n: int, seed: int, width: int = 32) -> list[bytes]:
+    """n distinct digests standing for one prompt's hash rows."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, width, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def as_event_hash(h: bytes, int_hashes: bool):
+    return int.from_bytes(h[-8:], "big") if int_hashes else h
+
+
+@st.composite
+def scenarios(draw):
+    layout = draw(layouts())
+    int_hashes = draw(st.booleans())
+    h = layout.hash_block_size
+    n_rows = draw(st.integers(1, 24))
+    prompts = [chain(n_rows, seed) for seed in range(draw(st.integers(1, 3)))]
+    engines = [("e", d) for d in range(draw(st.integers(1, 3)))]
+
+    @st.composite
+    def event(draw):
+        """Rows of one event: a run of one group's blocks of one prompt (as vLLM stores and
+        evicts them), a clear, or hashes of no prompt."""
+        op = draw(st.sampled_from([OP_STORE, OP_STORE, OP_REMOVE, OP_CLEAR]))
+        if op == OP_CLEAR:
+            return [(OP_CLEAR, 0, b"\0" * 32)]
+        g = draw(st.integers(0, layout.num_groups - 1))
+        k = draw(st.sampled_from([layout.groups[g].block_size // h, 1]))
+        prompt = draw(st.sampled_from(prompts))
+        blocks = len(prompt) // k
+        if blocks == 0 or draw(st.integers(0, 9)) == 0:
+            return [(op, g, hashlib.sha256(bytes([draw(st.integers(0, 255))])).digest())]
+        a = draw(st.integers(0, blocks - 1))
+        b = draw(st.integers(a + 1, blocks))
+        return [(op, g, prompt[(i + 1) * k - 1]) for i in range(a, b)]
+
+    batches = draw(st.lists(st.tuples(st.sampled_from(engines + [("stranger", 0)]),
+                                      st.lists(event(), max_size=6)), max_size=10))
+    return layout, int_hashes, prompts, engines, batches
+
+
+@settings(max_examples=min(400, int(os.environ.get("HMACORE_EXAMPLES", "2000"))), deadline=None)
+@given(scenarios(), st.data())
+def test_index_matches_oracle(sc, data):
+    layout, int_hashes, prompts, engines, batches = sc
+    index = RoutingIndex(layout, int_hashes=int_hashes)
+    oracle = OracleRoute(layout, int_hashes=int_hashes)
+    for key in engines:
+        index.add_engine(*key)
+        oracle.add_engine(key)
+    h = layout.hash_block_size
+    for key, events in batches:
+        rows = [r for ev in events for r in ev]
+        ops = [op for op, _, _ in rows]
+        groups = [g for _, g, _ in rows]
+        raw = [d for _, _, d in rows]
+        index.apply(key, ops, groups, [as_event_hash(d, int_hashes) for d in raw] if int_hashes
+                    else (np.frombuffer(b"".join(raw), np.uint8).reshape(-1, 32) if raw
+                          else np.zeros((0, 32), np.uint8)))
+        oracle.apply(key, ops, groups, [fold(d, int_hashes) for d in raw])
+        prompt = data.draw(st.sampled_from(prompts))
+        n = data.draw(st.integers(0, len(prompt)))
+        num_tokens = n * h + data.draw(st.integers(0, h))
+        got = index.query_hashes(prompt[:n], num_tokens)
+        want = oracle.hits(prompt[:n], num_tokens)
+        assert got.hits == want
+        assert got.best == max(want.values(), default=0)
+        assert set(got.best_engines) == ({k for k, v in want.items() if v == got.best}
+                                         if got.best else set())
+    for key in engines:
+        assert index.resident_blocks(key) == len(oracle.engines[key])
+
+
+# -- semantics of odd events -------------------------------------------------------------------
+@pytest.fixture
+def index():
+    ix = RoutingIndex(get_preset("gpt-oss"))
+    ix.add_engine("a")
+    return ix
+
+
+def ints(hashes):
+    return [int.from_bytes(h[-8:], "big") for h in hashes]
+
+
+def test_multiset_residency(index):
+    toks = list(range(1, 160))
+    hs = index.block_hashes(toks)
+    key = ("a", 0)
+    for g in (0, 1):
+        index.store(key, g, ints(hs))
+    assert index.query(toks).hits[key] == 144                 # 9 blocks of 16, capped at 158
+    index.store(key, 1, ints(hs[:1]))                         # a second block with hash 0
+    index.remove(key, 1, ints(hs[:1]))
+    assert index.query(toks).hits[key] == 144                 # still held by the other block
+    st_ = index.remove(key, 1, ints(hs[:1]))
+    assert st_.removed == 1 and index.query(toks).hits[key] == 0   # full attention: block 0 gone
+    again = index.remove(key, 1, ints(hs[:1]))                # remove of an absent key: no-op
+    assert again.removed == 0 and again.ignored == 1
+    index.store(key, 1, ints(hs[:1]))
+    assert index.query(toks).hits[key] == 144
+
+
+def test_unknown_engine_and_reset(index):
+    hs = index.block_hashes(list(range(64)))
+    st_ = index.store(("nobody", 0), 1, ints(hs))
+    assert st_.unknown_engine == len(hs) and st_.stored == 0
+    assert index.engines == (("a", 0),)
+    index.store(("a", 0), 1, ints(hs))
+    index.store(("a", 0), 1, ints(hs))                        # duplicates: count 2
+    assert index.resident_blocks(("a", 0)) == len(hs)
+    assert index.reset_engine(("a", 0)) and index.resident_blocks(("a", 0)) == 0
+    assert not index.reset_engine(("nobody", 0))
+    index.store(("a", 0), 1, ints(hs))
+    assert index.clear(("a", 0)).cleared == 1 and index.resident_blocks(("a", 0)) == 0
+    assert index.remove_engine(("a", 0)) and index.engines == ()
+    assert index.query(list(range(64))).best_engines == ()
+
+
+def test_bad_batch_is_refused_whole(index):
+    hs = ints(index.block_hashes(list(range(64))))
+    key = ("a", 0)
+    with pytest.raises(ArgumentValueError, match="groups"):
+        index.apply(key, [1, 1], [1, 7], hs[:2])
+    with pytest.raises(ArgumentValueError, match="ops"):
+        index.apply(key, [1, 2], [1, 1], hs[:2])
+    with pytest.raises(ArgumentValueError, match="one (row|entry) per"):
+        index.apply(key, [1, 1], [1, 1], hs[:3])
+    with pytest.raises(HashInputError, match="2\\*\\*64"):
+        index.apply(key, [1], [1], [-1])
+    with pytest.raises(HashInputError):
+        index.apply(key, [1], [1], [b"x" * 32])
+    with pytest.raises(ArgumentTypeError, match="groups"):
+        index.apply(key, [1], ["0"], hs[:1])
+    with pytest.raises(ArgumentTypeError):
+        index.apply(key, [1], [1.5], hs[:1])
+    # the same refusals through the numpy path
+    with pytest.raises(ArgumentValueError, match="groups"):
+        index.apply(key, np.array([1, 1]), np.array([1, 7]), np.array(hs[:2], np.uint64))
+    with pytest.raises(ArgumentValueError, match="ops"):
+        index.apply(key, np.array([1, 2]), np.array([1, 1]), np.array(hs[:2], np.uint64))
+    with pytest.raises(ArgumentValueError, match="one (row|entry) per"):
+        index.apply(key, np.array([1, 1]), np.array([1, 1]), np.array(hs[:3], np.uint64))
+    with pytest.raises(HashInputError):
+        index.apply(key, np.array([1]), np.array([1]), np.array([-1]))
+    with pytest.raises(HashInputError):
+        index.apply(key, [1], [1], [2**64])
+    # numpy scalars in lists take the general path and mean the same
+    index.apply(key, [np.int8(1)], [np.int64(1)], [np.uint64(hs[0])])
+    assert index.resident_blocks(key) == 1
+    index.apply(key, [-1], [1], hs[:1])
+    # a bad last row refuses the whole batch
+    with pytest.raises(ArgumentValueError, match="groups\\[2\\]"):
+        index.apply(key, [1, 1, 1], [1, 1, 9], hs[:3])
+    assert index.resident_blocks(key) == 0
+    with pytest.raises(ArgumentValueError, match="num_tokens"):
+        index.query_hashes([], -1)
+    with pytest.raises(HashInputError, match="token_ids"):
+        index.query([1.0, 2.0] * 16)
+    with pytest.raises(ConfigError, match="hash_block_size"):
+        RoutingIndex(get_preset("gpt-oss"), hash_block_size=8)
+    with pytest.raises(ConfigError, match="hash_algo"):
+        RoutingIndex(get_preset("gpt-oss"), hash_algo="md5")
+    with pytest.raises(ArgumentValueError, match="engine_id"):
+        index.add_engine("")
+
+
+def test_apply_and_query_from_threads(index):
+    """A subscriber thread applying events while another queries: every answer is a state
+    the event stream passed through (whole batches), never a torn one."""
+    import threading
+    toks = list(range(1, 1601))
+    hs = ints(index.block_hashes(toks))
+    key = ("a", 0)
+    seen, stop = set(), threading.Event()
+
+    def query():
+        while not stop.is_set():
+            seen.add(index.query(toks).hits[key])
+
+    t = threading.Thread(target=query)
+    t.start()
+    try:
+        for _ in range(50):
+            index.apply(key, [1] * 2 * len(hs), [0] * len(hs) + [1] * len(hs), hs + hs)
+            index.clear(key)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert not t.is_alive()
+    assert seen <= {0, 1584}
+
+
+# -- hashes ------------------------------------------------------------------------------------
+def test_hasher_follows_vllm_algorithm():
+    """Row j = sha256(pickle((parent, tuple(block tokens), None))), parent of row 0 =
+    sha256(pickle(seed)) (vLLM's NONE_HASH)."""
+    hb = BlockHasher(4, "sha256", seed="0")
+    toks = list(range(10))
+    parent = hashlib.sha256(pickle.dumps("0", protocol=5)).digest()
+    want = []
+    for s in (0, 4):
+        parent = hashlib.sha256(pickle.dumps((parent, tuple(toks[s:s + 4]), None),
+                                             protocol=5)).digest()
+        want.append(parent)
+    assert hb.hashes(toks) == want
+    assert hb.hashes(np.array(toks, dtype=np.int64)) == want       # numpy ids hash the same
+    assert BlockHasher(4, "sha256", seed="1").hashes(toks) != want
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
+        saved = os.environ.pop("PYTHONHASHSEED", None)
+        try:
+            BlockHasher(4, "xxhash")
+        finally:
+            if saved is not None:
+                os.environ["PYTHONHASHSEED"] = saved
