@@ -46,8 +46,11 @@ from .handshake import HandshakePayload
 __all__ = ["MAX_SLICES_PER_CALL", "MooncakeTeAgent", "TE_POSTINGS", "TE_SLICE_BYTES",
            "endpoint_metadata", "parse_endpoint", "split_calls"]
 
-#: ``"auto"``: one TE entry per maximal run; ``"blocks"``: one per block (the baseline)
-TE_POSTINGS = ("auto", "blocks")
+#: ``"blocks"``: one TE entry per block (the baseline); every other name of
+#: :data:`hmacore.transport.nixl_post.POSTINGS` posts one entry per maximal run ("dynamic"
+#: and "prepped" are NIXL's two ways of handing it the runs; the engine takes plain
+#: ``(addr, len)`` entries, so over TE they are the same thing)
+TE_POSTINGS = ("auto", "dynamic", "prepped", "blocks")
 #: the TCP transport cuts every entry into slices of this many bytes and admits at most
 #: 1024 queued + 1024 pending slices per peer, failing (not queueing) the rest and the
 #: connection with them (Mooncake's tcp_transport defaults; seen here as "TCP lane
@@ -135,7 +138,8 @@ class MooncakeTeAgent:
         hma: HMA on/off, carried in the handshake (peers must agree).
         tp: keyword arguments of :meth:`HandshakePayload.for_tp_plan` (the TP-aware
             handshake the vLLM connector speaks); peers must still have this TP size.
-        posting: ``"auto"`` (one entry per maximal run) or ``"blocks"`` (per block).
+        posting: ``"blocks"`` (per block) or ``"auto"`` / ``"dynamic"`` / ``"prepped"`` (one
+            entry per maximal run; see :data:`TE_POSTINGS`).
         transfer_timeout_s: the engine's own transfer timeout (``MC_TRANSFER_TIMEOUT``,
             seconds, >= 5), used when the environment does not set it.
         workers: threads that carry blocking engine calls (transfers in flight at once).

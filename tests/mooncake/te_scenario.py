@@ -337,7 +337,7 @@ def mode_badargs() -> dict:
         r["str_notif"] = _error(lambda: me.agent.read("h", peer, ok, ok, notif="x"))  # type: ignore[arg-type]
         r["expired"] = _error(lambda: me.agent.read("i", peer, ok, ok,
                                                     expires_at=time.monotonic() - 1))
-        r["bad_posting"] = _error(lambda: MooncakeTeAgent("x", plan, posting="dynamic"))
+        r["bad_posting"] = _error(lambda: MooncakeTeAgent("x", plan, posting="runs"))
         r["bad_timeout"] = _error(lambda: MooncakeTeAgent("x", plan, transfer_timeout_s=1))
         r["bad_name"] = _error(lambda: MooncakeTeAgent("a:b", plan))
         nixl_like = HandshakePayload.for_plan(plan, "nixl-peer", b"\x00binary-nixl-metadata")

@@ -88,7 +88,8 @@ def test_bad_arguments_are_refused_and_agent_stays_usable():
     assert "without ':'" in r["colon_request"]
     assert "notif must be bytes" in r["str_notif"]
     assert "expired" in r["expired"]
-    assert r["bad_posting"].startswith("ValueError: posting must be one of")
+    assert r["bad_posting"].startswith("ValueError: posting must be one of ['auto', 'dynamic', "
+                                       "'prepped', 'blocks']")
     assert "transfer_timeout_s must be an int >= 5" in r["bad_timeout"]
     assert r["bad_name"].startswith("ValueError: name must be")
     assert r["nixl_payload"].startswith("HandshakeError") and "not a Mooncake TE endpoint" \

@@ -129,7 +129,7 @@ class HmaNixlWorker:
         sync_timeout: seconds a sync load may take before it is reported failed.
         progress_delay_us: the NIXL agent's progress-thread poll delay (microseconds).
         posting: how a READ's descriptors reach NIXL (:mod:`hmacore.transport.nixl_post`);
-            over Mooncake TE only ``"auto"`` (runs) and ``"blocks"``.
+            over Mooncake TE ``"blocks"`` posts per block, the others the runs.
         confirm_timeout: seconds a finished READ waits for its source's ``alive`` before the
             load is reported failed (the lease duration: past it the lease is gone anyway).
         transport: ``"nixl"`` or ``"mooncake"`` (:mod:`hmacore.transport.base`).
@@ -180,11 +180,7 @@ class HmaNixlWorker:
                 raise ConfigError("transport 'mooncake' advertises the address its engine "
                                   "listens on: set side_channel_listen_host to a routable "
                                   f"address, not {self.host!r}")
-            from ....transport.mooncake_te import TE_POSTINGS, MooncakeTeAgent
-            if self.posting not in TE_POSTINGS:
-                raise ConfigError(f"kv_connector_extra_config.nixl_posting must be one of "
-                                  f"{list(TE_POSTINGS)} with transport 'mooncake', got "
-                                  f"{self.posting!r}")
+            from ....transport.mooncake_te import MooncakeTeAgent
             self.agent = MooncakeTeAgent(self.name, plan, hostname=self.host, tp=tp,
                                          posting=self.posting)
         else:
