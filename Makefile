@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_TARGET_DEVICE := cpu
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv deps build test test-vllm033 test-fast lint demo plan bench bench-transfer bench-gate bench-gate-short sanitize sanitize-short fuzz fuzz-replay reliability soak clean
+.PHONY: venv deps build test test-vllm033 test-fast lint demo plan bench bench-transfer bench-te bench-gate bench-gate-short sanitize sanitize-short fuzz fuzz-replay reliability soak clean
 
 $(VENV)/.stamp-base: requirements/test.txt requirements/nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -102,6 +102,12 @@ bench-transfer: deps build
 	mkdir -p bench/results
 	$(PY) bench/bench_transfer.py $(TRANSFER_ARGS) --json bench/results/transfer.json \
 	  --md bench/results/transfer.md --plot docs/img/transfer.png
+
+# NIXL (UCX) vs Mooncake TE (TCP), the same request's bytes, per block and as runs, against
+# memcpy; inside unshare -n (root). TE_ARGS e.g. "--ucx-tls tcp" for UCX over sockets too.
+bench-te: deps build
+	mkdir -p bench/results
+	$(PY) bench/bench_te.py $(TE_ARGS) --json bench/results/te.json --md bench/results/te.md
 
 bench-gate:
 	$(PY) bench/gate.py --baseline bench/baseline.json --results bench/results/latest.json --fraction $(GATE_FRACTION)

@@ -23,6 +23,7 @@ from ..errors import BlockTableError, HandshakeError, HmacoreError, TransferErro
 from ..plan import TransferPlan
 from ..runs import DescTable, desc_table
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
+from .base import Transfer
 from .handshake import HandshakePayload
 from .nixl_post import check_posting, post_xfer
 
@@ -60,27 +61,6 @@ def _int32_copy(block_ids) -> tuple[np.ndarray, ...]:
     """A private int32 copy of validated per-group ids (``desc_ids`` accepted them)."""
     return tuple([g.copy() if type(g) is np.ndarray and g.dtype == _I32 and g.ndim == 1
                   else np.array(g, dtype=np.int32) for g in block_ids])
-
-
-@dataclasses.dataclass
-class Transfer:
-    """One posted READ/WRITE of one request. ``descriptors``: what NIXL was given (runs when
-    posted as runs); ``block_descriptors``: the per-block descriptors of the plan; ``runs``:
-    the maximal runs (-1 when not searched: ``posting="blocks"``); ``bytes``: what it moves;
-    ``mechanism``: how it was posted (see :mod:`hmacore.transport.nixl_post`)."""
-
-    request_id: str
-    op: str
-    peer: str
-    local_block_ids: tuple[np.ndarray, ...]
-    descriptors: int
-    bytes: int
-    handle: Any = None
-    state: str = "PROC"   # PROC, DONE, FAILED
-    posted_at: float = 0.0
-    block_descriptors: int = 0
-    runs: int = -1
-    mechanism: str = ""
 
 
 @dataclasses.dataclass

@@ -19,17 +19,25 @@ from hmacore.windows import trim_remote_to_local
 
 pytestmark = pytest.mark.nixl
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+# tests/mooncake/test_te_connector.py runs these tests again inside a network namespace with
+# the Mooncake Transfer Engine as the transport ("transport": "mooncake")
+TRANSPORT = {"transport": os.environ["HMACORE_TEST_TRANSPORT"]} \
+    if os.environ.get("HMACORE_TEST_TRANSPORT") else {}
 
 
 class Engine:
     def __init__(self, make_kcc, extra=None, **vkw):
         self.vc = H.vllm_config(extra={"side_channel_port": free_port(),
-                                       "kv_lease_duration": 30, **(extra or {})}, **vkw)
+                                       "kv_lease_duration": 30, **TRANSPORT,
+                                       **(extra or {})}, **vkw)
         self.kcc = make_kcc()
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
         self.paged = allocate_paged_kv(self.w.layout, self.kcc.num_blocks, page_bytes=64)
         self.w.register_kv_caches(self.paged.kv_caches)
+        # the driver the connector built is the configured one
+        assert type(self.w.worker.agent).__name__ == (
+            "MooncakeTeAgent" if TRANSPORT else "NixlAgent")
         self.d = H.Driver(self.s, worker=self.w)
 
     def close(self):

@@ -26,6 +26,7 @@ from .._roles import RoleDispatch, require_single_worker
 from ._tp import worker_tp
 from .scheduler import HmaNixlScheduler
 from .push_scheduler import HmaPushScheduler, transfer_mode
+from .transport_config import transport_name
 
 __all__ = ["HmaNixlConnector"]
 
@@ -40,15 +41,17 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
     ``kv_transfer_params``), ``side_channel_listen_host`` (where the handshake servers bind,
     default ``side_channel_host``), ``transfer_mode`` (``"pull"`` / ``"push"``),
     ``nixl_progress_delay_us`` (NIXL progress-thread poll delay, default 1000; 0: NIXL's own
-    thread, which spins a core), push mode only: ``push_register_timeout`` (s, P waits for
-    D's registration, default 30), ``push_recv_timeout`` (s, D waits for every layer,
-    default 60).
+    thread, which spins a core), ``transport`` (``"nixl"``, default, or ``"mooncake"``: the
+    Mooncake Transfer Engine, pull mode and equal TP sizes only), push mode only:
+    ``push_register_timeout`` (s, P waits for D's registration, default 30),
+    ``push_recv_timeout`` (s, D waits for every layer, default 60).
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         # The scheduler-side object also validates the config and owns the layout.
         self.transfer_mode = transfer_mode(vllm_config)
+        self.transport = transport_name(vllm_config, self.transfer_mode)
         push = self.transfer_mode == "push"
         sched = (HmaPushScheduler if push else HmaNixlScheduler)(vllm_config, kv_cache_config)
         self.scheduler: HmaNixlScheduler | None = None
@@ -89,7 +92,8 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                                             progress_delay_us=sched.progress_delay_us,
                                             confirm_timeout=sched.lease_s,
                                             posting=sched.posting,
-                                            recompute=sched.recompute)
+                                            recompute=sched.recompute,
+                                            transport=self.transport)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:

@@ -44,12 +44,13 @@ import dataclasses
 import time
 from typing import Any
 
-from ....errors import HandshakeError, HmacoreError, TransferError
+from ....errors import ConfigError, HandshakeError, HmacoreError, TransferError
 from ....grain import cdiv
 from ....plan import TransferPlan
 from ....recovery import UNKNOWN, VllmReport, plan_vllm_report
 from ....spec import GroupKind
 from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
+from ....transport.base import KvTransport, check_transport
 from ....transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
 from ....transport.nixl import NixlAgent, Transfer
 from ....transport.tp_peer import tp_pair_plans
@@ -135,16 +136,20 @@ class HmaNixlWorker:
             handshake, which pairs only with such workers).
         sync_timeout: seconds a sync load may take before it is reported failed.
         progress_delay_us: the NIXL agent's progress-thread poll delay (microseconds).
-        posting: how a READ's descriptors reach NIXL (:mod:`hmacore.transport.nixl_post`).
+        posting: how a READ's descriptors reach NIXL (:mod:`hmacore.transport.nixl_post`);
+            over Mooncake TE ``"blocks"`` posts per block, the others the runs.
         confirm_timeout: seconds a finished READ waits for its source's ``alive`` before the
             load is reported failed (the lease duration: past it the lease is gone anyway).
+        transport: ``"nixl"`` or ``"mooncake"`` (:mod:`hmacore.transport.base`).
     """
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  tp: WorkerTp | None = None, sync_timeout: float = 30.0,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
                  confirm_timeout: float = 30.0, posting: str = "auto",
-                 recompute: bool = False) -> None:
+                 recompute: bool = False,
+                 transport: str = "nixl") -> None:
+        self.transport = check_transport(transport)
         configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
         self.layout = layout
         self.num_blocks = int(num_blocks)
@@ -158,7 +163,7 @@ class HmaNixlWorker:
         self.confirm_timeout = float(confirm_timeout)
         self.posting = posting
         self.recompute = recompute      # kv_load_failure_policy == "recompute"
-        self.agent: NixlAgent | None = None
+        self.agent: KvTransport | None = None
         self.server: HandshakeServer | None = None
         self._done_msg = done_message(self.rank, self.tp_size)
         self._read_done_msg = done_message(self.rank, self.tp_size, ask=True)
@@ -180,10 +185,19 @@ class HmaNixlWorker:
     # -- registration -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> TransferPlan:
         plan = TransferPlan.from_kv_caches(self.layout, kv_caches, num_blocks=self.num_blocks)
-        self.agent = NixlAgent(self.name, plan,
-                               tp=self.tp.handshake_args() if self.tp is not None else None,
-                               progress_delay_us=self.progress_delay_us,
-                               posting=self.posting)
+        tp = self.tp.handshake_args() if self.tp is not None else None
+        if self.transport == "mooncake":
+            if self.host in ("0.0.0.0", "::", ""):
+                raise ConfigError("transport 'mooncake' advertises the address its engine "
+                                  "listens on: set side_channel_listen_host to a routable "
+                                  f"address, not {self.host!r}")
+            from ....transport.mooncake_te import MooncakeTeAgent
+            self.agent = MooncakeTeAgent(self.name, plan, hostname=self.host, tp=tp,
+                                         posting=self.posting)
+        else:
+            self.agent = NixlAgent(self.name, plan, tp=tp,
+                                   progress_delay_us=self.progress_delay_us,
+                                   posting=self.posting)
         # a reader only needs to notify us: its pages may be shaped for another TP size
         self.server = HandshakeServer(self.agent.handshake_payload(), host=self.host,
                                       port=self.port, on_peer=self.agent.add_notify_peer)

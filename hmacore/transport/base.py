@@ -1,0 +1,124 @@
+"""The P/D transport interface: what a connector needs from a KV transport driver.
+
+Two drivers implement it: :class:`hmacore.transport.nixl.NixlAgent` (NIXL, UCX backend) and
+:class:`hmacore.transport.mooncake_te.MooncakeTeAgent` (Mooncake Transfer Engine, TCP). Both
+register one :class:`~hmacore.plan.TransferPlan`'s paged KV regions, describe themselves in a
+:class:`~hmacore.transport.handshake.HandshakePayload` (``agent_metadata`` carries the
+transport's own endpoint data; the region table and the per-group wire format are the same),
+and move a request's per-group block lists as READ (pull) or WRITE (push), posted as the
+coalesced descriptor runs of :mod:`hmacore.runs` or per block.
+
+Contract shared by both (units: per-group block ids; seconds):
+* ``read``/``write`` return a :class:`Transfer`; ``poll`` is non-blocking (``"PROC"`` /
+  ``"DONE"``), ``wait`` is bounded by its timeout; a failure raises TransferError naming the
+  request and is remembered (``failure``); the driver stays usable for other requests.
+* a request's local blocks are valid (``valid_blocks``) only after its transfer is DONE.
+* notifications are ``(request_id, body)`` pairs; ``notif=`` on a transfer is delivered to
+  the peer only after the transfer succeeded.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..plan import TransferPlan
+from .handshake import HandshakePayload
+
+__all__ = ["TRANSPORTS", "KvTransport", "Transfer", "check_transport", "make_transport"]
+
+#: the transports a connector can be configured with (``"transport"`` in
+#: ``kv_connector_extra_config``)
+TRANSPORTS = ("nixl", "mooncake")
+
+
+def check_transport(name: Any) -> str:
+    """``name`` if it is one of :data:`TRANSPORTS`, else ValueError naming the rule."""
+    if not isinstance(name, str) or name not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {name!r}")
+    return name
+
+
+@dataclasses.dataclass
+class Transfer:
+    """One posted READ/WRITE of one request. ``descriptors``: what the transport was given
+    (runs when posted as runs); ``block_descriptors``: the per-block descriptors of the plan;
+    ``runs``: the maximal runs (-1 when not searched: ``posting="blocks"``); ``bytes``: what
+    it moves; ``mechanism``: how it was posted; ``handle``: the driver's own handle."""
+
+    request_id: str
+    op: str
+    peer: str
+    local_block_ids: tuple[np.ndarray, ...]
+    descriptors: int
+    bytes: int
+    handle: Any = None
+    state: str = "PROC"   # PROC, DONE, FAILED
+    posted_at: float = 0.0
+    block_descriptors: int = 0
+    runs: int = -1
+    mechanism: str = ""
+
+
+@runtime_checkable
+class KvTransport(Protocol):
+    """A KV transport driver over one TransferPlan's memory (see the module docstring)."""
+
+    name: str
+    plan: TransferPlan
+
+    def metadata(self) -> bytes: ...
+
+    def handshake_payload(self) -> HandshakePayload: ...
+
+    def add_peer(self, payload: HandshakePayload, *, pair: Any = None) -> str: ...
+
+    def add_notify_peer(self, payload: HandshakePayload) -> str: ...
+
+    def remove_peer(self, name: str) -> None: ...
+
+    @property
+    def peers(self) -> tuple[str, ...]: ...
+
+    def read(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
+             remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
+             expires_at: float | None = None) -> Transfer: ...
+
+    def write(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
+              remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
+              expires_at: float | None = None) -> Transfer: ...
+
+    def poll(self, transfer: Transfer) -> str: ...
+
+    def wait(self, transfer: Transfer, timeout: float = 10.0) -> Transfer: ...
+
+    def valid_blocks(self, request_id: str) -> tuple[np.ndarray, ...] | None: ...
+
+    def failure(self, request_id: str) -> Any: ...
+
+    def send_notif(self, peer: str, request_id: str, msg: bytes = b"done") -> None: ...
+
+    def notifications(self, request_id: str, *, fetch: bool = True) -> list[bytes]: ...
+
+    def notifications_from(self, request_id: str, *, fetch: bool = True
+                           ) -> list[tuple[str, bytes]]: ...
+
+    def has_notifications(self, request_id: str) -> bool: ...
+
+    def fetch_notifs(self) -> None: ...
+
+    def wait_notif(self, request_id: str, timeout: float = 10.0) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+def make_transport(transport: str, name: str, plan: TransferPlan, **kwargs: Any) -> KvTransport:
+    """A driver of ``transport`` (one of :data:`TRANSPORTS`) named ``name`` over ``plan``;
+    ``kwargs`` go to its constructor. Imports the transport's package only here."""
+    if check_transport(transport) == "nixl":
+        from .nixl import NixlAgent
+        return NixlAgent(name, plan, **kwargs)
+    from .mooncake_te import MooncakeTeAgent
+    return MooncakeTeAgent(name, plan, **kwargs)

@@ -1,0 +1,484 @@
+"""Mooncake Transfer Engine driver: the :class:`~hmacore.transport.base.KvTransport` interface
+over ``mooncake.engine.TransferEngine`` (wheel ``mooncake-transfer-engine-non-cuda``).
+
+``mooncake`` is imported lazily (only when an agent is created). The engine runs in P2P
+handshake mode (``"P2PHANDSHAKE"``: no etcd, no metadata server): each engine listens on an
+RPC port of its own and peers address it as ``"<host>:<port>"``. That session name and the
+address of a small "doorbell" buffer are this transport's endpoint data, carried as the
+handshake payload's ``agent_metadata`` (JSON); the region table is the same as NIXL's.
+
+How things map onto the engine (its semantics read from Mooncake's transfer_engine_py.cpp):
+
+* a transfer is one ``batch_transfer_sync(peer, local_addrs, remote_addrs, lengths, opcode,
+  notify)`` with one entry per descriptor run (:func:`hmacore.runs.find_runs`) or per block
+  (``posting="blocks"``). The call blocks with the GIL released, so it runs on a small
+  worker pool and :meth:`MooncakeTeAgent.poll` stays non-blocking. The engine bounds it
+  itself: ``MC_TRANSFER_TIMEOUT`` seconds (set to ``transfer_timeout_s`` here when the user
+  has not set it; the engine's floor is 5 s) plus 1 ns per byte.
+* ``notif=`` rides the transfer (``TransferNotify``): the peer receives it only when the
+  batch completed. The Python API sends a notification only together with a transfer, so a
+  standalone :meth:`send_notif` is a 1-byte write between the two agents' doorbell buffers.
+* the engine's TCP server checks every remote address against the memory its owner
+  registered; this driver also validates every block id before anything is posted.
+
+Failure: a dead or unreachable peer, a refused address, a timeout: the request fails with
+TransferError (remembered by :meth:`failure`), the agent stays usable.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import operator
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import BlockTableError, HandshakeError, HmacoreError, TransferError
+from ..plan import TransferPlan
+from ..runs import DescTable, desc_table, find_runs
+from .base import Transfer
+from .handshake import HandshakePayload
+
+__all__ = ["MAX_SLICES_PER_CALL", "MooncakeTeAgent", "TE_POSTINGS", "TE_SLICE_BYTES",
+           "endpoint_metadata", "parse_endpoint", "split_calls"]
+
+#: ``"blocks"``: one TE entry per block (the baseline); every other name of
+#: :data:`hmacore.transport.nixl_post.POSTINGS` posts one entry per maximal run ("dynamic"
+#: and "prepped" are NIXL's two ways of handing it the runs; the engine takes plain
+#: ``(addr, len)`` entries, so over TE they are the same thing)
+TE_POSTINGS = ("auto", "dynamic", "prepped", "blocks")
+#: the TCP transport cuts every entry into slices of this many bytes and admits at most
+#: 1024 queued + 1024 pending slices per peer, failing (not queueing) the rest and the
+#: connection with them (Mooncake's tcp_transport defaults; seen here as "TCP lane
+#: queue-full rejection" then "Connection reset by peer" from ~2,500 entries of 256 bytes)
+TE_SLICE_BYTES = 64 * 1024
+#: so one engine call carries at most this many slices: ``workers`` calls in flight stay
+#: inside the peer's 1024-slice queue
+MAX_SLICES_PER_CALL = 256
+_DOORBELL_BYTES = 64
+_KIND = "mooncake-te"
+
+
+def endpoint_metadata(session: str, doorbell: int) -> bytes:
+    """The ``agent_metadata`` of a Mooncake TE agent: its session name and doorbell address."""
+    return json.dumps({"transport": _KIND, "session": session,
+                       "doorbell": int(doorbell)}).encode()
+
+
+def parse_endpoint(metadata: bytes, agent: str) -> tuple[str, int]:
+    """``(session, doorbell)`` from a peer's ``agent_metadata``; HandshakeError when it is not
+    a Mooncake TE endpoint (e.g. a NIXL agent's metadata)."""
+    try:
+        d = json.loads(bytes(metadata).decode())
+        if d.get("transport") != _KIND:
+            raise ValueError(f"transport {d.get('transport')!r}")
+        session, doorbell = d["session"], d["doorbell"]
+        host, _, port = session.rpartition(":")
+        if not host or not port.isdigit() or type(doorbell) is not int or doorbell <= 0:
+            raise ValueError(f"session {session!r} / doorbell {doorbell!r}")
+    except Exception as e:  # noqa: BLE001 - anything unparsable is a handshake error
+        raise HandshakeError(f"peer {agent!r} is not a Mooncake TE endpoint (its transport "
+                             f"metadata: {type(e).__name__}: {e}); both sides must use "
+                             "\"transport\": \"mooncake\"") from None
+    return session, doorbell
+
+
+def split_calls(local_addrs: np.ndarray, remote_addrs: np.ndarray, lengths: np.ndarray,
+                max_bytes: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """The entries of one transfer cut into engine calls of at most ``max_bytes`` worth of
+    slices each (counted in whole :data:`TE_SLICE_BYTES` slices; an entry longer than
+    ``max_bytes`` is cut into pieces). Order and bytes are unchanged."""
+    la = np.asarray(local_addrs, dtype=np.uint64)
+    ra = np.asarray(remote_addrs, dtype=np.uint64)
+    ln = np.asarray(lengths, dtype=np.uint64)
+    cap = max(1, max_bytes // TE_SLICE_BYTES)
+    if ln.size and int(ln.max()) > cap * TE_SLICE_BYTES:   # rare: cut long entries
+        pieces = [(int(a), int(b), int(n)) for a, b, n in zip(la.tolist(), ra.tolist(),
+                                                                ln.tolist())]
+        step = cap * TE_SLICE_BYTES
+        cut = [(a + o, b + o, min(step, n - o)) for a, b, n in pieces for o in range(0, n, step)]
+        la, ra, ln = (np.array(c, dtype=np.uint64) for c in zip(*cut))
+    slices = (ln + np.uint64(TE_SLICE_BYTES - 1)) // np.uint64(TE_SLICE_BYTES)
+    # greedy: a new call whenever the running slice count would pass the cap
+    out, start, used = [], 0, 0
+    for i, s in enumerate(slices.tolist()):
+        if used + s > cap and i > start:
+            out.append((start, i))
+            start, used = i, 0
+        used += s
+    if start < ln.size:
+        out.append((start, int(ln.size)))
+    return [(la[a:b].tolist(), ra[a:b].tolist(), ln[a:b].tolist()) for a, b in out]
+
+
+@dataclasses.dataclass
+class _Peer:
+    name: str
+    payload: HandshakePayload
+    session: str
+    doorbell: int
+    plan: TransferPlan | None = None
+    rows: np.ndarray | None = None        # its descriptors' (addr, bytes, dev) rows
+    table: DescTable | None = None
+
+
+class MooncakeTeAgent:
+    """A Mooncake Transfer Engine (TCP, P2P handshake) over one TransferPlan's memory.
+
+    Args:
+        name: agent name (unique among peers).
+        plan: the local plan; its registration ranges are registered with the engine.
+        hostname: the address the engine's RPC and data servers listen on (loopback by
+            default; a namespace's or host's own address across machines).
+        protocol: the engine's transport (``"tcp"``; ``"rdma"`` needs RDMA devices).
+        hma: HMA on/off, carried in the handshake (peers must agree).
+        tp: keyword arguments of :meth:`HandshakePayload.for_tp_plan` (the TP-aware
+            handshake the vLLM connector speaks); peers must still have this TP size.
+        posting: ``"blocks"`` (per block) or ``"auto"`` / ``"dynamic"`` / ``"prepped"`` (one
+            entry per maximal run; see :data:`TE_POSTINGS`).
+        transfer_timeout_s: the engine's own transfer timeout (``MC_TRANSFER_TIMEOUT``,
+            seconds, >= 5), used when the environment does not set it.
+        workers: threads that carry blocking engine calls (transfers in flight at once).
+    """
+
+    def __init__(self, name: str, plan: TransferPlan, *, hostname: str = "127.0.0.1",
+                 protocol: str = "tcp", hma: bool = True, tp: dict[str, Any] | None = None,
+                 posting: str = "auto",
+                 transfer_timeout_s: int = 10, workers: int = 4):
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(f"name must be a non-empty str without ':', got {name!r}")
+        if posting not in TE_POSTINGS:
+            raise ValueError(f"posting must be one of {list(TE_POSTINGS)}, got {posting!r}")
+        if type(transfer_timeout_s) is not int or transfer_timeout_s < 5:
+            raise ValueError("transfer_timeout_s must be an int >= 5 (seconds; the engine's "
+                             f"floor), got {transfer_timeout_s!r}")
+        if type(workers) is not int or workers < 1:
+            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+        if plan.mem_type != "DRAM":
+            raise ValueError(f"plan.mem_type must be 'DRAM' for this driver, got {plan.mem_type!r}")
+        self.name = name
+        self.plan = plan
+        self.hma = hma
+        self.tp = dict(tp) if tp is not None else None
+        self.posting = posting
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(transfer_timeout_s))
+        from mooncake.engine import TransferEngine  # lazy: core never imports mooncake
+        eng = TransferEngine()
+        if eng.initialize(hostname, "P2PHANDSHAKE", protocol, "") != 0:
+            raise TransferError(f"Mooncake TE failed to initialize on {hostname!r} with "
+                                f"protocol {protocol!r} (P2P handshake)")
+        self._engine: Any = eng
+        self.session = f"{hostname}:{eng.get_rpc_port()}"
+        self._doorbell = np.zeros(_DOORBELL_BYTES, np.uint8)   # owned: outlives the engine
+        ranges = [(int(a), int(n)) for a, n, _ in plan.registration_ranges()]
+        ranges.append((self._doorbell.ctypes.data, _DOORBELL_BYTES))
+        self._reg = [a for a, _ in ranges]
+        rc = eng.batch_register_memory(self._reg, [n for _, n in ranges])
+        if rc != 0:
+            raise TransferError(f"Mooncake TE refused to register {len(ranges)} memory ranges "
+                                f"(rc {rc})")
+        self._rows = np.ascontiguousarray(plan.descriptors(), dtype=np.uint64)
+        self._table = desc_table(self._rows, plan.registration_ranges())
+        self._group_bytes = plan._group_block_bytes
+        self._pool = cf.ThreadPoolExecutor(max_workers=workers,
+                                           thread_name_prefix=f"mooncake-te-{name}")
+        self._peers: dict[str, _Peer] = {}
+        self._valid: dict[str, tuple[np.ndarray, ...]] = {}
+        self._failed: dict[str, TransferError] = {}
+        self._notifs: dict[str, list[tuple[str, bytes]]] = {}   # rid -> (sender, body)
+        self._closed = False
+
+    # -- peers -------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """This agent's endpoint data (session name, doorbell address) for the handshake."""
+        return endpoint_metadata(self.session, self._doorbell.ctypes.data)
+
+    def handshake_payload(self) -> HandshakePayload:
+        if self.tp is not None:
+            return HandshakePayload.for_tp_plan(self.plan, self.name, self.metadata(),
+                                                hma=self.hma, **self.tp)
+        return HandshakePayload.for_plan(self.plan, self.name, self.metadata(), hma=self.hma)
+
+    def add_peer(self, payload: HandshakePayload, *, pair: Any = None) -> str:
+        """Accept a peer from its handshake payload (compatibility checked, its regions laid
+        over our layout). Heterogeneous-TP peers (``pair``) are not supported yet."""
+        self._check_open()
+        if pair is not None:
+            raise HandshakeError("heterogeneous-TP peers are not supported over Mooncake TE "
+                                 "yet (pair=...); use equal TP sizes or transport 'nixl'")
+        p = self._load_peer(payload)
+        try:
+            plan = payload.remote_plan(self.plan.layout)
+            rows = np.ascontiguousarray(plan.descriptors(), dtype=np.uint64)
+            table = desc_table(rows, plan.registration_ranges())
+        except HmacoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a malformed region table
+            raise HandshakeError(f"peer {p.name!r}: its regions do not fit our layout: "
+                                 f"{type(e).__name__}: {e}") from e
+        p.plan, p.rows, p.table = plan, rows, table
+        self._peers[p.name] = p
+        return p.name
+
+    def add_notify_peer(self, payload: HandshakePayload) -> str:
+        """Accept a peer only to send it notifications (transfers to it raise)."""
+        self._check_open()
+        p = self._load_peer(payload)
+        self._peers[p.name] = p
+        return p.name
+
+    def _load_peer(self, payload: HandshakePayload) -> _Peer:
+        self.handshake_payload().check_compatible(payload)
+        session, doorbell = parse_endpoint(payload.agent_metadata, payload.agent_name)
+        self._peers.pop(payload.agent_name, None)
+        return _Peer(payload.agent_name, payload, session, doorbell)
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer (idempotent). The engine keeps its cached connection."""
+        self._peers.pop(name, None)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
+    # -- transfers ---------------------------------------------------------------------
+    def read(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
+             remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
+             expires_at: float | None = None) -> Transfer:
+        """Post a READ (pull) of the peer's ``remote_block_ids`` into ``local_block_ids``;
+        ``notif`` reaches the peer as ``(request_id, notif)`` once the READ completed."""
+        return self._post("READ", request_id, peer, local_block_ids, remote_block_ids, notif,
+                          expires_at)
+
+    def write(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
+              remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
+              expires_at: float | None = None) -> Transfer:
+        """Post a WRITE (push) of ``local_block_ids`` into the peer's ``remote_block_ids``."""
+        return self._post("WRITE", request_id, peer, local_block_ids, remote_block_ids, notif,
+                          expires_at)
+
+    def _fail(self, request_id: str, msg: str, *, group=None, block_index=None,
+              transfer: Transfer | None = None) -> TransferError:
+        err = TransferError(f"request {request_id!r}: {msg}", request_id=request_id,
+                            group=group, block_index=block_index)
+        self._failed[request_id] = err
+        self._valid.pop(request_id, None)
+        if transfer is not None:
+            transfer.state = "FAILED"
+        return err
+
+    def _post(self, op, request_id, peer, local_ids, remote_ids, notif, expires_at) -> Transfer:
+        self._check_open()
+        if not isinstance(request_id, str) or ":" in request_id:
+            raise TransferError(f"request_id must be a str without ':', got {request_id!r}")
+        if notif is not None and not isinstance(notif, (bytes, bytearray)):
+            raise TransferError(f"notif must be bytes or None, got {type(notif).__name__}",
+                                request_id=request_id)
+        self._failed.pop(request_id, None)
+        self._valid.pop(request_id, None)
+        p = self._peers.get(peer)
+        if p is None:
+            raise self._fail(request_id, f"unknown peer {peer!r} (handshake first)")
+        if expires_at is not None and time.monotonic() >= expires_at:
+            raise self._fail(request_id, f"the lease on peer {peer!r}'s blocks expired")
+        if p.plan is None or p.rows is None or p.table is None:
+            raise self._fail(request_id, f"peer {peer!r} was added for notifications only")
+        lids, rids, table, nbytes = self._checked_ids(request_id, p, local_ids, remote_ids)
+        t = Transfer(request_id, op, peer, table, int(lids.size), nbytes,
+                     posted_at=time.monotonic(), block_descriptors=int(lids.size))
+        if not lids.size:   # full local hit: nothing to move
+            t.state = "DONE"
+            self._valid[request_id] = table
+            if notif is not None:
+                self.send_notif(peer, request_id, bytes(notif))
+            return t
+        if self.posting == "blocks":
+            lrows, rrows = self._rows[lids], p.rows[rids]
+            if not np.array_equal(lrows[:, 1], rrows[:, 1]):
+                raise self._fail(request_id, f"descriptor lengths differ from peer {peer!r}'s")
+            t.mechanism = "blocks"
+        else:
+            try:
+                runs = find_runs(self._table, lids, p.table, rids)
+            except BlockTableError as e:
+                raise self._fail(request_id, f"bad descriptor pairs for {peer!r}: {e}") from None
+            lrows, rrows, t.runs, t.mechanism = runs.local, runs.remote, runs.num_runs, "runs"
+        t.descriptors = int(lrows.shape[0])
+        note = self._notify(request_id, bytes(notif)) if notif is not None else None
+        from mooncake.engine import TransferOpcode
+        code = TransferOpcode.Read if op == "READ" else TransferOpcode.Write
+        calls = split_calls(lrows[:, 0], rrows[:, 0], lrows[:, 1],
+                            MAX_SLICES_PER_CALL * TE_SLICE_BYTES)
+        t.handle = self._pool.submit(self._run_calls, p.session, calls, code, note)
+        return t
+
+    def _run_calls(self, session: str, calls, code, note) -> int:
+        """The engine calls of one transfer, in order (the notification rides the last);
+        the first non-zero rc ends it."""
+        for i, (la, ra, ln) in enumerate(calls):
+            rc = self._engine.batch_transfer_sync(session, la, ra, ln, code,
+                                                  note if i == len(calls) - 1 else None)
+            if rc != 0:
+                return int(rc)
+        return 0
+
+    def _checked_ids(self, request_id, p: _Peer, local_ids, remote_ids):
+        """Desc ids of both sides (validated, per-group counts equal), a private int32 copy
+        of the local table and the bytes moved."""
+        assert p.plan is not None
+        try:
+            conv = self.plan._as_tuple(local_ids)
+            lids = self.plan.desc_ids(conv)
+        except BlockTableError as e:
+            raise self._fail(request_id, f"bad local block ids: {e}",
+                             group=getattr(e, "group", None),
+                             block_index=getattr(e, "block_index", None)) from None
+        try:
+            rids = p.plan.desc_ids(remote_ids)
+        except BlockTableError as e:
+            raise self._fail(request_id, f"bad remote block ids: {e}",
+                             group=getattr(e, "group", None),
+                             block_index=getattr(e, "block_index", None)) from None
+        lens = [len(g) for g in conv]
+        rlens = [len(g) for g in remote_ids]
+        if lens != rlens or lids.size != rids.size:
+            raise self._fail(request_id, f"per-group block counts differ: local {lens}, "
+                                         f"remote {rlens}; they must match")
+        table = tuple(np.array(g, dtype=np.int32) for g in conv)
+        return (np.asarray(lids, dtype=np.int64), np.asarray(rids, dtype=np.int64), table,
+                sum(map(operator.mul, lens, self._group_bytes)))
+
+    def poll(self, transfer: Transfer) -> str:
+        """Non-blocking state: ``"PROC"`` or ``"DONE"``; raises TransferError on failure."""
+        if transfer.state == "FAILED":
+            raise self._failed.get(transfer.request_id) or TransferError(
+                "transfer failed", request_id=transfer.request_id)
+        if transfer.state == "DONE":
+            return "DONE"
+        fut: cf.Future = transfer.handle
+        if not fut.done():
+            return "PROC"
+        self._finish(transfer, fut)
+        return transfer.state
+
+    def _finish(self, t: Transfer, fut: cf.Future) -> None:
+        try:
+            rc = fut.result()
+        except Exception as e:  # noqa: BLE001 - the engine raises its own errors
+            raise self._fail(t.request_id, f"{t.op} with peer {t.peer!r} raised "
+                             f"{type(e).__name__}: {e}", transfer=t) from None
+        if rc != 0:
+            raise self._fail(t.request_id, f"{t.op} with peer {t.peer!r} failed (engine rc "
+                             f"{rc}: peer dead or unreachable, or an address it did not "
+                             "register)", transfer=t)
+        t.state = "DONE"
+        t.handle = None
+        self._valid[t.request_id] = t.local_block_ids
+
+    def wait(self, transfer: Transfer, timeout: float = 10.0) -> Transfer:
+        """Block until DONE; TransferError on failure or after ``timeout`` seconds (the
+        engine call itself ends by its own timeout; :meth:`close` waits for it)."""
+        if transfer.state == "PROC":
+            fut: cf.Future = transfer.handle
+            try:
+                fut.result(timeout=timeout)
+            except cf.TimeoutError:
+                raise self._fail(transfer.request_id, f"{transfer.op} with peer "
+                                 f"{transfer.peer!r} did not complete within {timeout} s",
+                                 transfer=transfer) from None
+            except Exception:  # noqa: BLE001 - reported by _finish
+                pass
+        self.poll(transfer)
+        return transfer
+
+    def valid_blocks(self, request_id: str) -> tuple[np.ndarray, ...] | None:
+        """Local per-group block ids that arrived for a request (None unless DONE)."""
+        return self._valid.get(request_id)
+
+    def failure(self, request_id: str) -> TransferError | None:
+        return self._failed.get(request_id)
+
+    # -- notifications -------------------------------------------------------------------
+    def _notify(self, request_id: str, body: bytes) -> Any:
+        from mooncake.engine import TransferNotify
+        # latin-1 maps every byte to one code point: any body round-trips through the str
+        return TransferNotify(self.name, request_id + ":" + bytes(body).decode("latin-1"))
+
+    def send_notif(self, peer: str, request_id: str, msg: bytes = b"done") -> None:
+        """Send ``(request_id, msg)`` to a peer (a 1-byte doorbell write carries it)."""
+        self._check_open()
+        p = self._peers.get(peer)
+        if p is None:
+            raise TransferError(f"unknown peer {peer!r}", request_id=request_id)
+        from mooncake.engine import TransferOpcode
+        rc = self._engine.batch_transfer_sync(p.session, [self._doorbell.ctypes.data],
+                                              [p.doorbell], [1], TransferOpcode.Write,
+                                              self._notify(request_id, msg))
+        if rc != 0:
+            raise TransferError(f"notification to {peer!r} not sent (engine rc {rc}: peer "
+                                "dead or unreachable?)", request_id=request_id)
+
+    def fetch_notifs(self) -> None:
+        """Move the engine's new notifications into the per-request queues."""
+        self._check_open()
+        for n in self._engine.get_notifies():
+            rid, sep, body = str(n.msg).partition(":")
+            self._notifs.setdefault(rid, []).append(
+                (str(n.name), body.encode("latin-1") if sep else b""))
+
+    def notifications(self, request_id: str, *, fetch: bool = True) -> list[bytes]:
+        """Messages received so far for a request (consumed)."""
+        return [body for _, body in self.notifications_from(request_id, fetch=fetch)]
+
+    def notifications_from(self, request_id: str, *, fetch: bool = True
+                           ) -> list[tuple[str, bytes]]:
+        """:meth:`notifications` with each message's sender (the peer's agent name: the
+        ``TransferNotify`` name it sent)."""
+        if fetch:
+            self.fetch_notifs()
+        return self._notifs.pop(request_id, [])
+
+    def has_notifications(self, request_id: str) -> bool:
+        """True when messages for ``request_id`` are queued (nothing fetched or consumed)."""
+        return request_id in self._notifs
+
+    def wait_notif(self, request_id: str, timeout: float = 10.0) -> bytes:
+        """First message for ``request_id``, waiting at most ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.fetch_notifs()
+            queue = self._notifs.get(request_id)
+            if queue:
+                return queue.pop(0)[1]
+            if time.monotonic() >= deadline:
+                raise TransferError(f"no notification for request {request_id!r} within "
+                                    f"{timeout} s", request_id=request_id)
+            time.sleep(0.001)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("the agent is closed")
+
+    def close(self) -> None:
+        """Wait for transfers in flight (each bounded by the engine's timeout), deregister
+        memory, drop the engine (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._peers.clear()
+        self._pool.shutdown(wait=True)
+        try:
+            self._engine.batch_unregister_memory(self._reg)
+        finally:
+            self._engine = None
+
+    def __enter__(self) -> MooncakeTeAgent:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,147 @@
+"""Mooncake Transfer Engine transport (hmacore.transport.mooncake_te) between two real
+processes over the engine's TCP transport, inside ``unshare -n`` with only ``lo`` up
+(tests/mooncake/te_scenario.py runs the processes and checks the bytes)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hmacore.transport.base import TRANSPORTS, KvTransport, check_transport
+from hmacore.transport.mooncake_te import TE_SLICE_BYTES, split_calls
+
+SCENARIO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "te_scenario.py")
+
+
+def run_te(mode: str, timeout_s: float = 300.0) -> dict:
+    """``te_scenario.py netns <mode>`` as the top process of a new network namespace; its
+    process group is killed by id if it overruns."""
+    proc = subprocess.Popen(["unshare", "-n", "--", sys.executable, SCENARIO, "netns", mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"te scenario {mode} overran {timeout_s} s:\n{err[-3000:]}")
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"te scenario {mode} failed (rc {proc.returncode}):\n"
+                             f"{out[-2000:]}\n{err[-3000:]}")
+    return json.loads(lines[-1])
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(400)
+def test_every_group_kind_byte_exact_reads_and_writes():
+    """Full, sliding-window, MLA and Mamba groups (gemma-3, qwen3-next, deepseek-v4):
+    fresh, eviction-order and scattered tables, as runs and per block, READ and WRITE; all
+    of both sides' KV memory equals the reference (pattern where moved, zeros elsewhere)."""
+    r = run_te("exact")
+    assert set(r) == {"gemma-3-27b", "qwen3-next-80b", "deepseek-v4"}
+    for preset, res in r.items():
+        assert res["read_bad_bytes"] == 0 and res["write_bad_bytes"] == 0, preset
+        assert len(res["reads"]) == len(res["writes"]) == 6
+        for t in res["reads"] + res["writes"]:
+            assert t["state"] == "DONE", (preset, t)
+            if t["posting"] == "blocks":
+                assert t["descriptors"] == t["block_descriptors"]
+            else:
+                assert t["descriptors"] <= t["block_descriptors"]
+        fresh = [t for t in res["reads"] if t["posting"] == "auto" and t["kind"] == "fresh"]
+        assert fresh[0]["descriptors"] * 5 <= fresh[0]["block_descriptors"], preset
+        assert res["peer_notifs"] == {"w5": ["written"]}      # rode the last WRITE
+        assert res["echo_same"] is True                      # every byte value, alone
+        assert res["echo_from"] == [["te-peer", "who"]]     # the sender's agent name
+        assert res["peer_rc"] == 0
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(400)
+def test_peer_killed_mid_transfer_fails_bounded_and_survivor_serves():
+    r = run_te("kill")
+    assert r["outcome"] == "failed", r
+    assert 0 < r["arrived_fraction"] < 1, r                  # killed while bytes were landing
+    assert "te-victim" in r["error"] and r["failure_recorded"] is True
+    assert r["valid_after_failure"] is False
+    assert r["fail_s"] < 60                                  # the engine's own bound: 10 s
+    assert r["again"] == "failed" and r["again_s"] < 60
+    assert r["after_state"] == "DONE" and r["after_mismatches"] == 0
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(400)
+def test_bad_arguments_are_refused_and_agent_stays_usable():
+    r = run_te("badargs")
+    assert "unknown peer 'nobody'" in r["unknown_peer"]
+    assert r["block_out_of_range"].startswith("TransferError") and "out of range" in \
+        r["block_out_of_range"]
+    assert "out of range" in r["negative_block"]
+    assert "per-group block counts differ" in r["unequal_counts"]
+    assert "has 1 groups" in r["wrong_groups"]
+    assert "without ':'" in r["colon_request"]
+    assert "notif must be bytes" in r["str_notif"]
+    assert "expired" in r["expired"]
+    assert r["bad_posting"].startswith("ValueError: posting must be one of ['auto', 'dynamic', "
+                                       "'prepped', 'blocks']")
+    assert "transfer_timeout_s must be an int >= 5" in r["bad_timeout"]
+    assert r["bad_name"].startswith("ValueError: name must be")
+    assert r["nixl_payload"].startswith("HandshakeError") and "not a Mooncake TE endpoint" \
+        in r["nixl_payload"]
+    assert "heterogeneous-TP" in r["pair"]
+    assert r["failures_recorded"] == ["a", "b", "c", "d", "e", "i"]
+    assert r["after_state"] == "DONE" and r["after_bad_bytes"] == 0
+    assert r["closed"] == "TransferError: the agent is closed"
+
+
+# -- no engine needed ------------------------------------------------------------------
+def test_transport_names_are_validated():
+    assert TRANSPORTS == ("nixl", "mooncake")
+    assert check_transport("mooncake") == "mooncake"
+    for bad in ("ucx", "", None, "NIXL"):
+        with pytest.raises(ValueError, match="transport must be one of"):
+            check_transport(bad)
+
+
+def test_nixl_driver_satisfies_the_interface():
+    from hmacore.transport.mooncake_te import MooncakeTeAgent
+    from hmacore.transport.nixl import NixlAgent
+    for cls in (NixlAgent, MooncakeTeAgent):
+        missing = [m for m in ("metadata", "handshake_payload", "add_peer", "add_notify_peer",
+                               "remove_peer", "peers", "read", "write", "poll", "wait",
+                               "valid_blocks", "failure", "send_notif", "notifications",
+                               "notifications_from", "has_notifications",
+                               "fetch_notifs", "wait_notif", "close")
+                   if not hasattr(cls, m)]
+        assert not missing, (cls, missing)
+    assert KvTransport.__name__ == "KvTransport"
+
+
+@pytest.mark.parametrize("lengths,cap", [([256] * 5000, 256 * TE_SLICE_BYTES),
+                                         ([TE_SLICE_BYTES * 3 + 1] * 7, 4 * TE_SLICE_BYTES),
+                                         ([1], TE_SLICE_BYTES), ([], TE_SLICE_BYTES),
+                                         ([10 * TE_SLICE_BYTES, 5, 70000, 1 << 22],
+                                          2 * TE_SLICE_BYTES)])
+def test_split_calls_keeps_bytes_and_order_within_the_slice_cap(lengths, cap):
+    rng = np.random.default_rng(len(lengths))
+    la = np.cumsum([0] + lengths[:-1]).astype(np.uint64) + np.uint64(1 << 30) if lengths \
+        else np.zeros(0, np.uint64)
+    ra = la + np.uint64(rng.integers(1, 1 << 20) * 4096)
+    calls = split_calls(la, ra, np.array(lengths, dtype=np.uint64), cap)
+    # every local byte maps to the same remote byte, in order, nothing lost or added
+    pieces = [(a, b, n) for c in calls for a, b, n in zip(*c)]
+    assert sum(n for _, _, n in pieces) == sum(lengths)
+    assert all(b - a == int(ra[0] - la[0]) for a, b, _ in pieces) or not pieces
+    flat = [a for a, _, _ in pieces]
+    assert flat == sorted(flat)                       # order kept (addresses ascend here)
+    for a, _, n in pieces:
+        assert any(int(x) <= a and a + n <= int(x) + int(m) for x, m in zip(la, lengths))
+    for c in calls:
+        slices = sum(-(-n // TE_SLICE_BYTES) for n in c[2])
+        assert slices <= max(1, cap // TE_SLICE_BYTES)
