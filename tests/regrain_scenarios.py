@@ -150,44 +150,66 @@ def tables(rng, layout, lo, hi, pool, *, clip):
     return out
 
 
+class World:
+    """Both sides of one scenario, built deterministically from ``seed`` (a peer process
+    rebuilds the same world): memory, plans, tables, token ranges; the source tagged, the
+    destination random."""
+
+    def __init__(self, name, num_tokens, trim, seed, num_blocks=64):
+        rng = np.random.default_rng(seed)
+        nb = num_blocks
+        self.slay, self.spaged, self.splan, self.spg = allocate(name, "src", nb)
+        self.dlay, self.dpaged, self.dplan, self.dpg = allocate(name, "dst", nb)
+        self.lo, self.hi = token_ranges(self.dlay, num_tokens, trim)
+        spool = [int(x) for x in rng.permutation(np.arange(1, nb))]
+        dpool = [int(x) for x in rng.permutation(np.arange(1, nb))]
+        self.st = tables(rng, self.slay, self.lo, self.hi, spool, clip=False)
+        self.dt = tables(rng, self.dlay, self.lo, self.hi, dpool, clip=True)
+        for s in self.spaged.storages:
+            s[...] = rng.integers(0, 256, s.shape, dtype=np.uint8)
+        for g, spec in enumerate(self.slay.groups):
+            ids, first = self.st[g]
+            if spec.kind == GroupKind.MAMBA:
+                write_states(self.slay, self.spaged, g, ids)
+            else:  # whole source blocks, rows past hi too (moving them would be a bug)
+                bs = spec.block_size
+                write_tokens(self.slay, self.spaged, self.spg, g, ids, first, first * bs,
+                             (first + len(ids)) * bs)
+        for s in self.dpaged.storages:
+            s[...] = rng.integers(0, 256, s.shape, dtype=np.uint8)
+
+    def plan(self):
+        return RegrainPlan(self.slay, self.dlay, self.splan, self.dplan, self.spg, self.dpg)
+
+    def runs(self, plan=None):
+        return (plan or self.plan()).runs(
+            [t for t, _ in self.st], [t for t, _ in self.dt], self.lo, self.hi,
+            src_first=[f for _, f in self.st], dst_first=[f for _, f in self.dt])
+
+    def expected(self):
+        """The destination storages a correct transfer leaves (the destination memory itself
+        is left as it was)."""
+        before = [s.copy() for s in self.dpaged.storages]
+        for g, spec in enumerate(self.dlay.groups):
+            ids, first = self.dt[g]
+            if spec.kind == GroupKind.MAMBA:
+                for layer in spec.layer_names:
+                    for p, part in enumerate(self.dpaged.kv_caches[layer]):
+                        part[ids[0]] = self.spaged.kv_caches[layer][p][self.st[g][0][0]]
+            else:
+                write_tokens(self.dlay, self.dpaged, self.dpg, g, ids, first, self.lo[g],
+                             self.hi[g])
+        want = [s.copy() for s in self.dpaged.storages]
+        for s, b in zip(self.dpaged.storages, before):
+            s[...] = b
+        return want
+
+
 def run_scenario(name, num_tokens, trim, seed, copy):
-    """Allocate both sides, tag the source, map, ``copy(runs, src, dst)`` the bytes, and
-    return ``(got storages, expected storages, runs)``."""
-    rng = np.random.default_rng(seed)
-    nb = 64
-    slay, spaged, splan, spg = allocate(name, "src", nb)
-    dlay, dpaged, dplan, dpg = allocate(name, "dst", nb)
-    lo, hi = token_ranges(dlay, num_tokens, trim)
-    spool = [int(x) for x in rng.permutation(np.arange(1, nb))]
-    dpool = [int(x) for x in rng.permutation(np.arange(1, nb))]
-    st = tables(rng, slay, lo, hi, spool, clip=False)
-    dt = tables(rng, dlay, lo, hi, dpool, clip=True)
-    for s in spaged.storages:
-        s[...] = rng.integers(0, 256, s.shape, dtype=np.uint8)
-    for g, spec in enumerate(slay.groups):
-        ids, first = st[g]
-        if spec.kind == GroupKind.MAMBA:
-            write_states(slay, spaged, g, ids)
-        else:  # whole source blocks, rows past hi too (moving them would be a bug)
-            bs = spec.block_size
-            write_tokens(slay, spaged, spg, g, ids, first, first * bs, (first + len(ids)) * bs)
-    for s in dpaged.storages:
-        s[...] = rng.integers(0, 256, s.shape, dtype=np.uint8)
-    before = [s.copy() for s in dpaged.storages]
-    plan = RegrainPlan(slay, dlay, splan, dplan, spg, dpg)
-    runs = plan.runs([t for t, _ in st], [t for t, _ in dt], lo, hi,
-                     src_first=[f for _, f in st], dst_first=[f for _, f in dt])
-    copy(runs, spaged, dpaged)
-    got = [s.copy() for s in dpaged.storages]
-    for s, b in zip(dpaged.storages, before):
-        s[...] = b
-    for g, spec in enumerate(dlay.groups):
-        ids, first = dt[g]
-        if spec.kind == GroupKind.MAMBA:
-            for j, layer in enumerate(spec.layer_names):
-                for p, part in enumerate(dpaged.kv_caches[layer]):
-                    part[ids[0]] = spaged.kv_caches[layer][p][st[g][0][0]]
-        else:
-            write_tokens(dlay, dpaged, dpg, g, ids, first, lo[g], hi[g])
-    want = [s.copy() for s in dpaged.storages]
-    return got, want, runs, (spaged, dpaged)
+    """Build the world, ``copy(runs, src paged, dst paged)`` the bytes, and return
+    ``(got storages, expected storages, runs, world)``."""
+    w = World(name, num_tokens, trim, seed)
+    want = w.expected()
+    runs = w.runs()
+    copy(runs, w.spaged, w.dpaged)
+    return [s.copy() for s in w.dpaged.storages], want, runs, w
