@@ -302,6 +302,7 @@ class RegrainPlan:
                                           f"{rd}) differ; state blocks map one to one")
                     pairs.append(RegionPair(g, sr, dr, None, None, ()))
                     continue
+                assert sp is not None and dp is not None   # checked above for attention
                 chunks = self._pair_chunks(g, rs, rd, sr, dr, sp, dp, allowed[g])
                 if chunks:
                     pairs.append(RegionPair(g, sr, dr, sp, dp, chunks))
@@ -414,8 +415,10 @@ class RegrainPlan:
         ``lo``/``hi`` ignored. Groups the plan does not move are ignored.
         Raises BlockTableError (nothing computed)."""
         G = self.num_groups
-        for name, v in (("src_ids", src_ids), ("dst_ids", dst_ids), ("lo", lo), ("hi", hi),
-                        ("src_first", src_first), ("dst_first", dst_first)):
+        args: tuple[tuple[str, Any], ...] = (
+            ("src_ids", src_ids), ("dst_ids", dst_ids), ("lo", lo), ("hi", hi),
+            ("src_first", src_first), ("dst_first", dst_first))
+        for name, v in args:
             if v is None and name.endswith("first"):
                 continue
             if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or len(v) != G:
