@@ -94,3 +94,31 @@ def test_remap_handshake_refuses_non_multiple_block_sizes():
                               "block_sizes": (24, 24)})
         with pytest.raises(HandshakeError, match="integer multiple"):
             check_regrain_compatible(mine)(other)
+
+
+@pytest.mark.parametrize("scenario, num_tokens, trim", [("gemma_p64_d16", 130, 0),
+                                                        ("dsv4_p1x_d4x", 77, 16)])
+def test_push_remapped_every_byte(scenario, num_tokens, trim):
+    """Push direction (P WRITEs into D), two agents in this process: the same runs, local =
+    source; every destination byte checked, the source untouched."""
+    w = World(scenario, num_tokens, trim, seed=5)
+    want = w.expected()
+    src_before = [s.copy() for s in w.spaged.storages]
+    with NixlAgent(f"rg-push-p-{scenario}", w.splan) as p, \
+            NixlAgent(f"rg-push-d-{scenario}", w.dplan) as d:
+        dpay, ppay = d.handshake_payload(), p.handshake_payload()
+        check_regrain_compatible(ppay)(dpay)
+        dname, dplan = p.add_regrain_peer(dpay, w.dlay)
+        assert [r.base for r in dplan.regions] == [r.base for r in w.dplan.regions]
+        runs = w.runs().as_runs("src")
+        t = p.write_runs("push-1", dname, runs)
+        p.wait(t, timeout=30)
+        for k, (a, b) in enumerate(zip(w.dpaged.storages, want)):
+            assert np.array_equal(a, b), f"storage {k} differs"
+        assert all(np.array_equal(a, b) for a, b in zip(w.spaged.storages, src_before))
+        # a run outside the peer's registered memory is refused, nothing posted
+        bad = runs.remote.copy()
+        bad[0, 0] = 8
+        with pytest.raises(Exception, match="outside every registered range"):
+            p.write_runs("push-2", dname, type(runs)(runs.local, bad, None, 0, 0))
+        assert p.failure("push-2") is not None
