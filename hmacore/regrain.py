@@ -48,7 +48,7 @@ from .plan import BLOCK_ID_DTYPE, Region, TransferPlan, _as_block_ids
 from .runs import Runs
 from .spec import GroupKind, KVLayout
 
-__all__ = ["TokenPage", "token_page", "TOKEN_MAJOR_LAYOUTS", "REFUSED_LAYOUTS", "RegionPair",
+__all__ = ["TokenPage", "token_page", "plan_pages", "TOKEN_MAJOR_LAYOUTS", "REFUSED_LAYOUTS", "RegionPair",
            "RegrainPlan", "RegrainRuns", "token_ranges", "block_size_ratio"]
 
 #: Page layouts whose chunks keep a block's token rows contiguous (see :func:`token_page`).
@@ -169,6 +169,47 @@ def token_page(page_layout: str, *, block_size: int, head_bytes: int, heads: int
     else:
         chunks = [(("latent", None), hb)]
     return TokenPage(bs, kbs, tuple(chunks), page_layout)
+
+
+def plan_pages(layout: KVLayout, plan: TransferPlan, *, page_layout: str,
+               shardings: Sequence[Any], tp_size: int = 1, tp_rank: int = 0
+               ) -> list[TokenPage | None]:
+    """The :class:`TokenPage` of every group of a registered plan (None for Mamba groups and
+    groups not moved), from the page layout name and each group's sharding (``(num_heads,
+    chunks, replicated)`` or a :class:`hmacore.tp.GroupSharding`): MLA / replicated groups
+    one latent chunk, head-sharded groups this rank's heads (vLLM's rule), K/V packed per
+    block (``kv=2``) or split into two regions per layer (``kv=1``). Bytes per token row come
+    from the region's kernel block: ``kernel_bytes / (kernel_bs * heads * kv)``; LayoutError
+    when that does not divide."""
+    from .tp import kv_heads_of_rank
+    out: list[TokenPage | None] = []
+    for g, spec in enumerate(layout.groups):
+        regs = [r for r in plan.regions if r.group in (-1, g) and not r.state
+                and any(n in r.layers for n in spec.layer_names)]
+        if spec.kind == GroupKind.MAMBA or not spec.transfer or not regs:
+            out.append(None)
+            continue
+        sh = shardings[g]
+        num_heads, replicated = (int(sh[0]), bool(sh[2])) if isinstance(sh, (tuple, list)) \
+            else (int(sh.num_heads), bool(sh.replicated))
+        bs = spec.block_size
+        kbs = spec.kernel_block_size or bs
+        kernel = regs[0].block_len // regs[0].ratio
+        kv = 1 if len(regs) == 2 * len(spec.layer_names) else 2
+        if spec.mla or replicated:
+            if kernel % kbs:
+                raise LayoutError(f"group {g}: kernel block of {kernel} B is not {kbs} rows")
+            out.append(token_page("MLA", block_size=bs, head_bytes=kernel // kbs,
+                                  kernel_block_size=kbs))
+            continue
+        h0, h1 = kv_heads_of_rank(num_heads, tp_size, tp_rank)
+        n = h1 - h0
+        if kernel % (kbs * n * kv):
+            raise LayoutError(f"group {g}: kernel block of {kernel} B is not {kbs} rows x {n} "
+                              f"heads x {kv} parts of whole bytes")
+        out.append(token_page(page_layout, block_size=bs, heads=n, head_start=h0,
+                              head_bytes=kernel // (kbs * n * kv), kv=kv, kernel_block_size=kbs))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -215,10 +215,22 @@ class NixlAgent:
         ``(peer name, the peer's TransferPlan over its own layout)``; raises HandshakeError."""
         from ..regrain import block_size_ratio
         who = f"peer {payload.agent_name!r}"
-        if payload.tp is not None:
-            raise HandshakeError(f"{who} sent a TP-aware payload; add_regrain_peer takes "
-                                 "same-TP payloads")
         mine = self.handshake_payload()
+        if payload.tp is not None or mine.tp is not None:
+            # TP-aware payloads: the TP rule already allows one block-size ratio; the peer's
+            # layout is in its TP description
+            mine.check_compatible(payload)
+            assert payload.tp is not None
+            remote = remote_layout or payload.tp.kv_layout()
+            name = self._load_raw(payload)
+            try:
+                plan = TransferPlan.from_region_table(remote, payload.regions,
+                                                      mem_type=payload.mem_type)
+            except HmacoreError as e:
+                self._forget_remote(name)
+                raise HandshakeError(f"{who}: bad region table: {e}") from None
+            self._peers[name] = _Peer(name, payload, plan, None)
+            return name, plan
         for field, a, b in (("version", mine.version, payload.version),
                             ("HMA on/off", mine.hma, payload.hma),
                             ("group count", len(mine.block_sizes), len(payload.block_sizes))):
