@@ -259,6 +259,13 @@ class HmaNixlWorker:
         attention group (clipped per group by :func:`token_ranges`), Mamba state slots paired
         from the front."""
         remote = rr.remote
+        if rr.num_external_tokens <= 0 or len(rr.local_first) != len(rr.local_block_ids) \
+                or remote.block_first is None:
+            # the token range and table starts come from the scheduler side; without them
+            # the runs would silently move nothing (or the wrong rows)
+            raise HandshakeError(f"load of {rr.request_id}: a block-size remap needs the "
+                                 "token range and both tables' starts (num_external_tokens, "
+                                 "local_first, remote_block_first); this metadata lacks them")
         end = int(rr.load_start) + int(rr.num_external_tokens)
         lo, hi = token_ranges(self.layout, end, int(rr.load_start))
         local = [list(g) for g in rr.local_block_ids]
