@@ -136,7 +136,19 @@ class HmaNixlScheduler:
             logger.warning("kv_transfer_params.remote_block_sizes rejected (%s); no remote "
                            "load", e)
             return None
-        if fp is not None and fp != p_layout.pairing_fingerprint():
+        if p_layout is not self.layout:    # a block-size remap: P says what it agrees on
+            fp = params.get("hma_regrain_fingerprint")
+            if fp is None:
+                logger.warning("P's block sizes %s differ from ours %s and its params carry no "
+                               "hma_regrain_fingerprint; no remote load",
+                               params.get("remote_block_sizes"), list(self.layout.block_sizes))
+                return None
+            if fp != self.layout.regrain_fingerprint():
+                logger.warning("P's KV layout differs from ours beyond block sizes (regrain "
+                               "fingerprint %s vs %s); no remote load", fp,
+                               self.layout.regrain_fingerprint())
+                return None
+        elif fp is not None and fp != self.layout.pairing_fingerprint():
             logger.warning("P's KV layout fingerprint %s differs from ours %s (groups, block "
                            "sizes or windows disagree); no remote load", fp,
                            self.layout.pairing_fingerprint())
@@ -442,7 +454,8 @@ class HmaNixlScheduler:
             remote_block_sizes=list(self.layout.block_sizes),
             remote_block_first=[len(t) - len(c) for t, c in zip(table, clipped)],
             remote_blocks_expiry_time=expiry,
-            hma_layout_fingerprint=self.layout.pairing_fingerprint())
+            hma_layout_fingerprint=self.layout.pairing_fingerprint(),
+            hma_regrain_fingerprint=self.layout.regrain_fingerprint())
 
     # -- queries ---------------------------------------------------------------------------
     def has_pending_block_frees(self) -> bool:
