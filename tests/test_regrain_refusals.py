@@ -124,3 +124,15 @@ def test_empty_ranges_move_nothing():
     r = w.runs()
     assert r.num_runs == 0 and r.nbytes == 0 and r.src.shape == (0, 3)
     assert np.array_equal(r.as_runs().local, r.dst)
+
+
+def test_regrain_fingerprint_ignores_only_what_follows_the_block_size():
+    def lay(bs, window=64, unit=None, kernel=None):
+        return KVLayout(groups=(GroupSpec(GroupKind.FULL, bs, ("a",), kernel_block_size=kernel),
+                                GroupSpec(GroupKind.SLIDING_WINDOW, bs, ("b",),
+                                          sliding_window=window)), prefix_match_unit=unit)
+    base = lay(16)
+    assert base.regrain_fingerprint() == lay(64, unit=64, kernel=32).regrain_fingerprint()
+    assert base.pairing_fingerprint() != lay(64).pairing_fingerprint()
+    assert base.regrain_fingerprint() != lay(16, window=32).regrain_fingerprint()
+    assert base.fingerprint() == KVLayout(groups=base.groups).fingerprint()
