@@ -248,8 +248,10 @@ class HmaNixlWorker:
                             shardings=self.tp.shardings, tp_size=self.tp.size,
                             tp_rank=self.rank)
         plan = RegrainPlan(rlayout, self.layout, rplan, self.agent.plan, rpages, lpages)
-        logger.info("block-size remap with %s: P %s, D %s tokens per block", name,
-                    list(rlayout.block_sizes), list(self.layout.block_sizes))
+        logger.info("block-size remap with %s: P %s, D %s tokens per block; pages P %s, D %s",
+                    name, list(rlayout.block_sizes), list(self.layout.block_sizes),
+                    [(p.layout, p.kernel_block_size, p.chunks) for p in rpages if p],
+                    [(p.layout, p.kernel_block_size, p.chunks) for p in lpages if p])
         peers = tuple(name if r == self.rank else self.agent.add_notify_peer(got[r])
                       for r in range(len(got)))
         return _Source((name,), peers, regrain=plan)
