@@ -26,7 +26,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 class Engine:
     def __init__(self, kcc, **vkw):
         self.vc = H.vllm_config(extra={"side_channel_port": free_port(),
-                                       "kv_lease_duration": 30}, **vkw)
+                                       "kv_lease_duration": 30, "block_size_remap": True},
+                                **vkw)
         self.kcc = kcc
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)

@@ -85,7 +85,8 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                 self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),
                                             sched.engine_id, sched.listen_host,
                                             sched.port, tp=tp,
-                                            progress_delay_us=sched.progress_delay_us)
+                                            progress_delay_us=sched.progress_delay_us,
+                                            block_size_remap=sched.block_size_remap)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:

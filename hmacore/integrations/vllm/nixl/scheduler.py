@@ -89,6 +89,9 @@ class HmaNixlScheduler:
                               f"in [1, 65535], got {self.port}")
         self.tp_size = int(pc.tensor_parallel_size)
         self.sync_load = flag(extra, "sync_load", False)
+        # experimental: pair with a prefill engine of other block sizes (hmacore.regrain);
+        # proven at scheduler level, not yet with two real engines (docs/vllm.md)
+        self.block_size_remap = flag(extra, "block_size_remap", False)
         if self.sync_load and self.layout.num_groups > 1:
             logger.warning(
                 "sync_load with %d KV cache groups: vLLM 0.32 has no per-request failure path "
@@ -135,6 +138,12 @@ class HmaNixlScheduler:
         except (ConfigError, TypeError, ValueError) as e:
             logger.warning("kv_transfer_params.remote_block_sizes rejected (%s); no remote "
                            "load", e)
+            return None
+        if p_layout is not self.layout and not self.block_size_remap:
+            logger.warning("P's block sizes %s differ from ours %s (set kv_connector_extra_"
+                           "config.block_size_remap=true to remap, experimental); no remote "
+                           "load", params.get("remote_block_sizes"),
+                           list(self.layout.block_sizes))
             return None
         if p_layout is not self.layout:    # a block-size remap: P says what it agrees on
             fp = params.get("hma_regrain_fingerprint")

@@ -111,7 +111,8 @@ class HmaNixlWorker:
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  tp: WorkerTp | None = None, sync_timeout: float = 30.0,
-                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> None:
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
+                 block_size_remap: bool = False) -> None:
         configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
         self.layout = layout
         self.num_blocks = int(num_blocks)
@@ -122,6 +123,7 @@ class HmaNixlWorker:
         self.host, self.port = host, (tp.port(port) if tp is not None else port)
         self.sync_timeout = sync_timeout
         self.progress_delay_us = progress_delay_us
+        self.block_size_remap = block_size_remap   # experimental (docs/vllm.md)
         self.agent: NixlAgent | None = None
         self.server: HandshakeServer | None = None
         self._done_msg = done_message(self.rank, self.tp_size)
@@ -216,7 +218,7 @@ class HmaNixlWorker:
                     "the same transfer_mode on both engines)")
             sizes = self.layout.block_sizes
             if tuple(p.block_sizes) != tuple(sizes) and remote_tp == self.tp_size \
-                    and p.tp is not None:
+                    and p.tp is not None and self.block_size_remap:
                 sizes, regrain = tuple(p.block_sizes), True   # a block-size remap (below)
             check_rank_peer(p, r, remote_tp, f"{host}:{port + r}", sizes,
                             f"kv_transfer_params said TP {remote_tp}, so port {port + r} "
