@@ -549,13 +549,15 @@ class KVLayout:
                 raise LayoutError(f"group {g}: Mamba cache mode {spec.mamba_mode.value!r} is not "
                                   "hash-addressable; use mamba_cache_mode='align' for stores and hits")
 
-    def _digest(self, drop: tuple[str, ...] = ()) -> str:
+    def _digest(self, drop: tuple[str, ...] = (), *, unit: bool = True) -> str:
         # unknown head fields are left out: a layout that gives none keeps the digest it had
         # before GroupSpec carried them
         groups = [{k: v for k, v in s.to_dict().items()
                    if k not in drop and not (k in HEAD_FIELDS and v is None)}
                   for s in self.groups]
-        doc = {"groups": groups, "cp": self.context_parallel, "pmu": self.prefix_match_unit}
+        doc: dict[str, Any] = {"groups": groups, "cp": self.context_parallel}
+        if unit:
+            doc["pmu"] = self.prefix_match_unit
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
     def fingerprint(self) -> str:
@@ -567,6 +569,14 @@ class KVLayout:
         agree on to exchange blocks whatever their TP sizes (a rank's page bytes scale with
         the KV heads it holds; the NIXL handshake checks bytes per head)."""
         return self._digest(drop=("page_bytes", "num_kv_heads"))
+
+    def regrain_fingerprint(self) -> str:
+        """Like :meth:`pairing_fingerprint` without everything that follows the block size
+        (block and kernel block sizes, page bytes, the prefix-match unit): what two engines
+        must agree on to exchange blocks through a block-size remap (hmacore.regrain), whose
+        block sizes are compared by their own rule (integer multiples)."""
+        return self._digest(drop=("page_bytes", "num_kv_heads", "block_size",
+                                  "kernel_block_size"), unit=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"groups": [s.to_dict() for s in self.groups], "num_blocks": self.num_blocks,

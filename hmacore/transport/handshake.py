@@ -38,7 +38,7 @@ from ..spec import GroupKind, KVLayout
 from ..tp import PAGE_LAYOUTS, kv_heads_of_rank
 
 __all__ = ["PROTOCOL_VERSION", "HandshakePayload", "HandshakeServer", "TpDescription",
-           "exchange_handshake", "tp_fingerprint_fields"]
+           "exchange_handshake", "tp_fingerprint_fields", "check_regrain_compatible"]
 
 PROTOCOL_VERSION = 3  # 2: optional TP description (heterogeneous TP); 3: READs confirmed
 
@@ -392,12 +392,16 @@ class HandshakeServer:
 
     For each client: receive its payload, check compatibility, reply with ours (or an error
     frame), then call ``on_peer(payload)`` for accepted clients. Every socket op is bounded by
-    ``timeout`` seconds. Use as a context manager or call :meth:`close`.
+    ``timeout`` seconds. Use as a context manager or call :meth:`close`. ``check``: the
+    compatibility rule (default ``payload.check_compatible``; a block-size remap passes one
+    that accepts other block sizes, e.g. :func:`check_regrain_compatible`).
     """
 
     def __init__(self, payload: HandshakePayload, *, host: str = "127.0.0.1", port: int = 0,
-                 timeout: float = 5.0, on_peer: Callable[[HandshakePayload], None] | None = None):
+                 timeout: float = 5.0, on_peer: Callable[[HandshakePayload], None] | None = None,
+                 check: Callable[[HandshakePayload], None] | None = None):
         self.payload = payload
+        self.check = check if check is not None else payload.check_compatible
         self.timeout = timeout
         self.on_peer = on_peer
         self.errors: list[str] = []
@@ -421,7 +425,7 @@ class HandshakeServer:
                 conn.settimeout(self.timeout)
                 try:
                     peer = HandshakePayload.from_bytes(_recv_frame(conn))
-                    self.payload.check_compatible(peer)
+                    self.check(peer)
                     _send_frame(conn, b"OK" + self.payload.to_bytes())
                 except (HmacoreError, OSError) as e:
                     self.errors.append(str(e))
@@ -449,8 +453,11 @@ class HandshakeServer:
 
 
 def exchange_handshake(host: str, port: int, local: HandshakePayload, *,
-                       timeout: float = 5.0) -> HandshakePayload:
-    """Send ``local`` to the server at ``host:port``, return its payload once both sides agree.
+                       timeout: float = 5.0,
+                       check: Callable[[HandshakePayload], None] | None = None
+                       ) -> HandshakePayload:
+    """Send ``local`` to the server at ``host:port``, return its payload once both sides agree
+    (``check``: the compatibility rule, default ``local.check_compatible``).
 
     Raises HandshakeError on refusal, timeout, a malformed reply or any incompatibility.
     """
@@ -469,5 +476,26 @@ def exchange_handshake(host: str, port: int, local: HandshakePayload, *,
     if reply[:2] != b"OK":
         raise HandshakeError(f"peer at {host}:{port} sent a malformed handshake reply")
     remote = HandshakePayload.from_bytes(reply[2:])
-    local.check_compatible(remote)
+    (check if check is not None else local.check_compatible)(remote)
     return remote
+
+
+def check_regrain_compatible(local: HandshakePayload) -> Callable[[HandshakePayload], None]:
+    """The handshake rule of a block-size remap (:mod:`hmacore.regrain`): version, HMA and
+    group count agree, no TP description, and each group's block sizes are integer multiples
+    of one another (state groups: equal). The layout itself is checked when the peer is added
+    (``NixlAgent.add_regrain_peer``) and the RegrainPlan is built."""
+    def check(other: HandshakePayload) -> None:
+        who = f"peer {other.agent_name!r}"
+        if local.tp is not None or other.tp is not None:
+            raise HandshakeError(f"{who}: a block-size remap handshake takes same-TP payloads")
+        for field, a, b in (("version", local.version, other.version),
+                            ("HMA on/off", local.hma, other.hma),
+                            ("group count", len(local.block_sizes), len(other.block_sizes))):
+            if a != b:
+                raise HandshakeError(f"{who} disagrees on {field}: local {a!r}, remote {b!r}")
+        for g, (a, b) in enumerate(zip(local.block_sizes, other.block_sizes)):
+            if max(a, b) % min(a, b):
+                raise HandshakeError(f"{who}: group {g} has {a}-token blocks locally, {b} "
+                                     "remotely; one must be an integer multiple of the other")
+    return check

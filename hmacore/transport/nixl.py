@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import BlockTableError, HandshakeError, HmacoreError, TransferError
 from ..plan import TransferPlan
+from ..spec import GroupKind, KVLayout
 from ..runs import DescTable, desc_table
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 from .base import Transfer
@@ -180,6 +181,137 @@ class NixlAgent:
                                  f"{type(e).__name__}: {e}") from e
         return name
 
+    def add_regrain_peer(self, payload: HandshakePayload, remote_layout: KVLayout | None = None
+                         ) -> tuple[str, TransferPlan]:
+        """Accept a same-TP peer whose attention block sizes differ from this agent's (a
+        block-size remap, :mod:`hmacore.regrain`).
+
+        ``remote_layout``: the peer's layout; default: this layout with the peer's block size
+        per attention group and page bytes scaled by the same ratio (kernel block sizes and
+        everything else equal). Its fingerprint must equal the payload's; HMA and version
+        must agree; block sizes must be integer multiples of one another per group (Mamba:
+        equal). The group structure itself is checked when the RegrainPlan is built. No dlist
+        is prepared: transfers to this peer post byte runs (:meth:`read_runs`). Returns
+        ``(peer name, the peer's TransferPlan over its own layout)``; raises HandshakeError."""
+        from ..regrain import block_size_ratio
+        who = f"peer {payload.agent_name!r}"
+        mine = self.handshake_payload()
+        if payload.tp is not None or mine.tp is not None:
+            # TP-aware payloads: the TP rule already allows one block-size ratio; the peer's
+            # layout is in its TP description
+            mine.check_compatible(payload)
+            assert payload.tp is not None
+            remote = remote_layout or payload.tp.kv_layout()
+            name = self._load_raw(payload)
+            try:
+                plan = TransferPlan.from_region_table(remote, payload.regions,
+                                                      mem_type=payload.mem_type)
+            except HmacoreError as e:
+                self._forget_remote(name)
+                raise HandshakeError(f"{who}: bad region table: {e}") from None
+            self._peers[name] = _Peer(name, payload, plan, None)
+            return name, plan
+        for field, a, b in (("version", mine.version, payload.version),
+                            ("HMA on/off", mine.hma, payload.hma),
+                            ("group count", len(mine.block_sizes), len(payload.block_sizes))):
+            if a != b:
+                raise HandshakeError(f"{who} disagrees on {field}: local {a!r}, remote {b!r}")
+        layout = self.plan.layout
+        if remote_layout is None:
+            groups = []
+            for g, (spec, bs) in enumerate(zip(layout.groups, payload.block_sizes)):
+                bs = int(bs)
+                try:
+                    if spec.kind == GroupKind.MAMBA or bs == spec.block_size:
+                        if bs != spec.block_size:
+                            raise HandshakeError(f"state group {g} has {spec.block_size}-token "
+                                                 f"blocks locally, {bs} remotely")
+                        groups.append(spec)
+                        continue
+                    block_size_ratio(bs, spec.block_size)
+                    pb = spec.page_bytes * bs // spec.block_size
+                    groups.append(dataclasses.replace(spec, block_size=bs, page_bytes=pb))
+                except HmacoreError as e:
+                    raise HandshakeError(f"{who}: group {g}: {e}") from None
+            remote_layout = dataclasses.replace(layout, groups=tuple(groups))
+        if tuple(remote_layout.block_sizes) != tuple(payload.block_sizes) \
+                or remote_layout.fingerprint() != payload.layout_fingerprint:
+            raise HandshakeError(f"{who} disagrees on the layout beyond block sizes (its "
+                                 f"fingerprint {payload.layout_fingerprint}, block sizes "
+                                 f"{list(payload.block_sizes)}; expected "
+                                 f"{remote_layout.fingerprint()}, "
+                                 f"{list(remote_layout.block_sizes)})")
+        name = self._load_raw(payload)
+        try:
+            plan = TransferPlan.from_region_table(remote_layout, payload.regions,
+                                                  mem_type=payload.mem_type)
+        except HmacoreError as e:
+            self._forget_remote(name)
+            raise HandshakeError(f"{who}: bad region table: {e}") from None
+        self._peers[name] = _Peer(name, payload, plan, None)
+        return name, plan
+
+    def read_runs(self, request_id: str, peer: str, runs: Any, *,
+                  notif: bytes | None = None) -> Transfer:
+        """Post a READ of byte runs: ``runs.local`` / ``runs.remote`` M x 3 ``(addr, bytes,
+        dev)`` rows paired row by row (a :class:`hmacore.runs.Runs`, e.g.
+        ``RegrainRuns.as_runs("dst")``). Every row must lie inside this agent's registered
+        memory and the peer's registered regions; raises TransferError (nothing posted)."""
+        return self._post_runs("READ", request_id, peer, runs, notif)
+
+    def write_runs(self, request_id: str, peer: str, runs: Any, *,
+                   notif: bytes | None = None) -> Transfer:
+        """Post a WRITE of byte runs (``runs.local`` into ``runs.remote``); see read_runs."""
+        return self._post_runs("WRITE", request_id, peer, runs, notif)
+
+    def _post_runs(self, op, request_id, peer, runs, notif) -> Transfer:
+        if self._closed:
+            raise TransferError("the agent is closed")
+        self._failed.pop(request_id, None)
+        self._valid.pop(request_id, None)
+        p = self._peers.get(peer)
+        if p is None or p.plan is None:
+            raise self._fail(request_id, f"unknown peer {peer!r} (handshake first)")
+        loc = np.ascontiguousarray(runs.local, dtype=np.uint64).reshape(-1, 3)
+        rem = np.ascontiguousarray(runs.remote, dtype=np.uint64).reshape(-1, 3)
+        if loc.shape != rem.shape or not np.array_equal(loc[:, 1], rem[:, 1]):
+            raise self._fail(request_id, "runs: local and remote rows must pair up with equal "
+                                         "lengths")
+        try:   # every row inside registered memory on its side (raises naming the row)
+            desc_table(loc, self.plan.registration_ranges())
+            desc_table(rem, p.plan.registration_ranges())
+        except HmacoreError as e:
+            raise self._fail(request_id, f"runs outside registered memory: {e}") from None
+        nbytes = int(loc[:, 1].sum()) if loc.shape[0] else 0
+        t = Transfer(request_id, op, peer, (), int(loc.shape[0]), nbytes,
+                     posted_at=time.monotonic(), block_descriptors=int(loc.shape[0]),
+                     runs=int(loc.shape[0]), mechanism="dynamic")
+        msg = b"" if notif is None else request_id.encode() + b":" + bytes(notif)
+        if not loc.shape[0]:
+            t.state = "DONE"
+            self._valid[request_id] = ()
+            if notif is not None:
+                self.send_notif(peer, request_id, notif)
+            return t
+        agent = self._agent
+        try:
+            h = agent.initialize_xfer(op, agent.get_xfer_descs(loc, self.plan.mem_type),
+                                      agent.get_xfer_descs(rem, p.plan.mem_type), peer, msg)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
+            raise self._fail(request_id, f"{op} to {peer!r} could not be created: {e}",
+                             transfer=t) from None
+        t.handle = h
+        try:
+            state = agent.transfer(h)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(request_id, f"{op} to {peer!r} could not be posted: {e}",
+                             transfer=t) from None
+        if state == "DONE":
+            self._done(t)
+        elif state == "ERR":
+            raise self._fail(request_id, f"{op} to {peer!r} failed when posted", transfer=t)
+        return t
+
     def _forget_remote(self, name: str) -> None:
         """Drop a remote agent whose peer entry was never completed (best effort)."""
         try:
@@ -196,6 +328,9 @@ class NixlAgent:
 
     def _load_peer(self, payload: HandshakePayload) -> str:
         self.handshake_payload().check_compatible(payload)
+        return self._load_raw(payload)
+
+    def _load_raw(self, payload: HandshakePayload) -> str:
         if payload.agent_name in self._peers:
             self.remove_peer(payload.agent_name)
         try:
@@ -277,6 +412,9 @@ class NixlAgent:
             return self._post_pair(op, request_id, p, local_ids, remote_ids, notif)
         if p.plan is None:
             raise self._fail(request_id, f"peer {peer!r} was added for notifications only")
+        if p.dlist is None:
+            raise self._fail(request_id, f"peer {peer!r} has other block sizes: post byte runs "
+                                         "(read_runs / write_runs)")
         # int32-array tables (the tracker / clip form): one Cython call computes both sides'
         # int32 desc ids, the private local copy and the byte count; anything else (lists,
         # other dtypes, bad ids, unequal groups) returns None and takes the checked path

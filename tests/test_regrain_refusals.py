@@ -1,0 +1,138 @@
+"""hmacore.regrain refuses what it cannot map, with a message naming the rule (nothing built,
+nothing computed)."""
+import numpy as np
+import pytest
+
+from hmacore.errors import BlockTableError, LayoutError
+from hmacore.regrain import RegrainPlan, TokenPage, block_size_ratio, token_page, token_ranges
+from hmacore.spec import GroupKind, GroupSpec, KVLayout
+
+from regrain_scenarios import World, allocate
+
+
+def test_non_integer_ratio_refused():
+    with pytest.raises(LayoutError, match="integer multiple"):
+        block_size_ratio(16, 24)
+    assert block_size_ratio(16, 64) == (4, False)
+    assert block_size_ratio(64, 16) == (4, True)
+
+
+def test_layout_without_contiguous_token_rows_refused_by_name():
+    with pytest.raises(LayoutError, match="'HDNX' does not keep a block's token rows"):
+        token_page("HDNX", block_size=16, head_bytes=8)
+    with pytest.raises(LayoutError, match="page_layout must be one of"):
+        token_page("XYZ", block_size=16, head_bytes=8)
+
+
+def test_token_page_rules():
+    with pytest.raises(LayoutError, match="must divide block_size"):
+        TokenPage(16, 5, ((("kv", 0), 4),))
+    with pytest.raises(LayoutError, match="repeated keys"):
+        TokenPage(16, 16, ((1, 4), (1, 4)))
+    with pytest.raises(LayoutError, match="row bytes"):
+        TokenPage(16, 16, ((1, 0),))
+
+
+def _sides(name="gemma_p16_d32"):
+    s = allocate(name, "src", 16)
+    d = allocate(name, "dst", 16)
+    return s, d
+
+
+def test_mismatched_rows_refused():
+    (sl, _, sp, sg), (dl, _, dp, dg) = _sides()
+    bad = [token_page("HND", block_size=32, heads=2, head_bytes=4, kv=2) for _ in dg]
+    with pytest.raises(LayoutError):   # the region is 1024 B, this page 512 B, rows differ
+        RegrainPlan(sl, dl, sp, dp, sg, bad)
+    heads3 = [token_page("HND", block_size=32, heads=1, head_start=1, head_bytes=16, kv=2)
+              for _ in dg]
+    with pytest.raises(LayoutError, match="rows must match|has no source chunk"):
+        RegrainPlan(sl, dl, sp, dp, sg, heads3)
+
+
+def test_groups_must_match():
+    (sl, _, sp, sg), (dl, _, dp, dg) = _sides()
+    other = KVLayout(groups=(dl.groups[0], GroupSpec(GroupKind.FULL, 32, dl.groups[1].layer_names)))
+    with pytest.raises(LayoutError, match="same groups"):
+        RegrainPlan(sl, other, sp, dp, sg, dg)
+    with pytest.raises(LayoutError, match="one TokenPage or None per group"):
+        RegrainPlan(sl, dl, sp, dp, sg, dg[:1])
+    with pytest.raises(LayoutError, match="must be a TokenPage"):
+        RegrainPlan(sl, dl, sp, dp, sg, [None, None])
+
+
+def test_state_blocks_must_be_equal():
+    (sl, _, sp, sg), (dl, _, dp, dg) = _sides("qwen_next_p16_d64")
+    import dataclasses
+    regs = [dataclasses.replace(r, block_len=r.block_len - 16) if r.state else r
+            for r in dp.regions]
+    from hmacore.plan import TransferPlan
+    with pytest.raises(LayoutError, match="state blocks map one to one"):
+        RegrainPlan(sl, dl, sp, TransferPlan(dl, regs), sg, dg)
+
+
+def test_request_refusals_name_the_rule():
+    w = World("gemma_p16_d32", 100, 0, 3)
+    plan = w.plan()
+    s = [t for t, _ in w.st]
+    d = [t for t, _ in w.dt]
+    lo, hi = w.lo, w.hi
+    sf, df = [f for _, f in w.st], [f for _, f in w.dt]
+    with pytest.raises(BlockTableError, match="holds blocks"):
+        plan.runs([x[:-1] for x in s], d, lo, hi, src_first=sf, dst_first=df)
+    null = [list(x) for x in d]
+    null[0][0] = 0
+    with pytest.raises(BlockTableError, match="null block"):
+        plan.runs(s, null, lo, hi, src_first=sf, dst_first=df)
+    big = [list(x) for x in s]
+    big[0][0] = 64
+    with pytest.raises(BlockTableError, match=r"real block id in \[1, 64\)"):
+        plan.runs(big, d, lo, hi, src_first=sf, dst_first=df)
+    with pytest.raises(BlockTableError, match="must be >= lo"):
+        plan.runs(s, d, [50, 50], [10, 10], src_first=sf, dst_first=df)
+    with pytest.raises(BlockTableError, match=r"int in \[0, 2\*\*62\)"):
+        plan.runs(s, d, [0.5, 0], hi, src_first=sf, dst_first=df)
+    with pytest.raises(BlockTableError, match="one entry per group"):
+        plan.runs(s[:1], d, lo, hi)
+    with pytest.raises(BlockTableError, match="bools"):
+        plan.runs([[True] * len(s[0]), s[1]], d, lo, hi, src_first=sf, dst_first=df)
+
+
+def test_mamba_counts_must_match():
+    w = World("qwen_next_p16_d64", 100, 0, 3)
+    plan = w.plan()
+    s = [t for t, _ in w.st]
+    d = [list(t) for t, _ in w.dt]
+    d[1] = d[1] + [5]
+    with pytest.raises(BlockTableError, match="map one to one"):
+        plan.runs(s, d, w.lo, w.hi, src_first=[f for _, f in w.st],
+                  dst_first=[f for _, f in w.dt])
+
+
+def test_token_ranges():
+    lay = KVLayout(groups=(GroupSpec(GroupKind.FULL, 16, ("a",)),
+                           GroupSpec(GroupKind.SLIDING_WINDOW, 16, ("b",), sliding_window=32),
+                           GroupSpec(GroupKind.MAMBA, 16, ("c",))))
+    assert token_ranges(lay, 100, 20) == ((20, 69, 0), (100, 100, 0))
+    assert token_ranges(lay, 10, 0) == ((0, 0, 0), (10, 10, 0))
+    with pytest.raises(LayoutError):
+        token_ranges(lay, 10, 11)
+
+
+def test_empty_ranges_move_nothing():
+    w = World("gemma_p16_d32", 64, 64, 3)
+    r = w.runs()
+    assert r.num_runs == 0 and r.nbytes == 0 and r.src.shape == (0, 3)
+    assert np.array_equal(r.as_runs().local, r.dst)
+
+
+def test_regrain_fingerprint_ignores_only_what_follows_the_block_size():
+    def lay(bs, window=64, unit=None, kernel=None):
+        return KVLayout(groups=(GroupSpec(GroupKind.FULL, bs, ("a",), kernel_block_size=kernel),
+                                GroupSpec(GroupKind.SLIDING_WINDOW, bs, ("b",),
+                                          sliding_window=window)), prefix_match_unit=unit)
+    base = lay(16)
+    assert base.regrain_fingerprint() == lay(64, unit=64, kernel=32).regrain_fingerprint()
+    assert base.pairing_fingerprint() != lay(64).pairing_fingerprint()
+    assert base.regrain_fingerprint() != lay(16, window=32).regrain_fingerprint()
+    assert base.fingerprint() == KVLayout(groups=base.groups).fingerprint()
