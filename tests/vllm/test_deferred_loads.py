@@ -1,4 +1,4 @@
-"""HmaNixlConnector (D side of a P/D pull) where vLLM's real Scheduler does not start a load
+"""HmaNixlConnector (D side of a P/D pull) and HmaStoreConnector (async store loads) where vLLM's real Scheduler does not start a load
 at allocation time.
 
 * Deferred loads (vLLM 0.33): a consumer engine with overlapping batches (async scheduling)
@@ -7,7 +7,8 @@ at allocation time.
   but from the second call site, ``_drain_deferred_loads`` in ``update_from_output``, once
   the fence step finished. The connector must queue nothing until that call, then exactly
   one READ of the blocks allocated back then; a request aborted while its load is deferred
-  gets no READ, only the notify that lets P free its blocks.
+  gets no READ, only the notify that lets P free its blocks. The store connector's deferred
+  load likewise: no store read before the hook, one after it, with the reported hit.
 * Requeue after an allocation failure (0.32 and 0.33): the connector reported a remote hit,
   the block pool cannot hold the request, vLLM leaves it waiting and asks again next step.
   No READ may be posted for blocks that were never allocated, no wait / heartbeat may start,
@@ -26,6 +27,7 @@ import pytest
 
 import harness as H
 from test_scheduler_flows import CASES
+from test_store_connector import store_name  # noqa: F401 (fixture)
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -238,3 +240,87 @@ def test_requeue_after_allocation_failure_loads_once(case):
     assert d.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert_forgotten(drv.conn, "d")
     H.assert_no_leak(s)
+
+
+# -- the store connector's deferred load (0.33) ------------------------------------------------
+class AsyncStoreDriver:
+    """The store connector's worker runs each step's metadata in order while the next step
+    is scheduled (two in flight); its transfer results go with that step's output."""
+
+    def __init__(self, inst):
+        self.i = inst
+        self.inflight: deque = deque()
+
+    def schedule(self):
+        i = self.i
+        so = i.s.schedule()
+        meta = so.kv_connector_metadata
+        i.metas.append(meta)
+        i.w.bind_connector_metadata(meta)
+        i.w.start_load_kv(None)
+        i.w.wait_for_save()
+        r = i.w.get_transfer_results(so.finished_req_ids)
+        i.w.clear_connector_metadata()
+        self.inflight.append((so, r))
+        return so
+
+    def process(self):
+        so, r = self.inflight.popleft()
+        self.i.s.update_from_output(so, H.runner_output(
+            so, self.i.s, finished_recving=r.finished_recving, failed_recving=r.failed_recving))
+
+    def run(self, max_steps=80):
+        s = self.i.s
+        for _ in range(max_steps):
+            if not s.has_unfinished_requests() and not self.inflight:
+                return
+            if s.has_unfinished_requests():
+                self.schedule()
+            if len(self.inflight) >= 2 or not s.has_unfinished_requests():
+                self.process()
+        raise AssertionError(f"not done after {max_steps} steps")
+
+
+@NEEDS_033
+@pytest.mark.parametrize("case", ["gemma", "qwen3next"])
+def test_store_deferred_load_is_queued_once(case, store_name):  # noqa: F811
+    from test_hit_zeroed import assert_forgotten as store_forgotten, saved_instance
+    from test_store_connector import Instance
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    prompt = saved_instance(case, {"store_name": store_name})
+    B = Instance(case, {"store_name": store_name, "load_async": True})
+    try:
+        B.vc.scheduler_config.async_scheduling = True
+        B.kcc.hisparse_host_num_blocks = 64
+        sched_bs, hash_bs = C.resolve_kv_cache_block_sizes(B.kcc, B.vc)
+        B.s = AsyncScheduler(vllm_config=B.vc, kv_cache_config=B.kcc,
+                             structured_output_manager=StructuredOutputManager(B.vc),
+                             block_size=sched_bs, hash_block_size=hash_bs, log_stats=False)
+        assert B.s.defer_async_loads
+        allocs, matched = record_calls(B.s)
+        drv = AsyncStoreDriver(B)
+        B.s.add_request(H.make_request("x", [901 + i % 50 for i in range(40)], B.hbs,
+                                       max_tokens=6))
+        drv.schedule()
+        r = H.make_request("b", prompt, B.hbs, max_tokens=2)
+        B.s.add_request(r)
+        drv.schedule()
+        assert "b" in B.s.deferred_loads
+        hit = [c for rid, c in matched if rid == "b"][-1]
+        assert hit > 0
+        sched = B.s.connector.scheduler
+        assert not [a for a in allocs if a[0] == "b"]
+        assert not any("b" in m.loads for m in B.metas), "a load before the hook ran"
+        blocks_then = B.s.kv_cache_manager.get_block_ids("b")
+        drv.process()                              # the fence passed: the load starts
+        mine = [a for a in allocs if a[0] == "b"]
+        assert len(mine) == 1 and mine[0][1] == hit and mine[0][2] == blocks_then
+        drv.run()
+        loads = [m.loads["b"] for m in B.metas if "b" in m.loads]
+        assert len(loads) == 1 and loads[0].hit_tokens == hit
+        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert r.num_computed_tokens >= len(prompt)
+        store_forgotten(sched, "b")
+        H.assert_no_leak(B.s)
+    finally:
+        B.close()
