@@ -6,7 +6,8 @@ Each input picks one entry point:
   down, with gaps, interleaved), random rows, or hostile ones (negative, past 2**64, floats,
   bools, strings, ragged, wrong shapes), with domains or registered ranges (overlapping,
   malformed, too small). The oracle is the documented rule (integer rows, length > 0, end
-  below 2**64, uint32 device; every row inside one range of its device); an accepted table
+  below 2**64, uint32 device; ranges of uint64 fields ending at 2**64 at most, disjoint, every
+  row inside one range of its device); an accepted table
   must give its rows back unchanged.
 * find_runs: two valid tables and paired descriptor ids in many forms (lists, int32/int64/
   unsigned/byte-swapped arrays, bools, floats, 2-D, out of range, unequal lengths). The
@@ -137,7 +138,7 @@ def ranges_ok(rg, m) -> bool:
     """The documented rule of desc_table's ranges."""
     if rg is None:
         return False
-    if any(v < 0 for r in rg for v in r) or any(r[1] <= 0 or r[0] + r[1] > U64 or
+    if any(not 0 <= v < U64 for r in rg for v in r) or any(r[1] <= 0 or r[0] + r[1] > U64 or
                                                 r[2] > DEV_MAX for r in rg):
         return False
     s = sorted(rg)

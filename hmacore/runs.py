@@ -72,6 +72,8 @@ def desc_table(rows: Any, ranges: Sequence[tuple[int, int, int]] | None = None) 
         raise LayoutError(f"rows must be N x 3 (addr, len, dev), got shape {a.shape}")
     if ranges is None:
         return DescTable(a)
+    # uint64 fields (a range may end at 2**64 itself: checked below); a bytes value of 2**64
+    # was an OverflowError further down
     r = _runs.int_array("ranges", ranges, np.uint64, 0, 2**64, LayoutError)
     if r.size == 0:
         r = r.reshape(0, 3)

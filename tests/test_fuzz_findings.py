@@ -162,6 +162,9 @@ def test_desc_table_rows_and_domains_are_ints_or_layout_errors():
         desc_table([[0, 64, 0]], [(0, "4096", 0)])   # was parsed as 4096
     with pytest.raises(LayoutError, match="ranges must be"):
         desc_table([[0, 64, 0]], [(0, 4096)])    # was ValueError (unpacking)
+    with pytest.raises(LayoutError, match="ranges must lie"):
+        desc_table([[0, 64, 0]], [(0, 2**64, 0)])      # was OverflowError
+    assert desc_table([[8, 64, 0]], [(8, 2**64 - 8, 0)]).num_descs == 1   # ends at 2**64
     empty = DescTable([])                        # an empty dlist (was refused as shape (0,))
     assert empty.num_descs == 0 and empty.rows().shape == (0, 3)
     assert DescTable(np.array([[0, 64, 0]], np.int64)).rows().tolist() == [[0, 64, 0]]

@@ -1,5 +1,5 @@
-"""HmaNixlConnector (D side of a P/D pull) and HmaStoreConnector (async store loads) where vLLM's real Scheduler does not start a load
-at allocation time.
+"""HmaNixlConnector (D side of a P/D pull) and HmaStoreConnector (async store loads) where
+vLLM's real Scheduler does not start a load at allocation time.
 
 * Deferred loads (vLLM 0.33): a consumer engine with overlapping batches (async scheduling)
   and a HiSparse host pool defers an async load while a step is in flight
