@@ -287,9 +287,13 @@ def check_runs(d: Draw) -> None:
     runs = sorted((int(a), int(b), int(n), int(x), int(y))
                   for (a, n, x), (b, _, y) in zip(got.local.tolist(), got.remote.tolist()))
     expect(sum(r[2] for r in runs) == nbytes, "the runs' bytes differ from the pairs'")
-    spans = sorted((lrows[i][0], lrows[i][0] + lrows[i][1], lrows[i][2], ldom[i]) for i in lm)
-    disjoint = all(spans[k][0] >= spans[k - 1][1] or spans[k][2:] != spans[k - 1][2:]
-                   for k in range(1, len(spans)))
+    # maximal runs are unique when no two pairs' local bytes overlap on one device (rows of
+    # a real plan never do; random segments and repeated ids may)
+    disjoint, reach = True, {}
+    for dev, a, e in sorted((lrows[i][2], lrows[i][0], lrows[i][0] + lrows[i][1]) for i in lm):
+        if dev in reach and a < reach[dev]:
+            disjoint = False
+        reach[dev] = max(reach.get(dev, 0), e)
     if disjoint:
         want = oracle_runs(lrows, lm, rrows, rm, ldom, rdom)
         expect(runs == want, lambda: f"runs {runs} want {want} ({lm} -> {rm})")
