@@ -65,12 +65,21 @@ def desc_table(rows: Any, ranges: Sequence[tuple[int, int, int]] | None = None) 
     """The :class:`DescTable` of a dlist's N x 3 rows. With ``ranges`` (the registered
     memory), every row must lie inside one range, and runs never cross from one range into
     another (NIXL needs each descriptor inside one registration). Raises LayoutError."""
-    a = np.ascontiguousarray(rows, dtype=np.uint64)
+    a = _runs.int_array("rows", rows, np.uint64, 0, 2**64, LayoutError)
+    if a.ndim == 1 and a.size == 0:
+        a = a.reshape(0, 3)                      # an empty dlist: no rows
     if a.ndim != 2 or a.shape[1] != 3:
         raise LayoutError(f"rows must be N x 3 (addr, len, dev), got shape {a.shape}")
     if ranges is None:
         return DescTable(a)
-    rg = sorted((int(x), int(n), int(d)) for x, n, d in ranges)
+    # uint64 fields (a range may end at 2**64 itself: checked below); a bytes value of 2**64
+    # was an OverflowError further down
+    r = _runs.int_array("ranges", ranges, np.uint64, 0, 2**64, LayoutError)
+    if r.size == 0:
+        r = r.reshape(0, 3)
+    if r.ndim != 2 or r.shape[1] != 3:
+        raise LayoutError(f"ranges must be (addr, bytes, dev) triples, got shape {r.shape}")
+    rg = sorted((int(x), int(n), int(d)) for x, n, d in r.tolist())
     for k in range(1, len(rg)):
         if rg[k][0] < rg[k - 1][0] + rg[k - 1][1]:
             raise LayoutError(f"ranges {rg[k - 1]} and {rg[k]} overlap")
@@ -113,6 +122,10 @@ def span_ranges(rows: Any) -> list[tuple[int, int, int]]:
         out += [(int(start[f]), int(reach[k]) - int(start[f]), int(dev))
                 for f, k in zip(first.tolist(), last.tolist())]
     return out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def plan_table(plan: TransferPlan) -> DescTable:
@@ -183,7 +196,11 @@ def buffer_runs(parts: Sequence[Sequence[tuple[int, int]]],
     and their order are unchanged; buffers of different keys never merge. ``ranges``: the
     registered ``(addr, size)`` buffers; a merged buffer never spans two of them (a buffer
     outside every range is left as it is)."""
-    counts = [len(p) for p in parts]
+    try:
+        counts = [len(p) for p in parts]
+    except TypeError:
+        raise BlockTableError("parts must be a sequence of per-key sequences of (address, "
+                              "size) pairs") from None
     offs = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offs[1:])
     n = int(offs[-1])
@@ -191,17 +208,30 @@ def buffer_runs(parts: Sequence[Sequence[tuple[int, int]]],
     sizes = np.empty(n, dtype=np.int64)
     k = 0
     for p in parts:
-        for a, s in p:
-            if isinstance(a, (bool, np.bool_)) or isinstance(s, (bool, np.bool_)) \
-                    or int(a) < 0 or int(s) < 0:
-                raise BlockTableError(f"buffer {k}: address and size must be ints >= 0, "
-                                      f"got ({a!r}, {s!r})")
+        for item in p:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise BlockTableError(f"buffer {k}: must be an (address, size) pair, got "
+                                      f"{item!r}")
+            a, s = item
+            if not (_is_int(a) and _is_int(s)) or not (0 <= a < 2**64 and 0 <= s < 2**63) \
+                    or a + s >= 2**64:
+                raise BlockTableError(f"buffer {k}: address and size must be ints >= 0 "
+                                      f"(size < 2**63, ending below 2**64), got ({a!r}, {s!r})")
             addrs[k] = int(a)
             sizes[k] = int(s)
             k += 1
+    if k != n:
+        raise BlockTableError("parts changed while being read")
     dom = None
     if ranges is not None:
-        rg = sorted((int(x), int(n)) for x, n in ranges)
+        r = _runs.int_array("ranges", ranges, np.uint64, 0, 2**64, BlockTableError)
+        if r.size == 0:
+            r = r.reshape(0, 2)
+        if r.ndim != 2 or r.shape[1] != 2:
+            raise BlockTableError(f"ranges must be (addr, size) pairs, got shape {r.shape}")
+        rg = sorted((int(x), int(n)) for x, n in r.tolist())
+        if any(x + n >= 2**64 for x, n in rg):
+            raise BlockTableError("ranges: a registered buffer must end below 2**64")
         starts = np.array([x for x, _ in rg] or [0], dtype=np.uint64)
         ends = np.array([x + n for x, n in rg] or [0], dtype=np.uint64)
         idx = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1

@@ -806,9 +806,8 @@ class TrackerSet:
         """
         if self._owner != _get_ident():
             self._claim()
-        if not isinstance(req_ids, (list, tuple)):
-            req_ids = list(req_ids)
-        sizes = block_sizes if isinstance(block_sizes, tuple) else tuple(block_sizes)
+        req_ids = _seq_arg(req_ids, "req_ids", TrackerStateError)
+        sizes = _seq_arg(block_sizes, "block_sizes", BlockTableError, tuple)
         converted = False
         while True:
             try:
@@ -868,6 +867,16 @@ class TrackerSet:
         clip = self._store.clip_views
         return [clip(s, plan) for s in slots]
 
+
+
+def _seq_arg(x: Any, name: str, err: type[Exception], kind: type = list) -> Any:
+    """``x`` as a list/tuple (an iterable is read once), or ``err`` naming ``name``."""
+    if isinstance(x, (list, tuple)):
+        return x if kind is list or type(x) is tuple else tuple(x)
+    try:
+        return kind(x)
+    except TypeError:
+        raise err(f"{name} must be a sequence, got {type(x).__name__}") from None
 
 
 def _tracker_from_store(layout: KVLayout, store: Any) -> TrackerSet:

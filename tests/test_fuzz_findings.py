@@ -145,3 +145,60 @@ def test_fold_presence_ragged_results():
     kb = KeyBuilder("m")
     with pytest.raises(HashInputError, match="flat sequence"):
         kb.fold_presence(0, [[1], [1, 2]], 2)    # was ValueError from NumPy
+
+
+def test_desc_table_rows_and_domains_are_ints_or_layout_errors():
+    from hmacore.runs import DescTable, desc_table
+    for rows in ([[-1, 64, 0]], [[2**64, 64, 0]], [[64, None, 0]], [[64, 1, 0], [128, 1]]):
+        for make in (DescTable, desc_table):
+            with pytest.raises(LayoutError, match="rows"):
+                make(rows)                       # were OverflowError / TypeError / ValueError
+    for rows in ([[64.5, 64, 0]], np.array([[64.5, 64, 0]]), [[True, 64, 0]], [["64", 64, 0]]):
+        with pytest.raises(LayoutError, match="rows must hold ints"):
+            DescTable(rows)                      # were read as 64 / 1 / 64
+    with pytest.raises(LayoutError, match="domains must hold ints"):
+        DescTable([[0, 64, 0]], [0.5])           # was domain 0
+    with pytest.raises(LayoutError, match="ranges must hold ints"):
+        desc_table([[0, 64, 0]], [(0, "4096", 0)])   # was parsed as 4096
+    with pytest.raises(LayoutError, match="ranges must be"):
+        desc_table([[0, 64, 0]], [(0, 4096)])    # was ValueError (unpacking)
+    with pytest.raises(LayoutError, match="ranges must lie"):
+        desc_table([[0, 64, 0]], [(0, 2**64, 0)])      # was OverflowError
+    assert desc_table([[8, 64, 0]], [(8, 2**64 - 8, 0)]).num_descs == 1   # ends at 2**64
+    empty = DescTable([])                        # an empty dlist (was refused as shape (0,))
+    assert empty.num_descs == 0 and empty.rows().shape == (0, 3)
+    assert DescTable(np.array([[0, 64, 0]], np.int64)).rows().tolist() == [[0, 64, 0]]
+
+
+def test_find_runs_refuses_bool_and_float_ids_in_lists():
+    from hmacore.runs import desc_table, find_runs
+    t = desc_table(np.array([[64 * i, 64, 0] for i in range(1, 9)], dtype=np.uint64))
+    with pytest.raises(BlockTableError, match="local_ids must hold ints"):
+        find_runs(t, [0, True], t, [0, 1])       # was the pair (1, 1)
+    with pytest.raises(BlockTableError, match="remote_ids must hold ints"):
+        find_runs(t, [0], t, [1.0])
+    assert find_runs(t, [0, np.int64(1)], t, [2, 3]).num_runs == 1
+
+
+def test_buffer_runs_bad_values_are_block_table_errors():
+    from hmacore.runs import buffer_runs
+    for parts in ([[(2.5, 4)]], [[(0, 4.0)]], [[(2**64, 1)]], [[(2**64 - 4, 4)]],
+                  [[(0, 2**63)]], [[(0, 4, 1)]], [[7]], 7):
+        with pytest.raises(BlockTableError):
+            buffer_runs(parts)                   # were truncated / OverflowError / TypeError
+    for ranges in ([(2**64 - 1, 1)], [(1, -5)], [(2.5, 4)], [(1, 2, 3)]):
+        with pytest.raises(BlockTableError, match="ranges"):
+            buffer_runs([[(0, 4)]], ranges)      # were OverflowError / accepted
+    assert buffer_runs([[(np.uint64(0), 4), (4, np.int64(4))]]) == [[(0, 8)]]
+
+
+def test_step_pairs_non_sequence_arguments_are_named():
+    ts = TrackerSet(_layout(GroupSpec(GroupKind.FULL, 16, ("a",))))
+    ts.add("r", [[1, 2]])
+    with pytest.raises(TrackerStateError, match="req_ids must be a sequence"):
+        ts.step_pairs(7, [], [], [], (16,))      # was TypeError
+    with pytest.raises(BlockTableError, match="block_sizes must be a sequence"):
+        ts.step_pairs(["r"], [None], [None], [None], 16)   # was TypeError
+    local, _, offsets = ts.step_pairs(iter(["r"]), [[[3]]], [None], [None], iter([16]))
+    assert len(local) == 0 and offsets.tolist() == [0, 0]
+    assert ts.block_ids("r")[0].tolist() == [1, 2, 3]

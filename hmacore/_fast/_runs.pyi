@@ -7,6 +7,9 @@ import numpy.typing as npt
 
 DEV_MAX: int
 
+def int_array(name: str, x: Any, dtype: Any, lo: int, hi: int, err: type[Exception]
+              ) -> npt.NDArray[Any]: ...
+
 @disjoint_base
 class DescTable:
     @property

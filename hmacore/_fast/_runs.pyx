@@ -33,6 +33,36 @@ cdef int64_t DEV_MASK = 0xFFFFFFFF     # NIXL device ids are uint32
 DEV_MAX = 0xFFFFFFFF
 
 
+
+def int_array(name, x, dtype, lo, hi, err):
+    """``x`` (an integer ndarray, or nested lists/tuples of ints) as a C-contiguous ndarray
+    of ``dtype`` with every value in ``[lo, hi)``; else ``err`` naming ``name`` and the rule.
+    Bools, floats, strings and other objects are refused, never truncated or parsed (NumPy's
+    own casts would); Python and NumPy ints are read by value."""
+    if not isinstance(x, np.ndarray):
+        try:
+            x = np.array(x, dtype=object)
+        except (ValueError, TypeError) as e:
+            raise err(f"{name} must be a rectangular table of ints ({e})") from None
+    if x.size == 0:
+        return np.ascontiguousarray(x, dtype=dtype) if x.dtype.kind in "iuObf" else \
+            np.zeros(x.shape, dtype=dtype)
+    if x.dtype.kind == "O":
+        flat = x.ravel().tolist()
+        for i, v in enumerate(flat):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise err(f"{name} must hold ints, got {type(v).__name__} {v!r} at flat "
+                          f"index {i}")
+            if not lo <= v < hi:
+                raise err(f"{name} must lie in [{lo}, {hi}), got {int(v)} at flat index {i}")
+        return np.array([int(v) for v in flat], dtype=dtype).reshape(x.shape)
+    if x.dtype.kind not in "iu":
+        raise err(f"{name} must hold ints, got dtype {x.dtype}")
+    if int(x.min()) < lo or int(x.max()) >= hi:
+        raise err(f"{name} must lie in [{lo}, {hi})")
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
 cdef class DescTable:
     """Compressed address table of one dlist (see the module docstring).
 
@@ -45,18 +75,18 @@ cdef class DescTable:
     device id past uint32, a negative domain). Immutable; picklable.
     """
     def __init__(self, rows, domains=None):
-        a = np.ascontiguousarray(rows, dtype=np.uint64)
+        a = int_array("rows", rows, np.uint64, 0, 2**64, LayoutError)
+        if a.ndim == 1 and a.size == 0:
+            a = a.reshape(0, 3)                  # an empty dlist: no rows
         if a.ndim != 2 or a.shape[1] != 3:
             raise LayoutError(f"rows must be N x 3 (addr, len, dev), got shape {a.shape}")
         cdef Py_ssize_t N = a.shape[0], i, S = 0
         if domains is None:
             d = np.zeros(N, dtype=np.int64)
         else:
-            d = np.ascontiguousarray(domains, dtype=np.int64)
+            d = int_array("domains", domains, np.int64, 0, 2**31, LayoutError)
             if d.ndim != 1 or d.shape[0] != N:
                 raise LayoutError(f"domains must hold one int per row ({N}), got shape {d.shape}")
-            if N and (d.min() < 0 or d.max() > 0x7FFFFFFF):
-                raise LayoutError("domains must lie in [0, 2**31)")
         if N:
             addr, ln, dev = a[:, 0], a[:, 1], a[:, 2]
             bad = np.flatnonzero((ln == 0) | (addr + ln < addr) | (dev > DEV_MAX))
@@ -336,19 +366,19 @@ cdef void _emit(Piece* pc, int64_t P, uint64_t* lrow, uint64_t* rrow,
 
 cdef object _ids(name, x, Py_ssize_t bound):
     """``x`` as a C-contiguous int32/int64 1-D array with every id in [0, bound)."""
-    if not isinstance(x, np.ndarray):
-        x = np.asarray(x)
-    if x.dtype.kind == "b" or (x.size and x.dtype.kind not in "iu"):
+    if isinstance(x, np.ndarray) and (x.dtype == np.int32 or x.dtype == np.int64):
+        if x.ndim != 1:
+            raise BlockTableError(f"{name} must be 1-D, got shape {x.shape}")
+        x = np.ascontiguousarray(x)
+        if x.size and (int(x.min()) < 0 or int(x.max()) >= bound):
+            raise BlockTableError(f"{name} must lie in [0, {bound})")
+        return x
+    if isinstance(x, np.ndarray) and x.size and (x.dtype.kind == "b" or
+                                                 x.dtype.kind not in "iuO"):
         raise BlockTableError(f"{name} must be integer descriptor ids, got dtype {x.dtype}")
+    x = int_array(name, x, np.int64, 0, bound, BlockTableError)
     if x.ndim != 1:
         raise BlockTableError(f"{name} must be 1-D, got shape {x.shape}")
-    if x.dtype != np.int32 and x.dtype != np.int64:
-        if x.size and (x.dtype.kind == "u" and int(x.max()) >= bound):
-            raise BlockTableError(f"{name} must lie in [0, {bound})")
-        x = x.astype(np.int64)
-    x = np.ascontiguousarray(x)
-    if x.size and (int(x.min()) < 0 or int(x.max()) >= bound):
-        raise BlockTableError(f"{name} must lie in [0, {bound})")
     return x
 
 

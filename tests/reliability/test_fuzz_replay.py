@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.reliability
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("tables", "windows", "plan", "hits", "keys")
+FAMILIES = ("tables", "windows", "plan", "hits", "keys", "runs", "step_pairs")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

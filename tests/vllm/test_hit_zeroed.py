@@ -83,6 +83,7 @@ def assert_forgotten(sched_side, rid):
     """The store connector's scheduler side holds nothing of ``rid``."""
     assert rid not in sched_side.trackers
     assert rid not in sched_side._requests and rid not in sched_side._hits
+    assert rid not in sched_side._hit_requests
     assert rid not in sched_side._loads
 
 

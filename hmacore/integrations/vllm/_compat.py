@@ -288,6 +288,12 @@ def finished_normally(request: Any) -> bool:
     return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
+def waits_for_remote_kvs(request: Any) -> bool:
+    """True while vLLM holds blocks for the request's external load (WAITING_FOR_REMOTE_KVS):
+    the load is in flight, or (0.33) its ``update_state_after_alloc`` call is deferred."""
+    return request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
 def prompt_len(request: Any) -> int:
     ids = request.prompt_token_ids
     return len(ids) if ids is not None else int(request.num_prompt_tokens)

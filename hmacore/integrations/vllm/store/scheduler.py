@@ -122,6 +122,7 @@ class HmaStoreScheduler(TableFollower):
         self._kv_cache_manager: Any = None
         self._requests: dict[str, Any] = {}
         self._hits: dict[str, tuple[int, int]] = {}     # rid -> (num hash rows, hit tokens)
+        self._hit_requests: dict[str, Any] = {}         # rid -> the request of each _hits entry
         self._loads: dict[str, StoreLoad] = {}
         self.failed_recving: set[str] = set()
         # rid -> the block ids its load writes, until the request ends: a load reported
@@ -171,6 +172,7 @@ class HmaStoreScheduler(TableFollower):
         self.stats["lookups"] += 1
         self.counters.add("store_lookups")
         self._hits[rid] = (n_rows, hit)
+        self._hit_requests[rid] = request
         return hit
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -217,6 +219,7 @@ class HmaStoreScheduler(TableFollower):
         for rid in C.preempted_ids(scheduler_output):
             self._hits.pop(rid, None)
             self._loading.pop(rid, None)    # its blocks were freed: ids may be reused
+            self._hit_requests.pop(rid, None)
         scheduled = scheduler_output.num_scheduled_tokens
         for rid in self._follow_step(scheduler_output):
             if self.do_save:
@@ -225,8 +228,14 @@ class HmaStoreScheduler(TableFollower):
                     meta.saves[rid] = save
         meta.loads, self._loads = self._loads, {}
         # a probe answer is valid for one scheduling pass: a request that did not get its
-        # blocks asks the store again next step (keys may have been evicted meanwhile)
-        self._hits.clear()
+        # blocks asks the store again next step (keys may have been evicted meanwhile). A
+        # request vLLM allocated blocks for and left waiting for remote KVs keeps its hit:
+        # vLLM 0.33 may defer its update_state_after_alloc past this step (async loads on
+        # a consumer with overlapping batches and HiSparse), and that call loads the hit
+        # vLLM accepted.
+        keep = [rid for rid, req in self._hit_requests.items() if C.waits_for_remote_kvs(req)]
+        self._hits = {rid: self._hits[rid] for rid in keep if rid in self._hits}
+        self._hit_requests = {rid: self._hit_requests[rid] for rid in self._hits}
         return meta
 
     def _save_for(self, rid: str, num_scheduled: int) -> StoreSave | None:
@@ -294,6 +303,7 @@ class HmaStoreScheduler(TableFollower):
                 self.failed_recving.add(rid)
             self._loading.pop(rid, None)      # vLLM frees its blocks (or fails it)
             self._hits.pop(rid, None)
+            self._hit_requests.pop(rid, None)
             if rid in self.trackers:
                 # vLLM frees and reallocates (recompute policy): the next full table replaces
                 # ours; nothing was loaded, so nothing counts as saved.
@@ -306,6 +316,7 @@ class HmaStoreScheduler(TableFollower):
             self.trackers.finish(rid)
         self._requests.pop(rid, None)
         self._hits.pop(rid, None)
+        self._hit_requests.pop(rid, None)
         self._loads.pop(rid, None)
         self._loading.pop(rid, None)
         self._retries.pop(rid, None)
