@@ -24,10 +24,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..errors import TransferError
 from ..plan import TransferPlan
 from .handshake import HandshakePayload
 
-__all__ = ["TRANSPORTS", "KvTransport", "Transfer", "check_transport", "make_transport"]
+__all__ = ["TRANSPORTS", "KvTransport", "Transfer", "TransferPosting", "check_transport",
+           "make_transport"]
 
 #: the transports a connector can be configured with (``"transport"`` in
 #: ``kv_connector_extra_config``)
@@ -122,3 +124,49 @@ def make_transport(transport: str, name: str, plan: TransferPlan, **kwargs: Any)
         return NixlAgent(name, plan, **kwargs)
     from .mooncake_te import MooncakeTeAgent
     return MooncakeTeAgent(name, plan, **kwargs)
+
+
+class TransferPosting:
+    """``read`` / ``write`` and the failure record, shared by the drivers. A driver provides
+    ``_post(op, request_id, peer, local_ids, remote_ids, notif, expires_at)``, the ``_failed``
+    and ``_valid`` dicts, and ``_release_failed`` (what a failed transfer gives back)."""
+
+    _failed: dict[str, TransferError]
+    _valid: dict[str, Any]
+
+    def _post(self, op: str, request_id: str, peer: str, local_ids: Any, remote_ids: Any,
+              notif: bytes | None, expires_at: float | None) -> Transfer:
+        raise NotImplementedError
+
+    def read(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
+             remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
+             expires_at: float | None = None) -> Transfer:
+        """Post a READ (pull) of the peer's ``remote_block_ids`` into ``local_block_ids``.
+
+        ``expires_at``: the peer's lease end on ``time.monotonic()``'s clock; a READ after it
+        fails. ``notif``: message the peer receives as ``b"<request_id>:<notif>"`` once the
+        READ completed.
+        """
+        return self._post("READ", request_id, peer, local_block_ids, remote_block_ids, notif,
+                          expires_at)
+
+    def write(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
+              remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
+              expires_at: float | None = None) -> Transfer:
+        """Post a WRITE (push) of ``local_block_ids`` into the peer's ``remote_block_ids``."""
+        return self._post("WRITE", request_id, peer, local_block_ids, remote_block_ids, notif,
+                          expires_at)
+
+    def _release_failed(self, transfer: Transfer) -> None:
+        """Give back what a failed transfer holds (nothing by default)."""
+
+    def _fail(self, request_id: str, msg: str, *, group=None, block_index=None,
+              transfer: Transfer | None = None) -> TransferError:
+        err = TransferError(f"request {request_id!r}: {msg}", request_id=request_id,
+                            group=group, block_index=block_index)
+        self._failed[request_id] = err
+        self._valid.pop(request_id, None)
+        if transfer is not None:
+            transfer.state = "FAILED"
+            self._release_failed(transfer)
+        return err

@@ -32,7 +32,6 @@ import json
 import operator
 import os
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +39,7 @@ import numpy as np
 from ..errors import BlockTableError, HandshakeError, HmacoreError, TransferError
 from ..plan import TransferPlan
 from ..runs import DescTable, desc_table, find_runs
-from .base import Transfer
+from .base import Transfer, TransferPosting
 from .handshake import HandshakePayload
 
 __all__ = ["MAX_SLICES_PER_CALL", "MooncakeTeAgent", "TE_POSTINGS", "TE_SLICE_BYTES",
@@ -126,7 +125,7 @@ class _Peer:
     table: DescTable | None = None
 
 
-class MooncakeTeAgent:
+class MooncakeTeAgent(TransferPosting):
     """A Mooncake Transfer Engine (TCP, P2P handshake) over one TransferPlan's memory.
 
     Args:
@@ -246,31 +245,6 @@ class MooncakeTeAgent:
         return tuple(self._peers)
 
     # -- transfers ---------------------------------------------------------------------
-    def read(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
-             remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
-             expires_at: float | None = None) -> Transfer:
-        """Post a READ (pull) of the peer's ``remote_block_ids`` into ``local_block_ids``;
-        ``notif`` reaches the peer as ``(request_id, notif)`` once the READ completed."""
-        return self._post("READ", request_id, peer, local_block_ids, remote_block_ids, notif,
-                          expires_at)
-
-    def write(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
-              remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
-              expires_at: float | None = None) -> Transfer:
-        """Post a WRITE (push) of ``local_block_ids`` into the peer's ``remote_block_ids``."""
-        return self._post("WRITE", request_id, peer, local_block_ids, remote_block_ids, notif,
-                          expires_at)
-
-    def _fail(self, request_id: str, msg: str, *, group=None, block_index=None,
-              transfer: Transfer | None = None) -> TransferError:
-        err = TransferError(f"request {request_id!r}: {msg}", request_id=request_id,
-                            group=group, block_index=block_index)
-        self._failed[request_id] = err
-        self._valid.pop(request_id, None)
-        if transfer is not None:
-            transfer.state = "FAILED"
-        return err
-
     def _post(self, op, request_id, peer, local_ids, remote_ids, notif, expires_at) -> Transfer:
         self._check_open()
         if not isinstance(request_id, str) or ":" in request_id:

@@ -24,7 +24,7 @@ from ..plan import TransferPlan
 from ..spec import GroupKind, KVLayout
 from ..runs import DescTable, desc_table
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
-from .base import Transfer
+from .base import Transfer, TransferPosting
 from .handshake import HandshakePayload
 from .nixl_post import check_posting, post_xfer
 
@@ -82,7 +82,7 @@ class _Peer:
     local_table: DescTable | None = None  # of a pair's local dlist
 
 
-class NixlAgent:
+class NixlAgent(TransferPosting):
     """A NIXL agent (UCX backend) over one TransferPlan's memory.
 
     Args:
@@ -363,34 +363,8 @@ class NixlAgent:
         return tuple(self._peers)
 
     # -- transfers ---------------------------------------------------------------------
-    def read(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
-             remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
-             expires_at: float | None = None) -> Transfer:
-        """Post a READ (pull) of the peer's ``remote_block_ids`` into ``local_block_ids``.
-
-        ``expires_at``: the peer's lease end on ``time.monotonic()``'s clock; a READ after it
-        fails. ``notif``: message the peer receives as ``b"<request_id>:<notif>"`` when done.
-        """
-        return self._post("READ", request_id, peer, local_block_ids, remote_block_ids, notif,
-                          expires_at)
-
-    def write(self, request_id: str, peer: str, local_block_ids: Sequence[Any],
-              remote_block_ids: Sequence[Any], *, notif: bytes | None = None,
-              expires_at: float | None = None) -> Transfer:
-        """Post a WRITE (push) of ``local_block_ids`` into the peer's ``remote_block_ids``."""
-        return self._post("WRITE", request_id, peer, local_block_ids, remote_block_ids, notif,
-                          expires_at)
-
-    def _fail(self, request_id: str, msg: str, *, group=None, block_index=None,
-              transfer: Transfer | None = None) -> TransferError:
-        err = TransferError(f"request {request_id!r}: {msg}", request_id=request_id, group=group,
-                            block_index=block_index)
-        self._failed[request_id] = err
-        self._valid.pop(request_id, None)
-        if transfer is not None:
-            transfer.state = "FAILED"
-            self._release(transfer)
-        return err
+    def _release_failed(self, transfer: Transfer) -> None:
+        self._release(transfer)
 
     def _post(self, op, request_id, peer, local_ids, remote_ids, notif, expires_at) -> Transfer:
         # The common path is kept lean (it runs once per request, next to a NIXL post that
