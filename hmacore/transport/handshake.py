@@ -390,8 +390,9 @@ def _recv_frame(sock: socket.socket) -> bytes:
 class HandshakeServer:
     """Answers handshakes on ``host:port`` (port 0 = pick one) from a background thread.
 
-    For each client: receive its payload, check compatibility, reply with ours (or an error
-    frame), then call ``on_peer(payload)`` for accepted clients. Every socket op is bounded by
+    For each client: receive its payload, check compatibility, call ``on_peer(payload)``
+    (an exception refuses the client), then reply with ours (or an error frame): a client that
+    heard OK is already known here, so it may transfer and be answered at once. Every socket op is bounded by
     ``timeout`` seconds. Use as a context manager or call :meth:`close`. ``check``: the
     compatibility rule (default ``payload.check_compatible``; a block-size remap passes one
     that accepts other block sizes, e.g. :func:`check_regrain_compatible`).
@@ -426,6 +427,13 @@ class HandshakeServer:
                 try:
                     peer = HandshakePayload.from_bytes(_recv_frame(conn))
                     self.check(peer)
+                    # the peer is adopted before it hears OK: a client that goes on to
+                    # transfer at once (a READ whose done this side answers) is known here
+                    if self.on_peer is not None:
+                        try:
+                            self.on_peer(peer)
+                        except Exception as e:  # noqa: BLE001 - refused, the server keeps serving
+                            raise HandshakeError(f"on_peer: {type(e).__name__}: {e}") from e
                     _send_frame(conn, b"OK" + self.payload.to_bytes())
                 except (HmacoreError, OSError) as e:
                     self.errors.append(str(e))
@@ -434,11 +442,6 @@ class HandshakeServer:
                     except OSError:
                         pass
                     continue
-            if self.on_peer is not None:
-                try:
-                    self.on_peer(peer)
-                except Exception as e:  # noqa: BLE001 - recorded, the server keeps serving
-                    self.errors.append(f"on_peer: {e}")
 
     def close(self) -> None:
         self._stop.set()
