@@ -201,16 +201,7 @@ class NixlAgent(TransferPosting):
             # layout is in its TP description
             mine.check_compatible(payload)
             assert payload.tp is not None
-            remote = remote_layout or payload.tp.kv_layout()
-            name = self._load_raw(payload)
-            try:
-                plan = TransferPlan.from_region_table(remote, payload.regions,
-                                                      mem_type=payload.mem_type)
-            except HmacoreError as e:
-                self._forget_remote(name)
-                raise HandshakeError(f"{who}: bad region table: {e}") from None
-            self._peers[name] = _Peer(name, payload, plan, None)
-            return name, plan
+            return self._adopt_runs_peer(payload, remote_layout or payload.tp.kv_layout(), who)
         for field, a, b in (("version", mine.version, payload.version),
                             ("HMA on/off", mine.hma, payload.hma),
                             ("group count", len(mine.block_sizes), len(payload.block_sizes))):
@@ -241,6 +232,11 @@ class NixlAgent(TransferPosting):
                                  f"{list(payload.block_sizes)}; expected "
                                  f"{remote_layout.fingerprint()}, "
                                  f"{list(remote_layout.block_sizes)})")
+        return self._adopt_runs_peer(payload, remote_layout, who)
+
+    def _adopt_runs_peer(self, payload: HandshakePayload, remote_layout: KVLayout, who: str
+                         ) -> tuple[str, TransferPlan]:
+        """Load the peer's agent and its plan over its own layout (no dlist: runs only)."""
         name = self._load_raw(payload)
         try:
             plan = TransferPlan.from_region_table(remote_layout, payload.regions,
