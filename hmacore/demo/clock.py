@@ -50,12 +50,16 @@ class Clock:
         cpu = time.process_time()
         tcpu = time.thread_time()
         rq = runqueue_wait_s()
-        assert self._start is not None, "Clock exited without being entered"
+        if self._start is None:
+            raise RuntimeError("Clock exited without being entered")
         rq0, cpu0, tcpu0, t0 = self._start
         self._start = None
         self.wall += t - t0
         self.longest = max(self.longest, t - t0)
         self.cpu += cpu - cpu0
         self.thread_cpu += tcpu - tcpu0
-        self.runq = None if rq is None or self.runq is None else self.runq + rq - rq0
+        # the runqueue reads bracket the wall reads, so a wait during the reads themselves
+        # may count: a section never waited longer than it lasted
+        self.runq = None if rq is None or self.runq is None else \
+            self.runq + min(rq - rq0, t - t0)
         self.sections += 1
