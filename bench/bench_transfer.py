@@ -32,7 +32,10 @@ import time
 
 import numpy as np
 
-MECHANISMS = ("blocks", "auto", "dynamic", "prepped", "blocks-nomerge")
+MECHANISMS = ("blocks", "auto", "dynamic", "prepped", "blocks-nomerge", "auto-nothread")
+#: posted by a second decode agent over the same memory that runs no NIXL progress thread
+#: (progress only inside its own calls): what that thread costs an initiator of READs
+NO_THREAD = "auto-nothread"
 TABLES = ("fresh", "vllm", "scattered")
 ARRANGEMENTS = ("layer", "block")
 SERVE_TIMEOUT_S = 900.0
@@ -181,6 +184,9 @@ def run_config(arrangement: str, page: int, args, log) -> list[dict]:
     from hmacore.transport.handshake import exchange_handshake
     from hmacore.transport.nixl import NixlAgent, _nixl_ids
     from hmacore.transport.nixl_post import create_xfer
+    from hmacore.runs import find_runs
+    from hmacore.demo.clock import Clock
+    from _cma import iovecs, read_runs
     layers = args.layers
     n = max(1, (args.request_mib << 20) // (layers * page))
     nb = 4 * n + 1
@@ -194,63 +200,87 @@ def run_config(arrangement: str, page: int, args, log) -> list[dict]:
         src, _ = _memory(arrangement, nb, page, layers, seed)   # = the prefill side's bytes
         plan = TransferPlan.from_kv_caches(_layout(layers), dkv, num_blocks=nb)
         agent = NixlAgent(f"bench-decode-{arrangement}-{page}", plan)
+        bare = NixlAgent(f"bench-decode-{arrangement}-{page}-nothread", plan,
+                         progress_thread=False)
         try:
             peer = agent.add_peer(exchange_handshake("127.0.0.1", peer_proc.port,
                                                      agent.handshake_payload()))
+            bare_peer = bare.add_peer(exchange_handshake("127.0.0.1", peer_proc.port,
+                                                         bare.handshake_payload()))
             p = agent._peers[peer]       # the driver's prepared dlists and address tables
-            a = agent._agent
             nbytes = n * layers * page
             ref_src = np.ones(nbytes, np.uint8)
             ref_dst = np.ones(nbytes, np.uint8)
             for kind in TABLES:
                 local, remote = tables(kind, nb, n)
-                rec = {m: {"post": [], "xfer": []} for m in MECHANISMS}
+
+                def check(what: str) -> None:   # every page, then the pages are reset
+                    if not np.array_equal(_pages(dmem, arrangement, local),
+                                          _pages(src, arrangement, remote)):
+                        raise RuntimeError(f"{what} READ: bytes differ ({kind}, {page} B)")
+                    if arrangement == "block":
+                        dmem[np.asarray(local)] = 1
+                    else:
+                        dmem[:, np.asarray(local)] = 1
+                rec = {m: {"post": [], "xfer": [], "cpu": [], "runq": []} for m in MECHANISMS}
                 rec_mem: list[float] = []
+                rec_mem_cpu: list[float] = []
                 rec_search: list[float] = []
+                rec_cma: list[float] = []
                 for r in range(args.warmup + args.reps):
                     for mech in MECHANISMS:
+                        ag, pn = (bare, bare_peer) if mech == NO_THREAD else (agent, peer)
+                        a, pp = ag._agent, ag._peers[pn]
                         t0 = time.perf_counter()
                         lids = _nixl_ids(plan.desc_ids([local]), plan.num_descs)
-                        rids = _nixl_ids(p.plan.desc_ids([remote]), p.plan.num_descs)
+                        rids = _nixl_ids(pp.plan.desc_ids([remote]), pp.plan.num_descs)
                         posted = create_xfer(
-                            a, "READ", "blocks" if mech.startswith("blocks") else mech, peer,
-                            local_dlist=agent._local, local_ids=lids, remote_dlist=p.dlist,
-                            remote_ids=rids, local_table=agent._table, remote_table=p.table,
+                            a, "READ", "blocks" if mech.startswith("blocks") else
+                            mech.removesuffix("-nothread"), pn,
+                            local_dlist=ag._local, local_ids=lids, remote_dlist=pp.dlist,
+                            remote_ids=rids, local_table=ag._table, remote_table=pp.table,
                             local_mem="DRAM", remote_mem="DRAM", notif_msg=b"",
                             skip_desc_merge=mech == "blocks-nomerge")
                         t1 = time.perf_counter()
-                        st = a.transfer(posted.handle)
-                        deadline = t1 + 60
-                        while st == "PROC" and time.perf_counter() < deadline:
-                            st = a.check_xfer_state(posted.handle)
-                        t2 = time.perf_counter()
+                        clock = Clock()
+                        with clock:
+                            st = a.transfer(posted.handle)
+                            deadline = t1 + 60
+                            while st == "PROC" and time.perf_counter() < deadline:
+                                st = a.check_xfer_state(posted.handle)
                         a.release_xfer_handle(posted.handle)
                         if st != "DONE":
                             raise RuntimeError(f"{mech} READ ended {st}")
-                        if not np.array_equal(_pages(dmem, arrangement, local),
-                                              _pages(src, arrangement, remote)):
-                            raise RuntimeError(f"{mech} READ: bytes differ ({kind}, {page} B)")
-                        if arrangement == "block":
-                            dmem[np.asarray(local)] = 1
-                        else:
-                            dmem[:, np.asarray(local)] = 1
+                        check(mech)
                         if r >= args.warmup:
                             rec[mech]["post"].append(t1 - t0)
-                            rec[mech]["xfer"].append(t2 - t1)
+                            rec[mech]["xfer"].append(clock.wall)
+                            rec[mech]["cpu"].append(clock.cpu)
+                            rec[mech]["runq"].append(clock.runq or 0.0)
                             rec[mech]["posted"] = posted.descriptors
                             rec[mech]["blocks"] = posted.block_descriptors
                             rec[mech]["runs"] = posted.runs
                             rec[mech]["mechanism"] = posted.mechanism
-                    t0 = time.perf_counter()
-                    np.copyto(ref_dst, ref_src)
+                    mem_clock = Clock()
+                    with mem_clock:
+                        np.copyto(ref_dst, ref_src)
                     t1 = time.perf_counter()
-                    from hmacore.runs import find_runs
-                    find_runs(agent._table, lids, p.table, rids, order=True)
+                    found = find_runs(agent._table, lids, p.table, rids, order=True)
                     t2 = time.perf_counter()
+                    # the same runs straight through the kernel's cross-process copy
+                    lrows, rrows = iovecs(found.local), iovecs(found.remote)
+                    t3 = time.perf_counter()
+                    read_runs(peer_proc.proc.pid, lrows, rrows)
+                    t4 = time.perf_counter()
+                    check("cma")
                     if r >= args.warmup:
-                        rec_mem.append(t1 - t0)
+                        rec_mem.append(mem_clock.wall)
+                        rec_mem_cpu.append(mem_clock.cpu)
                         rec_search.append(t2 - t1)
+                        rec_cma.append(t4 - t3)
                 mem_s = statistics.median(rec_mem)
+                mem_cpu = statistics.median(rec_mem_cpu)
+                cma_s = statistics.median(rec_cma)
                 for mech in MECHANISMS:
                     x = rec[mech]
                     post, xfer = statistics.median(x["post"]), statistics.median(x["xfer"])
@@ -262,6 +292,10 @@ def run_config(arrangement: str, page: int, args, log) -> list[dict]:
                            "transfer_gbps": nbytes / xfer / 1e9,
                            "memcpy_gbps": nbytes / mem_s / 1e9,
                            "search_ms": statistics.median(rec_search) * 1e3,
+                           "transfer_cpu_ms": statistics.median(x["cpu"]) * 1e3,
+                           "transfer_runq_ms": statistics.median(x["runq"]) * 1e3,
+                           "memcpy_cpu_ms": mem_cpu * 1e3, "memcpy_ms": mem_s * 1e3,
+                           "cma_ms": cma_s * 1e3, "cma_gbps": nbytes / cma_s / 1e9,
                            "rounds": args.reps}
                     out.append(row)
                 base = next(o for o in out[-len(MECHANISMS):] if o["mechanism"] == "blocks")
@@ -272,6 +306,7 @@ def run_config(arrangement: str, page: int, args, log) -> list[dict]:
                     f"memcpy {auto['memcpy_gbps']:5.2f} GB/s")
         finally:
             agent.close()
+            bare.close()
     finally:
         peer_proc.stop()
     return out
@@ -307,6 +342,26 @@ def markdown(rows: list[dict]) -> str:
                      f"{d['block_descriptors']:,} | {d['runs']:,} | {d['post_ms']:.2f} / "
                      f"{d['transfer_ms']:.2f} | {p['post_ms']:.2f} / {p['transfer_ms']:.2f} | "
                      f"{a['posted_as']} |")
+    lines += ["", "Where the time goes (medians; the runs posted by the decode agent with NIXL's "
+              "progress thread and by one without; CPU = process CPU time during the transfer, "
+              "all threads; runq = the posting thread's wait for a CPU; cma = the same runs "
+              "through process_vm_readv, no NIXL; memcpy wall (CPU))", "",
+              "| pages | page | table | transfer ms thread / none | CPU ms thread / none "
+              "| runq ms thread / none | cma ms | memcpy ms | GB/s none / cma / memcpy "
+              "| none / memcpy | none / memcpy per CPU-s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (arr, page, table), m in cases.items():
+        a, n = m["auto"], m.get(NO_THREAD)
+        if n is None or "cma_ms" not in a:
+            continue
+        lines.append(
+            f"| {arr}-major | {page // 1024} KiB | {table} | {a['transfer_ms']:.2f} / "
+            f"{n['transfer_ms']:.2f} | {a['transfer_cpu_ms']:.2f} / {n['transfer_cpu_ms']:.2f} | "
+            f"{a['transfer_runq_ms']:.2f} / {n['transfer_runq_ms']:.2f} | {a['cma_ms']:.2f} | "
+            f"{a['memcpy_ms']:.2f} ({a['memcpy_cpu_ms']:.2f}) | {n['gbps']:.2f} / "
+            f"{a['cma_gbps']:.2f} / {a['memcpy_gbps']:.2f} | "
+            f"{100 * n['gbps'] / a['memcpy_gbps']:.0f}% | "
+            f"{100 * a['memcpy_cpu_ms'] / max(n['transfer_cpu_ms'], 1e-9):.0f}% |")
     return "\n".join(lines) + "\n"
 
 

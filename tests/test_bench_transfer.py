@@ -33,6 +33,10 @@ def test_markdown_has_one_row_per_case():
                      "posted_as": "dynamic" if mech in ("auto", "dynamic") else "blocks",
                      "bytes": 1 << 20, "descriptors": 8, "block_descriptors": 256, "runs": 8,
                      "post_ms": 0.1, "transfer_ms": 1.0, "gbps": 1.0, "transfer_gbps": 1.0,
-                     "memcpy_gbps": 2.0, "search_ms": 0.01, "rounds": 1})
+                     "memcpy_gbps": 2.0, "search_ms": 0.01, "rounds": 1,
+                     "transfer_cpu_ms": 0.5, "transfer_runq_ms": 0.25, "memcpy_cpu_ms": 0.5,
+                     "memcpy_ms": 0.5, "cma_ms": 0.8, "cma_gbps": 1.3})
     md = B.markdown(rows)
-    assert md.count("| layer-major | 4 KiB | fresh |") == 2 and "50%" in md
+    # per-block vs runs, the mechanisms, where the time goes: one row each
+    assert md.count("| layer-major | 4 KiB | fresh |") == 3 and "50%" in md
+    assert "| 1.00 / 1.00 | 0.50 / 0.50 | 0.25 / 0.25 | 0.80 | 0.50 (0.50) |" in md

@@ -53,6 +53,14 @@ def test_demo_moves_exactly_the_clipped_blocks_and_verifies_every_byte(tmp_path,
     assert rep["non_hma"]["bytes"] == non
     assert rep["hma"]["bytes"] < rep["non_hma"]["bytes"]
     assert rep["prefill"]["free_blocks_after"] == rep["prefill"]["num_blocks"] - 1  # all released
+    # the transfer next to a memcpy of the same bytes, by wall clock and per CPU-second
+    t, c = rep["transfer"], rep["transfer"]["on_cpu"]
+    assert "memcpy of the same bytes" in proc.stdout and "on CPU: transfer" in proc.stdout
+    assert t["seconds"] > 0 and t["memcpy_seconds"] > 0
+    assert 0 < c["transfer_thread_cpu_seconds"] <= c["transfer_cpu_seconds"] + 0.01
+    assert c["longest_transfer_seconds"] <= t["seconds"]
+    p = rep["posting"]
+    assert 0 < p["descriptors_posted"] <= p["per_block_descriptors"] == rep["hma"]["descriptors"]
 
 
 def test_demo_fails_when_a_byte_differs(tmp_path):

@@ -2,6 +2,7 @@
 verification; as text, as a JSON document, and as a bar chart."""
 from __future__ import annotations
 
+import os
 import statistics
 
 
@@ -32,7 +33,9 @@ def report_dict(sc, decode, final: dict) -> dict:
                      "memcpy_seconds": decode.memcpy_s,
                      "memcpy_gib_s": moved_b / decode.memcpy_s / 2**30 if decode.memcpy_s else 0.0,
                      "fraction_of_memcpy": (decode.memcpy_s / decode.transfer_s
-                                            if decode.transfer_s else 0.0)},
+                                            if decode.transfer_s else 0.0),
+                     "on_cpu": _on_cpu(moved_b, decode.transfer_clock, decode.memcpy_clock),
+                     "loadavg": _loadavg()},
         "posting": {"mechanism": decode.posting, "descriptors_posted": decode.posted_descriptors,
                     "per_block_descriptors": decode.block_descriptors,
                     "maximal_runs": decode.runs if decode.posting != "blocks" else None},
@@ -45,6 +48,37 @@ def report_dict(sc, decode, final: dict) -> dict:
                          "errors": decode.errors[:5]},
         "prefill": {"free_blocks_after": final.get("free_blocks"), "num_blocks": final.get("num_blocks")},
     }
+
+
+def _on_cpu(nbytes: int, xfer, mem) -> dict:
+    """The same comparison per CPU-second (process CPU time, all threads), and the time the
+    timing thread waited runnable for a CPU (seconds, ``None`` where unknown): on a loaded
+    machine the READs, longer than a time slice, wait; a short memcpy often does not."""
+    return {"transfer_cpu_seconds": xfer.cpu, "memcpy_cpu_seconds": mem.cpu,
+            "transfer_thread_cpu_seconds": xfer.thread_cpu,
+            "transfer_runqueue_seconds": xfer.runq, "memcpy_runqueue_seconds": mem.runq,
+            "longest_transfer_seconds": xfer.longest,
+            "transfer_gib_s": nbytes / xfer.cpu / 2**30 if xfer.cpu > 0 else 0.0,
+            "memcpy_gib_s": nbytes / mem.cpu / 2**30 if mem.cpu > 0 else 0.0,
+            "fraction_of_memcpy": mem.cpu / xfer.cpu if xfer.cpu > 0 else 0.0}
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _cpu_line(t: dict) -> str:
+    c = t["on_cpu"]
+    rq = c["transfer_runqueue_seconds"]
+    waited = "" if rq is None else (f"; the READs waited {rq * 1e3:.1f} ms of their "
+                                    f"{t['seconds'] * 1e3:.1f} ms for a CPU")
+    load = "" if not t.get("loadavg") else f" (load average {t['loadavg'][0]:.1f})"
+    return (f"on CPU: transfer {c['transfer_cpu_seconds'] * 1e3:.1f} ms ({c['transfer_gib_s']:.2f} "
+            f"GiB/s per CPU-second), memcpy {c['memcpy_gib_s']:.2f} GiB/s: transfer at "
+            f"{100 * c['fraction_of_memcpy']:.0f}% of memcpy{waited}{load}")
 
 
 def _mib(n: int) -> str:
@@ -74,6 +108,7 @@ def format_report(rep: dict) -> str:
         f"transfer: {_mib(rep['hma']['bytes'])} MiB in {t['seconds'] * 1e3:.1f} ms "
         f"({t['throughput_gib_s']:.2f} GiB/s); memcpy of the same bytes in this run "
         f"{t['memcpy_gib_s']:.2f} GiB/s (transfer at {100 * t['fraction_of_memcpy']:.0f}% of memcpy)",
+        _cpu_line(t),
         f"bookkeeping (tracker, select, clip, trim, descriptor ids): median {bk['median']:.1f} us "
         f"per request (max {bk['max']:.1f} us)",
         (f"verification: OK, {v['pages_checked']:,} pages / {_mib(v['bytes_checked'])} MiB checked "
