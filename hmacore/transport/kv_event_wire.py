@@ -8,7 +8,8 @@ array ``[ts, events, data_parallel_rank]``; each event a map tagged by ``"type"`
 out. The replay socket (ROUTER) takes ``(b"", start_seq)`` from a DEALER and answers every
 buffered ``(b"", topic, seq, payload)`` with ``seq >= start_seq``, then ``(b"", b"", -1, b"")``.
 
-The structs below decode that format for vLLM 0.32 and 0.33 (the same schema);
+The structs below decode that format for vLLM 0.32 and 0.33 (0.33 adds
+``BlockStored.lookahead_token_ids``);
 tests/test_kv_event_wire.py checks them against the installed vLLM's own classes, so a
 schema change fails there first. Unknown fields are ignored (vLLM adds optional fields).
 """
@@ -39,6 +40,9 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    #: vLLM 0.33: tokens beyond each block that its hash covers (lookahead hashing); a
+    #: router hashing token ids cannot reproduce such hashes (see docs/routing.md)
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

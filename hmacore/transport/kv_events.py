@@ -117,6 +117,7 @@ class StreamStats:
     cleared: int = 0            # AllBlocksCleared
     tier_rows: int = 0          # rows applied to tier_index
     other_medium: int = 0       # rows of non-GPU events dropped (no tier_index)
+    lookahead: int = 0          # stored rows hashed with lookahead tokens (vLLM 0.33)
     duplicates: int = 0         # batches seen twice, dropped
     gaps: int = 0               # times batches were missing
     replays: int = 0            # replay requests sent
@@ -381,7 +382,7 @@ class KVEventSubscriber:
             if rank != st.spec.dp_rank:
                 raise ArgumentValueError(f"batch of data-parallel rank {rank} on the stream of "
                                          f"rank {st.spec.dp_rank}")
-            ops, groups, hashes, tier, other = self._rows(batch)
+            ops, groups, hashes, tier, other, lookahead = self._rows(batch)
             result = self.index.apply(st.spec.key, ops, groups, hashes)
             if tier is not None and self.tier_index is not None and tier[0]:
                 self.tier_index.apply(st.spec.key, *tier)
@@ -401,6 +402,7 @@ class KVEventSubscriber:
             s.cleared += result.cleared
             s.tier_rows += len(tier[0]) if tier is not None and self.tier_index is not None else 0
             s.other_medium += other
+            s.lookahead += lookahead
             s.next_seq = seq + 1
             self._cond.notify_all()
         self._remember(st, seq, payload)
@@ -410,16 +412,16 @@ class KVEventSubscriber:
         while len(st.recent) > self._recent:
             st.recent.popitem(last=False)
 
-    def _rows(self, batch: W.EventBatch) -> tuple[list, list, list, tuple | None, int]:
-        """(ops, groups, hashes) of the GPU events in order, the tier's rows, and how many
-        rows of other media were dropped (no tier index)."""
+    def _rows(self, batch: W.EventBatch) -> tuple[list, list, list, tuple | None, int, int]:
+        """(ops, groups, hashes) of the GPU events in order, the tier's rows, how many rows
+        of other media were dropped (no tier index), how many stores used lookahead."""
         ops: list[int] = []
         groups: list[int] = []
         hashes: list[Hashable] = []
         t_ops: list[int] = []
         t_groups: list[int] = []
         t_hashes: list[Hashable] = []
-        other = 0
+        other = lookahead = 0
         for ev in batch.events:
             if isinstance(ev, W.AllBlocksCleared):
                 ops.append(OP_CLEAR)
@@ -429,6 +431,8 @@ class KVEventSubscriber:
             op = OP_STORE if isinstance(ev, W.BlockStored) else OP_REMOVE
             n = len(ev.block_hashes)
             group = 0 if ev.group_idx is None else ev.group_idx
+            if isinstance(ev, W.BlockStored) and ev.lookahead_token_ids is not None:
+                lookahead += n
             if isinstance(ev, W.BlockStored) and ev.kv_cache_spec_kind in SPEC_KINDS \
                     and 0 <= group < len(self._kinds) \
                     and SPEC_KINDS[ev.kv_cache_spec_kind] != self._kinds[group]:
@@ -446,4 +450,4 @@ class KVEventSubscriber:
                 t_hashes.extend(ev.block_hashes)
             else:
                 other += n
-        return ops, groups, hashes, (t_ops, t_groups, t_hashes), other
+        return ops, groups, hashes, (t_ops, t_groups, t_hashes), other, lookahead

@@ -27,10 +27,11 @@ from serve_harness import ROOT, Server, vllm_serve
 
 WAIT = 120.0
 BS = 32                  # serve_harness's --block-size
-# the tiny gemma2's KV cache groups as vLLM orders them (the router checks the order
-# against the kv_cache_spec_kind of every BlockStored event)
-LAYOUT = {"groups": [{"kind": "full", "block_size": BS},
-                     {"kind": "sliding_window", "block_size": BS, "sliding_window": 64}]}
+# the tiny gemma2's KV cache groups as vLLM orders them: its first layer slides, so the
+# sliding-window group is group 0 (the router checks every BlockStored's kv_cache_spec_kind
+# against this; the opposite order is refused batch by batch, see docs/routing.md)
+LAYOUT = {"groups": [{"kind": "sliding_window", "block_size": BS, "sliding_window": 64},
+                     {"kind": "full", "block_size": BS}]}
 
 
 def post(url: str, body: dict, timeout: float = 300.0) -> tuple[dict, dict]:
