@@ -282,8 +282,9 @@ def _send_until(sock: zmq.Socket, frames, sub, key, next_seq: int) -> None:
 
 def test_duplicates_bad_frames_other_rank_never_corrupt(index):
     """Raw frames: a repeated batch is applied once; frames that are not (topic, seq,
-    payload) change nothing; an undecodable payload, a batch of another DP rank and a batch
-    the index refuses (group out of range) reset that engine only, and are counted."""
+    payload) change nothing; an undecodable payload, a batch of another DP rank, a batch the
+    index refuses (group out of range) and one whose spec kind contradicts the layout (the
+    router was given the groups in another order) reset that engine only, and are counted."""
     p0, p1 = free_port(), free_port()
     s0, s1 = EngineStream("e0", tcp(p0)), EngineStream("e1", tcp(p1))
     enc = msgspec.msgpack.Encoder()
@@ -311,7 +312,11 @@ def test_duplicates_bad_frames_other_rank_never_corrupt(index):
             assert hit(index, s0.key, a) == full(a)
             bad = [(b"", (3).to_bytes(8, "big"), b"\xc1not msgpack"),
                    frames(5, both_groups(ha), rank=1),
-                   frames(7, [stored(ha, group=7)])]
+                   frames(7, [stored(ha, group=7)]),
+                   frames(9, [V.BlockStored(block_hashes=ha, parent_block_hash=None,
+                                            token_ids=[], block_size=BS, lora_id=None,
+                                            medium="GPU", lora_name=None, group_idx=0,
+                                            kv_cache_spec_kind="sliding_window")])]
             for n, f in enumerate(bad, 1):
                 seq = 2 * n + 1
                 _send_until(raw0, f, sub, s0.key, seq + 1)
