@@ -5,8 +5,9 @@ router (docs/examples/kv_router.py) in front, all over HTTP on loopback.
    repeated, it goes to a again, and a's reported cached tokens
    (``usage.prompt_tokens_details.cached_tokens``) equal the router's predicted hit;
 2. a prompt sent to engine b directly (the router learns it from b's events only), then a
-   prompt sharing its long prefix through the router: routed to b, cached tokens equal the
-   prediction; a streamed request is passed through, routed the same way;
+   prompt continuing it (its 224-token prefix shared) through the router: routed to b,
+   cached tokens equal the prediction; a streamed request is passed through, routed the same
+   way;
 3. ``/reset_prefix_cache`` on b (dev mode): b's ``AllBlocksCleared`` empties it in the index,
    the same prompt falls back (predicted 0, routed by load/order, nothing cached).
 """
@@ -99,14 +100,17 @@ def test_router_sends_prompts_to_the_engine_holding_their_prefix(tmp_path):
         assert s["a"] == 192 and s["b"] == 0, s         # 6 full blocks (capped at 199)
         assert complete(url, p1) == ("a", 192, 192)
 
-        # 2. b learns q1 from its own traffic; a prompt sharing 160 tokens of it goes to b
+        # 2. b learns q1 from its own traffic; q2 continues q1 (a second turn): it goes to b.
+        # (A prompt sharing only q1's first blocks would hit nowhere: the sliding-window
+        # group keeps the blocks of the window at q1's end only, and the index knows it.)
         post(b.url + "/v1/completions", {"model": "tiny", "prompt": q1, "max_tokens": 2})
-        q2 = q1[:160] + fresh
+        q2 = q1 + fresh
         s = wait_score(url, q2, "b", lambda v: v > 0)
-        assert s["a"] == 0 and s["b"] == 160, s         # 5 shared blocks
-        assert complete(url, q2) == ("b", 160, 160)
+        assert s["a"] == 0 and s["b"] == 224, s         # q1's 7 full blocks
+        assert complete(url, q2) == ("b", 224, 224)
+        assert score(url, q1[:160] + fresh)["b"] == 0   # see above
         # streamed, passed through as it arrives; q2 now fully on b
-        s = wait_score(url, q2, "b", lambda v: v > 160)
+        s = wait_score(url, q2, "b", lambda v: v > 224)
         req = urllib.request.Request(url + "/v1/completions", json.dumps({
             "model": "tiny", "prompt": q2, "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}).encode(),
@@ -116,7 +120,7 @@ def test_router_sends_prompts_to_the_engine_holding_their_prefix(tmp_path):
             predicted = int(r.headers["x-predicted-hit"])
             events = [json.loads(line[5:]) for line in r.read().decode().splitlines()
                       if line.startswith("data:") and "[DONE]" not in line]
-        assert predicted == s["b"] > 160
+        assert predicted == s["b"] == 352, s            # q2's 11 full blocks
         assert sum(1 for e in events if e["choices"]) >= 4
         assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
 
