@@ -8,8 +8,10 @@ router (docs/examples/kv_router.py) in front, all over HTTP on loopback.
    prompt continuing it (its 224-token prefix shared) through the router: routed to b,
    cached tokens equal the prediction; a streamed request is passed through, routed the same
    way;
-3. ``/reset_prefix_cache`` on b (dev mode): b's ``AllBlocksCleared`` empties it in the index,
-   the same prompt falls back (predicted 0, routed by load/order, nothing cached).
+3. ``/reset_prefix_cache`` on b (dev mode), then any request on b (vLLM publishes a step's
+   events after the step, so an idle engine's ``AllBlocksCleared`` leaves with its next
+   request): b's ``AllBlocksCleared`` empties it in the index, the same prompt falls back
+   (predicted 0, routed by load/order, nothing cached).
 """
 from __future__ import annotations
 
@@ -130,6 +132,9 @@ def test_router_sends_prompts_to_the_engine_holding_their_prefix(tmp_path):
         req = urllib.request.Request(b.url + "/reset_prefix_cache", method="POST")
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200
+        # vLLM publishes a step's events after the step: an idle engine's AllBlocksCleared
+        # leaves with its next request (10 tokens: less than a block, nothing stored)
+        post(b.url + "/v1/completions", {"model": "tiny", "prompt": fresh[:10], "max_tokens": 1})
         s = wait_score(url, q2, "b", lambda v: v == 0)
         assert s == {"a": 0, "b": 0}, s
         assert complete(url, q2) == ("a", 0, 0)
