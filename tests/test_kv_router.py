@@ -9,6 +9,7 @@ import json
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -53,6 +54,11 @@ class StandIn:
 
             def log_message(self, *a: object) -> None:
                 pass
+
+            def do_GET(self) -> None:
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -192,6 +198,21 @@ def test_pd_mode_picks_prefill_and_decode_by_hit(fleet):
     assert dec["max_tokens"] == 8
     assert dec["kv_transfer_params"] == {"do_remote_prefill": True, "from": "p"}
     assert engines["a"].bodies == []
+
+
+def test_health_and_stats(fleet):
+    engines, router, url, pubs = fleet()
+    store(router, pubs, "a", PROMPT)
+    with urllib.request.urlopen(url + "/health", timeout=BOUND) as r:
+        assert json.loads(r.read()) == {"status": "ok", "engines": {"a": True, "b": True}}
+    with urllib.request.urlopen(url + "/router/stats", timeout=BOUND) as r:
+        stats = json.loads(r.read())
+    assert stats["a"]["batches"] == 1 and stats["a"]["stored"] == 2 * len(PROMPT) // BS
+    for e in engines.values():
+        e.close()
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(url + "/health", timeout=BOUND)
+    assert err.value.code == 503
 
 
 def test_engine_argument_errors():
