@@ -1,0 +1,67 @@
+"""vLLM's KV event wire format, pinned per vLLM version (no vLLM import).
+
+vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``) sends one multipart message
+per ``KVEventBatch``: ``(topic, seq, payload)`` with ``seq`` an 8-byte big-endian counter that
+starts at 0 per publisher and ``payload`` the batch in msgpack (msgspec). The batch is an
+array ``[ts, events, data_parallel_rank]``; each event a map tagged by ``"type"``
+(``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``), fields with default values left
+out. The replay socket (ROUTER) takes ``(b"", start_seq)`` from a DEALER and answers every
+buffered ``(b"", topic, seq, payload)`` with ``seq >= start_seq``, then ``(b"", b"", -1, b"")``.
+
+The structs below decode that format for vLLM 0.32 and 0.33 (0.33 adds
+``BlockStored.lookahead_token_ids``);
+tests/test_kv_event_wire.py checks them against the installed vLLM's own classes, so a
+schema change fails there first. Unknown fields are ignored (vLLM adds optional fields).
+"""
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["WIRE_VERSIONS", "BlockStored", "BlockRemoved", "AllBlocksCleared", "EventBatch",
+           "REPLAY_END_SEQ", "decoder", "MEDIUM_GPU"]
+
+#: vLLM versions whose wire format these structs decode
+WIRE_VERSIONS = ("0.32", "0.33")
+#: the replay socket's end-of-replay sequence number (8 bytes, big-endian, signed -1)
+REPLAY_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MEDIUM_GPU = "GPU"
+
+BlockHash = int | bytes
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    #: vLLM 0.33: tokens beyond each block that its hash covers (lookahead hashing); a
+    #: router hashing token ids cannot reproduce such hashes (see docs/routing.md)
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def decoder() -> msgspec.msgpack.Decoder:
+    """A decoder of one payload into an :class:`EventBatch` (raises ``msgspec.DecodeError``
+    / ``msgspec.ValidationError`` on anything else)."""
+    return msgspec.msgpack.Decoder(EventBatch)

@@ -1,0 +1,453 @@
+"""KV event adapter: vLLM engines' ZMQ KV event streams -> a RoutingIndex.
+
+One :class:`KVEventSubscriber` follows N engine streams (one per engine and data-parallel
+rank, each vLLM's ``--kv-events-config`` ``{"enable_kv_cache_events": true, "publisher":
+"zmq", "endpoint": ..., "replay_endpoint": ...}``) on one background thread, decodes each
+``KVEventBatch`` (hmacore/transport/kv_event_wire.py, no vLLM import) and applies it to the
+index in one ``RoutingIndex.apply`` call.
+
+Exactness needs every batch of a stream once and in order. Per stream the subscriber expects
+sequence number ``expected`` (the publisher counts from 0):
+
+- ``seq == expected``: applied.
+- ``seq > expected`` (a gap: the publisher or our socket dropped batches at its high-water
+  mark, or we joined late): the missing batches are asked from the replay endpoint (bounded by
+  ``replay_timeout``) and applied in order; if the replay cannot cover the gap (no replay
+  endpoint, timeout, the publisher's buffer no longer holds them) the engine is reset in the
+  index (it then under-predicts until the engine re-stores blocks; it never over-predicts).
+- ``seq < expected``: a batch seen already (the same seq and payload digest among the last
+  ``recent`` batches, as the live copy of a replayed batch is) is dropped as a duplicate;
+  anything else is a new stream (the engine restarted and counts from 0 again): the engine is
+  reset and the new stream followed from there.
+- a frame that is not ``(topic, 8-byte seq, payload)`` is dropped (``bad_frames``); a payload
+  that does not decode, names another data-parallel rank than the stream's, or that the index
+  refuses (group out of range, malformed hash), or whose ``kv_cache_spec_kind`` contradicts
+  the index's layout (the router was given the wrong groups: also logged) loses that batch's
+  events, so the engine is reset (``bad_batches``). The index is never half-updated
+  (``apply`` is all or nothing).
+
+Bounded: each SUB socket holds at most ``rcv_hwm`` messages (ZMQ drops beyond it, which shows
+as a gap, repaired as above); at most ``max_drain`` messages are handled per socket per loop
+turn so one busy engine cannot starve the others. Events whose ``medium`` is not the GPU
+(e.g. ``CPU`` offloading, a connector's store) go to ``tier_index`` when given, else are
+dropped and counted (``other_medium``).
+
+Endpoints: vLLM's publisher binds a wildcard / ipc / inproc endpoint and *connects* to any
+other (``tcp://127.0.0.1:PORT``), so by default (``bind=True``) the subscriber binds the
+stream's endpoint; with ``bind=False`` it connects to an engine that binds. The replay
+endpoint is always bound by the engine.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Hashable, Sequence
+
+import msgspec
+import zmq
+
+from ..errors import ArgumentValueError, ConfigError, HmacoreError
+from ..route_index import OP_CLEAR, OP_REMOVE, OP_STORE, RoutingIndex
+from ..spec import GroupKind
+from . import kv_event_wire as W
+
+__all__ = ["EngineStream", "StreamStats", "KVEventSubscriber", "SPEC_KINDS"]
+
+#: vLLM's ``BlockStored.kv_cache_spec_kind`` values -> the layout's group kind they must match
+#: (other values, e.g. "unknown", are not checked)
+SPEC_KINDS = {"full_attention": GroupKind.FULL, "mla_attention": GroupKind.FULL,
+              "sink_full_attention": GroupKind.FULL, "sliding_window": GroupKind.SLIDING_WINDOW,
+              "sliding_window_mla": GroupKind.SLIDING_WINDOW,
+              "chunked_local_attention": GroupKind.CHUNKED_LOCAL, "mamba": GroupKind.MAMBA}
+
+logger = logging.getLogger("hmacore.kv_events")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStream:
+    """One engine's (one data-parallel rank's) KV event stream.
+
+    ``endpoint``: the engine's ``kv_events_config.endpoint`` (vLLM offsets its port by the
+    DP rank for ranks > 0: give the offset one). ``replay_endpoint``: the engine's replay
+    endpoint (offset the same way), None: gaps reset the engine. ``topic``: the engine's
+    ``kv_events_config.topic``. ``bind``: see the module docstring."""
+
+    engine_id: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    dp_rank: int = 0
+    topic: str = ""
+    bind: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise ArgumentValueError(f"engine_id must be a non-empty str, got {self.engine_id!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is None and name == "replay_endpoint":
+                continue
+            if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://",
+                                                                   "inproc://")):
+                raise ArgumentValueError(f"{name} must be a tcp://, ipc:// or inproc:// ZMQ "
+                                         f"endpoint, got {value!r}")
+        if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) \
+                or self.dp_rank < 0:
+            raise ArgumentValueError(f"dp_rank must be an int >= 0, got {self.dp_rank!r}")
+        if not isinstance(self.topic, str):
+            raise ArgumentValueError(f"topic must be a str, got {self.topic!r}")
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.engine_id, self.dp_rank)
+
+
+@dataclasses.dataclass
+class StreamStats:
+    """Counters of one stream. ``next_seq``: the sequence number expected next (batches
+    ``0 .. next_seq - 1`` of the current stream are accounted for)."""
+
+    batches: int = 0            # batches applied (live or replayed)
+    stored: int = 0             # index rows: stores
+    removed: int = 0            # removes that lowered a count
+    ignored: int = 0            # removes of keys not resident (no-ops)
+    cleared: int = 0            # AllBlocksCleared
+    tier_rows: int = 0          # rows applied to tier_index
+    other_medium: int = 0       # rows of non-GPU events dropped (no tier_index)
+    lookahead: int = 0          # stored rows hashed with lookahead tokens (vLLM 0.33)
+    duplicates: int = 0         # batches seen twice, dropped
+    gaps: int = 0               # times batches were missing
+    replays: int = 0            # replay requests sent
+    replayed: int = 0           # batches applied from replays
+    replay_failures: int = 0    # replays that timed out
+    restarts: int = 0           # new streams detected (seq went back)
+    resets: int = 0             # engine resets in the index (restart, uncovered gap, bad batch)
+    bad_frames: int = 0         # messages that were not (topic, seq, payload)
+    bad_batches: int = 0        # payloads that did not decode / were refused / wrong DP rank
+    next_seq: int = 0
+
+
+class _Stream:
+    __slots__ = ("spec", "sub", "replay", "stats", "recent", "started")
+
+    def __init__(self, spec: EngineStream, sub: zmq.Socket) -> None:
+        self.spec = spec
+        self.sub = sub
+        self.replay: zmq.Socket | None = None
+        self.stats = StreamStats()
+        self.recent: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self.started = False     # a first batch was seen
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+class KVEventSubscriber:
+    """Follows engines' KV event streams into ``index`` (see the module docstring).
+
+    Args:
+        index: the engines' RoutingIndex; every stream's ``(engine_id, dp_rank)`` is added.
+        streams: one :class:`EngineStream` per engine and DP rank (keys must differ).
+        tier_index: where non-GPU events go (second tier), None: dropped and counted.
+        rcv_hwm: messages each SUB socket buffers before ZMQ drops (a gap, repaired).
+        replay_timeout: seconds one replay may take before the engine is reset instead.
+        recent: batches per stream remembered (seq, payload digest) to spot duplicates.
+        max_drain: messages handled per socket per loop turn.
+
+    Use as a context manager, or :meth:`start` then :meth:`close`. Sockets are bound or
+    connected in :meth:`start` (an endpoint in use raises there).
+    """
+
+    def __init__(self, index: RoutingIndex, streams: Sequence[EngineStream], *,
+                 tier_index: RoutingIndex | None = None, rcv_hwm: int = 10_000,
+                 replay_timeout: float = 5.0, recent: int = 256, max_drain: int = 256,
+                 poll_interval: float = 0.05) -> None:
+        if not isinstance(index, RoutingIndex):
+            raise ArgumentValueError(f"index must be a RoutingIndex, got {type(index).__name__}")
+        if tier_index is not None and not isinstance(tier_index, RoutingIndex):
+            raise ArgumentValueError("tier_index must be a RoutingIndex or None")
+        streams = list(streams)
+        if not streams or not all(isinstance(s, EngineStream) for s in streams):
+            raise ArgumentValueError("streams must be a non-empty sequence of EngineStream")
+        keys = [s.key for s in streams]
+        dup = {k for k in keys if keys.count(k) > 1}
+        if dup:
+            raise ArgumentValueError(f"streams must have distinct (engine_id, dp_rank): "
+                                     f"{sorted(dup)} repeated")
+        for name, value, lo in (("rcv_hwm", rcv_hwm, 1), ("recent", recent, 1),
+                                ("max_drain", max_drain, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ArgumentValueError(f"{name} must be an int >= {lo}, got {value!r}")
+        for name, fvalue in (("replay_timeout", replay_timeout),
+                             ("poll_interval", poll_interval)):
+            if not isinstance(fvalue, (int, float)) or not 0 < fvalue <= 600:
+                raise ArgumentValueError(f"{name} must be seconds in (0, 600], got {fvalue!r}")
+        self.index = index
+        self.tier_index = tier_index
+        self._specs = streams
+        self._rcv_hwm = rcv_hwm
+        self._replay_timeout = float(replay_timeout)
+        self._recent = recent
+        self._max_drain = max_drain
+        self._poll_ms = max(1, int(poll_interval * 1000))
+        self._kinds = [g.kind for g in index.layout.groups]
+        self._blank: int | bytes = 0 if index.int_hashes else bytes(index.digest_size)
+        self._ctx: zmq.Context | None = None
+        self._streams: dict[zmq.Socket, _Stream] = {}
+        self._by_key: dict[tuple[str, int], _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._decoder = W.decoder()
+        self.error: BaseException | None = None   # what stopped the thread, if anything
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> KVEventSubscriber:
+        if self._thread is not None:
+            raise RuntimeError("KVEventSubscriber already started")
+        self._ctx = zmq.Context()
+        try:
+            for spec in self._specs:
+                sub = self._ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.RCVHWM, self._rcv_hwm)
+                sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+                st = _Stream(spec, sub)
+                self._streams[sub] = st        # registered first: closed on failure too
+                self._by_key[spec.key] = st
+                (sub.bind if spec.bind else sub.connect)(spec.endpoint)
+                if spec.replay_endpoint is not None:
+                    st.replay = self._replay_socket(spec)
+                self.index.add_engine(*spec.key)
+                if self.tier_index is not None:
+                    self.tier_index.add_engine(*spec.key)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._thread = threading.Thread(target=self._run, name="hmacore-kv-events",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread (joined within ``timeout`` s: a loop turn is bounded by the poll
+        interval plus one replay timeout), close every socket and the ZMQ context."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"KV event thread did not stop within {timeout} s")
+        self._close_sockets()
+
+    def __enter__(self) -> KVEventSubscriber:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _close_sockets(self) -> None:
+        for st in self._streams.values():
+            st.sub.close(linger=0)
+            if st.replay is not None:
+                st.replay.close(linger=0)
+        self._streams.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def _replay_socket(self, spec: EngineStream) -> zmq.Socket:
+        assert self._ctx is not None and spec.replay_endpoint is not None
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(spec.replay_endpoint)
+        return s
+
+    # -- observation ------------------------------------------------------------------------
+    def stats(self) -> dict[tuple[str, int], StreamStats]:
+        """A copy of every stream's counters, by engine key."""
+        with self._cond:
+            return {k: dataclasses.replace(st.stats) for k, st in self._by_key.items()}
+
+    def wait_for(self, key: tuple[str, int], next_seq: int, timeout: float) -> bool:
+        """Wait until stream ``key`` has accounted for batches ``0 .. next_seq - 1``; False
+        on timeout (or when the thread stopped)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            st = self._by_key[key]
+            while st.stats.next_seq < next_seq:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.error is not None or self._stop.is_set():
+                    return False
+                self._cond.wait(min(left, 0.5))
+            return True
+
+    # -- the thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in self._streams:
+            poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(self._poll_ms):
+                    st = self._streams[sock]
+                    for _ in range(self._max_drain):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_live(st, frames)
+        except BaseException as e:      # a bug: keep it for the owner, do not die silently
+            logger.exception("KV event thread stopped")
+            self.error = e
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _on_live(self, st: _Stream, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            st.stats.bad_frames += 1
+            return
+        seq = int.from_bytes(frames[1], "big")
+        payload = frames[2]
+        expected = st.stats.next_seq
+        if st.started and seq < expected:
+            if st.recent.get(seq) == _digest(payload):
+                st.stats.duplicates += 1
+                return
+            logger.info("engine %s: new KV event stream (seq %d after %d): reset",
+                        st.spec.key, seq, expected - 1)
+            st.stats.restarts += 1
+            self._reset(st, 0)
+            st.recent.clear()
+            expected = 0
+        st.started = True
+        if seq > expected:
+            st.stats.gaps += 1
+            self._replay(st, expected)
+            if st.stats.next_seq < seq:       # the replay did not reach this batch
+                self._reset(st, seq)
+            if st.stats.next_seq > seq:       # the replay delivered it already
+                st.stats.duplicates += 1
+                return
+        self._apply(st, seq, payload)
+
+    def _reset(self, st: _Stream, next_seq: int) -> None:
+        self.index.reset_engine(st.spec.key)
+        if self.tier_index is not None:
+            self.tier_index.reset_engine(st.spec.key)
+        with self._cond:
+            st.stats.resets += 1
+            st.stats.next_seq = next_seq
+            self._cond.notify_all()
+
+    def _replay(self, st: _Stream, start: int) -> None:
+        """Ask the replay endpoint for batches from ``start`` on and apply them in order;
+        a hole at the front of what it holds resets the engine there."""
+        if st.replay is None:
+            return
+        st.stats.replays += 1
+        st.replay.send_multipart((b"", start.to_bytes(8, "big")))
+        deadline = time.monotonic() + self._replay_timeout
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not st.replay.poll(left_ms):
+                logger.warning("engine %s: replay from %d timed out", st.spec.key, start)
+                st.stats.replay_failures += 1
+                st.replay.close(linger=0)       # late answers must not meet the next request
+                st.replay = self._replay_socket(st.spec)
+                return
+            frames = st.replay.recv_multipart()
+            if len(frames) != 4 or len(frames[2]) != 8:
+                st.stats.bad_frames += 1
+                continue
+            if frames[2] == W.REPLAY_END_SEQ:
+                return
+            seq = int.from_bytes(frames[2], "big")
+            if seq < st.stats.next_seq:
+                continue
+            if seq > st.stats.next_seq:           # no longer buffered by the engine
+                self._reset(st, seq)
+            self._apply(st, seq, frames[3])
+            st.stats.replayed += 1
+
+    def _apply(self, st: _Stream, seq: int, payload: bytes) -> None:
+        try:
+            batch = self._decoder.decode(payload)
+            rank = st.spec.dp_rank if batch.data_parallel_rank is None \
+                else batch.data_parallel_rank
+            if rank != st.spec.dp_rank:
+                raise ArgumentValueError(f"batch of data-parallel rank {rank} on the stream of "
+                                         f"rank {st.spec.dp_rank}")
+            ops, groups, hashes, tier, other, lookahead = self._rows(batch)
+            result = self.index.apply(st.spec.key, ops, groups, hashes)
+            if tier is not None and self.tier_index is not None and tier[0]:
+                self.tier_index.apply(st.spec.key, *tier)
+        except (msgspec.DecodeError, msgspec.ValidationError, HmacoreError) as e:
+            logger.warning("engine %s: KV event batch %d dropped (%s): reset", st.spec.key,
+                           seq, e)
+            st.stats.bad_batches += 1
+            self._reset(st, seq + 1)
+            self._remember(st, seq, payload)
+            return
+        with self._cond:
+            s = st.stats
+            s.batches += 1
+            s.stored += result.stored
+            s.removed += result.removed
+            s.ignored += result.ignored
+            s.cleared += result.cleared
+            s.tier_rows += len(tier[0]) if tier is not None and self.tier_index is not None else 0
+            s.other_medium += other
+            s.lookahead += lookahead
+            s.next_seq = seq + 1
+            self._cond.notify_all()
+        self._remember(st, seq, payload)
+
+    def _remember(self, st: _Stream, seq: int, payload: bytes) -> None:
+        st.recent[seq] = _digest(payload)
+        while len(st.recent) > self._recent:
+            st.recent.popitem(last=False)
+
+    def _rows(self, batch: W.EventBatch) -> tuple[list, list, list, tuple | None, int, int]:
+        """(ops, groups, hashes) of the GPU events in order, the tier's rows, how many rows
+        of other media were dropped (no tier index), how many stores used lookahead."""
+        ops: list[int] = []
+        groups: list[int] = []
+        hashes: list[Hashable] = []
+        t_ops: list[int] = []
+        t_groups: list[int] = []
+        t_hashes: list[Hashable] = []
+        other = lookahead = 0
+        for ev in batch.events:
+            if isinstance(ev, W.AllBlocksCleared):
+                ops.append(OP_CLEAR)
+                groups.append(0)
+                hashes.append(self._blank)
+                continue
+            op = OP_STORE if isinstance(ev, W.BlockStored) else OP_REMOVE
+            n = len(ev.block_hashes)
+            group = 0 if ev.group_idx is None else ev.group_idx
+            if isinstance(ev, W.BlockStored) and ev.lookahead_token_ids is not None:
+                lookahead += n
+            if isinstance(ev, W.BlockStored) and ev.kv_cache_spec_kind in SPEC_KINDS \
+                    and 0 <= group < len(self._kinds) \
+                    and SPEC_KINDS[ev.kv_cache_spec_kind] != self._kinds[group]:
+                raise ConfigError(f"the engine's group {group} is {ev.kv_cache_spec_kind!r} "
+                                  f"but the index's layout has {self._kinds[group].name}: "
+                                  "give the router the engines' own KV cache groups, in "
+                                  "their order")
+            if ev.medium is None or ev.medium == W.MEDIUM_GPU:
+                ops.extend([op] * n)
+                groups.extend([group] * n)
+                hashes.extend(ev.block_hashes)
+            elif self.tier_index is not None:
+                t_ops.extend([op] * n)
+                t_groups.extend([group] * n)
+                t_hashes.extend(ev.block_hashes)
+            else:
+                other += n
+        return ops, groups, hashes, (t_ops, t_groups, t_hashes), other, lookahead
