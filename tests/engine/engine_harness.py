@@ -105,7 +105,7 @@ def run_pd_round(pd: dict, name: str, prompts: list[list[int]], *, decoder: str,
     drained = eng["p"].result(drained_timeout)
     eng[fault_on].call({"cmd": "fault", "spec": None})
     res = {"tokens": out["tokens"], "external": out["external_tokens"],
-           "params": params, "p_tokens": pre["tokens"],
+           "computed": out["computed_tokens"], "params": params, "p_tokens": pre["tokens"],
            "p_drained": drained, "ref": pd["refs"][name]}
     if extra is not None:
         res.update(extra())

@@ -8,6 +8,8 @@ Faults (set in the engine process by the runner's ``fault`` command → :func:`s
 * ``{"push_layers": n}`` (push mode, on the prefill engine): the prompt's last step WRITEs
   only its first ``n`` layers (earlier steps push whole), then the push stalls, never
   finishing nor failing: a prefill engine killed after that dies mid-push.
+* ``{"fail_read": True}`` (pull, decode engine): every READ the decode engine polls or waits
+  for reports a transfer error (the READ itself is real: a peer lost mid-transfer).
 * ``{"corrupt_group": g}``: after a load completes, one loaded block of group g (the last one of
   the request's table) is overwritten with noise in every layer of the group.
 * ``{"drop_last_key_group": g}`` (``FaultyStoreConnector``): the store key of the last block
@@ -63,6 +65,21 @@ def _layers_of(kv_cache_config) -> list[list[str]]:
     return [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
 
 
+def _fail_reads(agent) -> None:
+    """Under ``fail_read`` every poll / wait of a transfer raises TransferError."""
+    from hmacore.errors import TransferError
+    poll, wait = agent.poll, agent.wait
+
+    def failing(inner):
+        def call(transfer, *args, **kwargs):
+            if FAULT and FAULT.get("fail_read"):
+                raise TransferError("injected (fail_read): remote peer lost mid-transfer")
+            return inner(transfer, *args, **kwargs)
+        return call
+
+    agent.poll, agent.wait = failing(poll), failing(wait)
+
+
 class FaultyStoreConnector(HmaStoreConnector):
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -111,7 +128,9 @@ class FaultyNixlConnector(HmaNixlConnector):
 
         def _register(kv_caches):
             caches.update(kv_caches)
-            return register(kv_caches)
+            out = register(kv_caches)
+            _fail_reads(w.agent)
+            return out
 
         def _start_read(rid, rr):
             if FAULT and "drop_group" in FAULT:

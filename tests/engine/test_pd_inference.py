@@ -4,8 +4,11 @@ HmaNixlConnector moving the KV over real NIXL (UCX, DRAM).
 
 For each model family: the decode engine's greedy tokens equal a single engine's, token for
 token, with async and sync loads, for prompts longer than the window and one prefilled over
-several scheduler steps. Negative controls (the same flow with one group not loaded, or one
-loaded block corrupted) change the output, so the equality can fail. Afterwards no engine
+several scheduler steps. A READ that fails (decode engine under ``kv_load_failure_policy:
+recompute``) is recomputed from the decode engine's own prefix cache: the tokens still equal,
+and the engine computes exactly the suffix after its local hit. Negative controls (the same
+flow with one group not loaded, or one loaded block corrupted) change the output, so the
+equality can fail. Afterwards no engine
 holds a block.
 """
 import json
@@ -15,13 +18,16 @@ import pytest
 import engine_harness as E
 from hmacore.demo.engine_driver import nixl_config
 
-ROUNDS = ["async", "sync", "drop0", "drop1", "corrupt0", "corrupt1"]
+ROUNDS = ["async", "sync", "failread", "drop0", "drop1", "corrupt0", "corrupt1"]
 FAULTS = {"drop0": {"drop_group": 0}, "drop1": {"drop_group": 1},
-          "corrupt0": {"corrupt_group": 0}, "corrupt1": {"corrupt_group": 1}}
+          "corrupt0": {"corrupt_group": 0}, "corrupt1": {"corrupt_group": 1},
+          "failread": {"fail_read": True}}
 # which decode engine runs each round (sync loads complete before the forward pass)
-DECODER = {"async": "d_async", "sync": "d_sync", "drop0": "d_async", "drop1": "d_sync",
+DECODER = {"async": "d_async", "sync": "d_sync", "failread": "d_async", "drop0": "d_async", "drop1": "d_sync",
            "corrupt0": "d_sync", "corrupt1": "d_async"}
 MODULE = "faulty_connector"
+BLOCK = 32
+WARM = 64          # tokens of each failread prompt the decode engine computes first, itself
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gpt-oss"])
@@ -36,8 +42,9 @@ def pd(request, tmp_path_factory):
         "p": E.start(model, nixl_config("kv_producer", E.free_port(), module=MODULE,
                                         connector="FaultyNixlConnector"),
                      root, "prefill", max_num_batched_tokens=64),
-        "d_async": E.start(model, nixl_config("kv_consumer", E.free_port(), module=MODULE,
-                                              connector="FaultyNixlConnector"),
+        "d_async": E.start(model, dict(nixl_config("kv_consumer", E.free_port(), module=MODULE,
+                                                   connector="FaultyNixlConnector"),
+                                       kv_load_failure_policy="recompute"),
                            root, "decode-async"),
         "d_sync": E.start(model, nixl_config("kv_consumer", E.free_port(), sync_load=True,
                                              module=MODULE, connector="FaultyNixlConnector"),
@@ -63,12 +70,32 @@ def test_decode_equals_single_engine(pd, name):
     # computes; async: the whole prompt, vLLM recomputes the last token itself)
     want = [n - 1 if name == "sync" else n for n in E.LENGTHS]
     assert r["external"] == want
+    # so D computed one prompt token, then one per decode step after the first output token
+    assert r["computed"] == [E.MAX_TOKENS] * len(E.LENGTHS)
     # per group, window-clipped: the sliding group (0) sends at most cdiv(64-1, 32)+1 blocks
     for p, n in zip(r["params"], E.LENGTHS):
         swa, full = p["remote_block_ids"]
         assert len(full) == -(-n // 32)
         assert 1 <= len(swa) <= min(3, len(full))
     assert r["p_drained"]["drained"] and r["p_drained"]["free"] == r["p_drained"]["total"] - 1
+
+
+def test_failed_read_recomputes_only_the_suffix_after_the_local_hit(pd):
+    """The READ fails (two KV cache groups: vLLM restarts the request, reported per request);
+    D's own prefix cache still holds each prompt's first WARM tokens, so D computes exactly
+    the rest, and its greedy tokens equal a single engine's."""
+    prompts = pd["prompts"]["failread"]
+    pd["engines"]["d_async"].generate([p[:WARM] for p in prompts], 1, timeout=180)
+    r = run_round(pd, "failread")
+    assert r["tokens"] == r["ref"], [E.first_divergence(a, b)
+                                     for a, b in zip(r["tokens"], r["ref"])]
+    # The load was tried for the prompt beyond vLLM's local hit, which the warm prefix made
+    # nonzero wherever it covers a whole block; after the failure D computed exactly that
+    # suffix (plus one token per decode step after the first output token), not the prompt.
+    local = [n - e for n, e in zip(E.LENGTHS, r["external"])]
+    assert all(0 < h <= min(WARM, n - 1) for h, n in zip(local, E.LENGTHS) if n > BLOCK), local
+    assert all(h % BLOCK == 0 for h in local), local
+    assert r["computed"] == [e + E.MAX_TOKENS - 1 for e in r["external"]]
 
 
 @pytest.mark.parametrize("name", ["drop0", "drop1", "corrupt0", "corrupt1"])

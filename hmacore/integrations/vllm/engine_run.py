@@ -13,8 +13,10 @@ named by ``HMACORE_RESULT_FD`` (stdout stays free for vLLM's logs). The first re
   (one dict or null per prompt), ``remote_decode`` (P side: ask to keep the KV for a decode
   engine; per-prompt ``kv_transfer_params`` are merged in, e.g. a push-mode ``push_id``).
   Returns ``tokens``, ``num_cached_tokens`` (prefix-hit tokens, local + external),
-  ``external_tokens`` (tokens the connector loaded into this engine), ``kv_transfer_params``
-  per prompt, ``elapsed_s``.
+  ``external_tokens`` (tokens the connector loaded into this engine), ``computed_tokens``
+  (tokens this engine's scheduler scheduled for the request: the prompt tokens it computed
+  plus one per decode step after the first output token), ``kv_transfer_params`` per
+  prompt, ``elapsed_s``.
 * ``drain``: step the engine (nothing to compute) until no request holds blocks, at most
   ``timeout`` s. Returns ``drained`` and the block pool figures.
 * ``blocks``: block pool figures (``free``, ``total``: blocks; the null block is never free).
@@ -32,6 +34,13 @@ import os
 import sys
 import time
 from typing import Any
+
+
+def _pop(counts: dict[str, int], request_id: str) -> int:
+    # vLLM adds a suffix to the caller's request id inside the engine ("0" -> "0-1a2b")
+    for rid in [r for r in counts if r == request_id or r.startswith(request_id + "-")]:
+        return counts.pop(rid)
+    return 0
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -63,7 +72,9 @@ class _Engine:
                        kv_transfer_config=KVTransferConfig(**ktc) if ktc else None)
         self.init_s = time.perf_counter() - t0
         self.external: dict[str, int] = {}
+        self.scheduled: dict[str, int] = {}
         self._record_external_tokens()
+        self._record_scheduled_tokens()
 
     def _record_external_tokens(self) -> None:
         """Count, per request, the tokens the connector loads (vLLM's ``num_cached_tokens``
@@ -80,6 +91,20 @@ class _Engine:
             return inner(request, blocks, num_external_tokens)
 
         conn.update_state_after_alloc = update_state_after_alloc
+
+    def _record_scheduled_tokens(self) -> None:
+        """Count, per request, the tokens the scheduler schedules (what the engine computes:
+        a failed load's recomputed suffix shows here)."""
+        sched = self.scheduler
+        inner = sched.schedule
+
+        def schedule(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            for rid, n in out.num_scheduled_tokens.items():
+                self.scheduled[rid] = self.scheduled.get(rid, 0) + int(n)
+            return out
+
+        sched.schedule = schedule
 
     @property
     def scheduler(self) -> Any:
@@ -114,15 +139,10 @@ class _Engine:
         elapsed = time.perf_counter() - t0
         return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
-                "external_tokens": [self._pop_external(o.request_id) for o in outs],
+                "external_tokens": [_pop(self.external, o.request_id) for o in outs],
+                "computed_tokens": [_pop(self.scheduled, o.request_id) for o in outs],
                 "kv_transfer_params": [o.kv_transfer_params for o in outs],
                 "elapsed_s": elapsed}
-
-    def _pop_external(self, request_id: str) -> int:
-        # vLLM adds a suffix to the caller's request id inside the engine ("0" -> "0-1a2b")
-        for rid in [r for r in self.external if r == request_id or r.startswith(request_id + "-")]:
-            return self.external.pop(rid)
-        return 0
 
     def drain(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
