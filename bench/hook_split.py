@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_product as B  # noqa: E402
 
-SPLIT = ("_follow_step", "_follow_entries", "_push_plan", "_save_span", "_track_full",
+SPLIT = ("_follow_step", "_follow_entries", "_push_plan", "_track_full",
          "_is_push_producer", "_drop_stale_registrations", "_expire_leases", "lookup")
 #: the followed requests' TrackerSet calls (push: step_pairs is the step's one C call)
 TRACKER_SPLIT = ("add", "reserve", "step_pairs", "apply_step_lists", "finish")

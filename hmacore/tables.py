@@ -145,6 +145,14 @@ def _as_group(x: Any, g: int, hi: int, name: str, offset: int = 0) -> np.ndarray
                           f"{type(x).__name__}")
 
 
+def index_identical(seq: Sequence[Any], item: Any) -> int:
+    """Index of the first element of the list/tuple ``seq`` that *is* ``item``, else -1, in
+    one C pass over its pointers (no element is read: cheap when the elements are out of
+    cache, e.g. a scheduler step's request ids). Fall back to ``seq.index`` on -1 when an
+    equal but distinct object may be there."""
+    return _k.index_identical(seq, item)
+
+
 def ids_from_objects(objs: Sequence[Any], *, id_attr: str = "block_id",
                      flag_attr: str = "block_hash", name: str = "blocks",
                      group: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -253,6 +253,25 @@ def check_int_table(object groups, int num_groups, long long num_blocks, bint al
     return True
 
 
+def index_identical(object seq, object item):
+    """Index of the first element of ``seq`` (list or tuple) that *is* ``item``, else -1.
+
+    Compares pointers only: no element object is read, so finding one request id among a
+    scheduler step's hundreds (vLLM's ``CachedRequestData.req_ids``) costs one pass over the
+    list's pointer array, not a cache miss per other id's string (``list.index`` compares by
+    value). A caller falls back to ``list.index`` on -1 (an equal but distinct object).
+    TypeError for anything but a list or tuple."""
+    cdef Py_ssize_t i, n
+    cdef PyObject* target = <PyObject*>item
+    if not is_list_or_tuple(seq):
+        raise TypeError(f"seq must be a list or tuple, got {type(seq).__name__}")
+    n = PySequence_Fast_GET_SIZE(seq)
+    for i in range(n):   # no user code runs in this loop: seq keeps its size
+        if PySequence_Fast_GET_ITEM(seq, i) == target:
+            return i
+    return -1
+
+
 def select_unhashed(const block_id_t[::1] ids, const flag_t[::1] hashed, block_id_t[::1] out):
     """Write the blocks a connector must fill into ``out``; return how many.
 

@@ -297,3 +297,33 @@ def test_push_scheduler_drops_only_unclaimed_stale_registrations():
     now[0] += 100
     report()
     assert sched.registered() == {"y"} and sched._unclaimed_at == {}
+
+
+def test_push_scheduler_step_report_fast_path_keeps_lease_expiry_and_stats():
+    """A step whose report is empty returns early (finished_sending None) unless a lease can
+    expire: an expired lease is still freed then; the stats hook builds nothing until
+    something was counted, then exactly what was counted."""
+    from types import SimpleNamespace
+
+    vc = H.vllm_config(extra={"transfer_mode": "push", "kv_lease_duration": 10})
+    conn = HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.gemma_like())
+    sched = conn.scheduler
+    now = [100.0]
+    sched.clock = lambda: now[0]
+
+    def report(sending=None):
+        out = SimpleNamespace(finished_recving=None, failed_recving=set(),
+                              finished_sending=sending, kv_connector_worker_meta=None)
+        conn.update_connector_output(out)
+        return out.finished_sending
+
+    assert report() is None and report(set()) is None
+    assert conn.get_kv_connector_stats() is None
+    sched._leases["p-1"] = now[0] + 10
+    assert report() is None                  # lease still running
+    now[0] += 11
+    assert report() == {"p-1"}               # expired with nothing reported: freed
+    assert sched._leases == {} and sched._expired_pending == {"p-1"}
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None and stats.data == {"lease_expiries": 1}
+    assert conn.get_kv_connector_stats() is None

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ...tables import ids_from_objects
+from ...tables import ids_from_objects, index_identical
 
 #: the vLLM releases hmacore is tested against (``make test`` / ``make test-vllm033``)
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
@@ -258,7 +258,8 @@ def iter_scheduled(scheduler_output: Any) -> Iterator[tuple[str, Sequence | None
 def scheduled_entries(scheduler_output: Any, rids: Iterator[str]
                       ) -> Iterator[tuple[str, Sequence | None, bool]]:
     """:func:`iter_scheduled`'s entries of only the scheduled requests among ``rids`` (a few
-    tracked ones): one dict probe each, plus a C-level ``list.index`` for a cached request,
+    tracked ones): one dict probe each, plus a C-level search of the cached requests' ids
+    for a cached request (by identity first: the other ids' string objects are not read),
     instead of a Python pass over every scheduled request."""
     sched = scheduler_output.num_scheduled_tokens
     new = None
@@ -272,10 +273,12 @@ def scheduled_entries(scheduler_output: Any, rids: Iterator[str]
         if req is not None:
             yield rid, req.block_ids, True
             continue
-        try:
-            i = cached.req_ids.index(rid)
-        except ValueError:
-            continue
+        i = index_identical(cached.req_ids, rid)   # vLLM passes the request's own str
+        if i < 0:
+            try:
+                i = cached.req_ids.index(rid)
+            except ValueError:
+                continue
         yield rid, cached.new_block_ids[i], rid in cached.resumed_req_ids
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from ...tables import RequestState, TrackerSet
 from . import _compat as C
+from ._metrics import HmaConnectorStats
 
 
 def require_single_worker(vllm_config: Any, connector: str, *, allow_tp: bool = False) -> None:
@@ -99,8 +100,8 @@ class RoleDispatch:
 
     # -- statistics (vLLM's stats pipeline and /metrics; see _metrics.py) -----------------------
     def get_kv_connector_stats(self):
-        """What this role counted since vLLM last asked (None if nothing)."""
-        from ._metrics import HmaConnectorStats
+        """What this role counted since vLLM last asked (None if nothing). Called every
+        step: a stats object is built only when something was counted."""
         side = self.worker if self.worker is not None else self.scheduler
         counter = getattr(side, "counters", None)
         data = counter.take() if counter is not None else None
@@ -128,7 +129,6 @@ class RoleDispatch:
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None):
-        from ._metrics import HmaConnectorStats
         return HmaConnectorStats(data=dict(data or {}))
 
     @classmethod
@@ -219,7 +219,7 @@ class TableFollower:
                     fresh = {*fresh, rid}
         if not len(trackers):
             return [], []
-        for rid in C.preempted_ids(scheduler_output):
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if rid in trackers:
                 trackers.preempt(rid)
         # running requests' appended ids go in one C call; new and resumed ones bring tables.

@@ -254,21 +254,34 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         scheduled, new_ids = self._follow_entries(scheduler_output)
         if not scheduled:
             return {}
+        n = len(scheduled)
+        theirs: list[Any] = [None] * n
+        spans: list[tuple[int, int] | None] = [None] * n
+        plans: list[tuple[str, int, bool] | None] = [None] * n
+        # what each pushes this step: tokens [start, end) (every position up to the step's
+        # end in its first pushed step, so a local prefix hit on P is pushed too)
         num_sched = scheduler_output.num_scheduled_tokens
-        theirs: list[Any] = []
-        spans: list[tuple[int, int] | None] = []
-        plans: list[tuple[str, int, bool] | None] = []
-        for rid in scheduled:
-            plan = self._save_span(rid, int(num_sched.get(rid, 0)))
-            if plan is None:
-                theirs.append(None)
-                spans.append(None)
-                plans.append(None)
-            else:
-                remote, start, end, pid, step, final = plan
-                theirs.append(remote)
-                spans.append((start, end))
-                plans.append((pid, step, final))
+        push_reqs, registered, steps = self._push_reqs, self._registered, self._push_steps
+        unpushed, ended = self._unpushed, self._push_ended
+        for r, rid in enumerate(scheduled):
+            entry = push_reqs.get(rid)
+            if entry is None or rid in unpushed or rid in ended:
+                continue
+            request, pid = entry
+            remote = registered.get(pid)
+            count = num_sched.get(rid, 0)
+            if remote is None or count <= 0:
+                continue
+            total = request.num_prompt_tokens
+            step = steps.get(rid, 0)
+            computed = request.num_computed_tokens
+            start = 0 if step == 0 else computed
+            end = min(computed + count, total)
+            if start >= end:
+                continue
+            theirs[r] = remote
+            spans[r] = (start, end)
+            plans[r] = (pid, step, end >= total)
         try:
             local, rem, offsets = self.trackers.step_pairs(scheduled, new_ids, theirs, spans,
                                                            self._block_sizes)
@@ -283,14 +296,15 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             rid = scheduled[r]
             pid, step, final = p
             cuts = off[r * G:(r + 1) * G + 1]
-            self._push_steps[rid] = step + 1
+            steps[rid] = step + 1
             if final:
                 # the prompt's last push: nothing more to follow for this request
                 self.trackers.finish(rid)
+            pairs = tuple(zip(cuts, cuts[1:]))
             saves[rid] = PushSave(
                 request_id=rid, push_id=pid, step=step,
-                local_block_ids=[local[a:b] for a, b in zip(cuts, cuts[1:])],
-                remote_block_ids=[rem[a:b] for a, b in zip(cuts, cuts[1:])], final=final)
+                local_block_ids=[local[a:b] for a, b in pairs],
+                remote_block_ids=[rem[a:b] for a, b in pairs], final=final)
         return saves
 
     def _push_plan_each(self, scheduled, new_ids, theirs, spans, plans,
@@ -320,26 +334,6 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
                                   final=final)
         return saves
 
-    def _save_span(self, rid: str, scheduled: int
-                   ) -> tuple[tuple[np.ndarray, ...], int, int, str, int, bool] | None:
-        """What ``rid`` pushes this step: ``(D's table, start, end, push id, step, final)``
-        (tokens ``[start, end)``: every position up to the step's end in its first pushed
-        step, so a local prefix hit on P is pushed too), or None when nothing."""
-        if rid not in self._push_reqs or rid in self._unpushed or rid in self._push_ended:
-            return None
-        request, pid = self._push_reqs[rid]
-        remote = self._registered.get(pid)
-        if remote is None or scheduled <= 0:
-            return None
-        total = int(request.num_prompt_tokens)
-        step = self._push_steps.get(rid, 0)
-        computed = int(request.num_computed_tokens)
-        start = 0 if step == 0 else computed
-        end = min(computed + scheduled, total)
-        if start >= end:
-            return None
-        return remote, start, end, pid, step, end >= total
-
     def _on_followed(self, rid: str, num_prompt_tokens: int) -> None:
         # a push request's table fills up to its prompt: room for it once, no regrowth
         self.trackers.reserve(rid, [-(-num_prompt_tokens // bs) for bs in self._block_sizes])
@@ -358,8 +352,16 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the workers' report: D loads finished/failed; P registrations, pushes ended
         (only requests P holds become ``finished_sending``), lease expiry."""
-        self._fold_loads(connector_output)
         wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not (connector_output.finished_sending or connector_output.finished_recving
+                or connector_output.failed_recving or getattr(wmeta, "registered", None)
+                or self._leases or self._reg_partial):
+            # the common step: nothing reported, no lease to expire
+            if self._unclaimed_at:
+                self._drop_stale_registrations(self.clock())
+            connector_output.finished_sending = None
+            return
+        self._fold_loads(connector_output)
         by = getattr(wmeta, "registered_by", None) or {}
         for pid, ids in (getattr(wmeta, "registered", None) or {}).items():
             if len(ids) != self.layout.num_groups:
