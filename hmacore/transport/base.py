@@ -178,9 +178,11 @@ def make_desc_transport(transport: str, name: str, ranges: Sequence[tuple[int, i
     (``hostname``: where a Mooncake TE listens; ``progress_delay_us``: NIXL's progress
     thread). Imports the transport's package only here."""
     if check_transport(transport) == "nixl":
+        from . import DEFAULT_PROGRESS_DELAY_US
         from .nixl_desc import DescAgent
-        kw = {} if progress_delay_us is None else {"progress_delay_us": progress_delay_us}
-        return DescAgent(name, ranges, mem_type=mem_type, posting=posting, **kw)
+        return DescAgent(name, ranges, mem_type=mem_type, posting=posting,
+                         progress_delay_us=DEFAULT_PROGRESS_DELAY_US if progress_delay_us is None
+                         else progress_delay_us)
     from .mooncake_desc import TeDescAgent
     return TeDescAgent(name, ranges, mem_type=mem_type, hostname=hostname, posting=posting)
 
