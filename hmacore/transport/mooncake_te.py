@@ -270,7 +270,7 @@ class MooncakeTeAgent(TransferPosting):
     def _load_peer(self, payload: HandshakePayload) -> _Peer:
         self.handshake_payload().check_compatible(payload)
         session, doorbell = parse_endpoint(payload.agent_metadata, payload.agent_name)
-        self._peers.pop(payload.agent_name, None)
+        # a peer of that name is replaced only once the new entry is complete
         return _Peer(payload.agent_name, payload, session, doorbell)
 
     def remove_peer(self, name: str) -> None:
