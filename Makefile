@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_TARGET_DEVICE := cpu
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv deps build test test-vllm033 test-fast lint demo plan bench bench-transfer bench-te bench-gate bench-gate-short sanitize sanitize-short fuzz fuzz-replay reliability soak clean
+.PHONY: venv deps build test test-te-tp test-vllm033 test-fast lint demo plan bench bench-transfer bench-te bench-gate bench-gate-short sanitize sanitize-short fuzz fuzz-replay reliability soak clean
 
 $(VENV)/.stamp-base: requirements/test.txt requirements/nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -136,6 +136,11 @@ fuzz: $(VENV)/.stamp-base
 # Every committed fuzz/corpus input once under ASan+UBSan (CI: sanitize-short replays them).
 fuzz-replay: $(VENV)/.stamp-base
 	PY=$(abspath $(PY)) bash scripts/fuzz.sh replay
+
+# Every TP case of tests/vllm/test_pd_nixl_tp.py and test_push_tp.py over Mooncake TE (inside
+# unshare -n; ~12 min on a loaded 2-core machine); `make test` runs the gemma case only.
+test-te-tp: deps build
+	HMACORE_TE_TP_ALL=1 $(PY) -m pytest -q tests/mooncake/test_te_connector.py -k tp_connector
 
 reliability: deps build
 	$(PY) -m pytest -q tests/reliability -m "not slow"

@@ -28,8 +28,8 @@ from ..errors import TransferError
 from ..plan import TransferPlan
 from .handshake import HandshakePayload
 
-__all__ = ["TRANSPORTS", "KvTransport", "Transfer", "TransferPosting", "check_transport",
-           "make_transport"]
+__all__ = ["TRANSPORTS", "DescTransport", "KvTransport", "Transfer", "TransferPosting",
+           "check_transport", "make_desc_transport", "make_transport"]
 
 #: the transports a connector can be configured with (``"transport"`` in
 #: ``kv_connector_extra_config``)
@@ -124,6 +124,67 @@ def make_transport(transport: str, name: str, plan: TransferPlan, **kwargs: Any)
         return NixlAgent(name, plan, **kwargs)
     from .mooncake_te import MooncakeTeAgent
     return MooncakeTeAgent(name, plan, **kwargs)
+
+
+@runtime_checkable
+class DescTransport(Protocol):
+    """A descriptor-level driver: named local/remote descriptor-row pairs, transfers by
+    descriptor ids (layer-wise push and its heterogeneous-TP pairs, where one plan per agent
+    does not fit). Implemented by :class:`hmacore.transport.nixl_desc.DescAgent` (NIXL) and
+    :class:`hmacore.transport.mooncake_desc.TeDescAgent` (Mooncake TE).
+
+    Contract: ``post`` validates everything before posting (TransferError, nothing moved) and
+    returns a handle; ``state(handle)`` is non-blocking (``"PROC"`` / ``"DONE"`` / ``"ERR"``;
+    a dead peer ends as ``"ERR"``); ``notif`` rides the transfer and reaches the peer only
+    after its data; ``send_notif`` raises TransferError when the peer is unreachable;
+    ``notifs_by_agent`` yields ``(sender agent name, message)``, consumed."""
+
+    name: str
+    last_post: tuple[int, int, int]
+
+    def metadata(self) -> bytes: ...
+
+    def add_remote(self, agent_metadata: bytes) -> str: ...
+
+    def prep_pair(self, key: str, remote: str, local_descs: np.ndarray,
+                  remote_descs: np.ndarray,
+                  remote_ranges: Sequence[tuple[int, int, int]] | None = None) -> None: ...
+
+    def remove_remote(self, name: str) -> None: ...
+
+    def post(self, op: str, key: str, local_ids: np.ndarray, remote_ids: np.ndarray,
+             notif: bytes = b"") -> Any: ...
+
+    def state(self, handle: Any) -> str: ...
+
+    def release(self, handle: Any) -> None: ...
+
+    def wait(self, handle: Any, timeout: float = 10.0) -> None: ...
+
+    def send_notif(self, remote: str, msg: bytes) -> None: ...
+
+    def notifs(self) -> list[bytes]: ...
+
+    def notifs_by_agent(self) -> list[tuple[str, bytes]]: ...
+
+    def close(self) -> None: ...
+
+
+def make_desc_transport(transport: str, name: str, ranges: Sequence[tuple[int, int, int]],
+                        *, mem_type: str = "DRAM", hostname: str = "127.0.0.1",
+                        posting: str = "auto", progress_delay_us: int | None = None
+                        ) -> DescTransport:
+    """A descriptor-level driver of ``transport`` named ``name`` over ``ranges``
+    (``hostname``: where a Mooncake TE listens; ``progress_delay_us``: NIXL's progress
+    thread). Imports the transport's package only here."""
+    if check_transport(transport) == "nixl":
+        from . import DEFAULT_PROGRESS_DELAY_US
+        from .nixl_desc import DescAgent
+        return DescAgent(name, ranges, mem_type=mem_type, posting=posting,
+                         progress_delay_us=DEFAULT_PROGRESS_DELAY_US if progress_delay_us is None
+                         else progress_delay_us)
+    from .mooncake_desc import TeDescAgent
+    return TeDescAgent(name, ranges, mem_type=mem_type, hostname=hostname, posting=posting)
 
 
 class TransferPosting:

@@ -114,6 +114,52 @@ def split_calls(local_addrs: np.ndarray, remote_addrs: np.ndarray, lengths: np.n
     return [(la[a:b].tolist(), ra[a:b].tolist(), ln[a:b].tolist()) for a, b in out]
 
 
+def open_engine(hostname: str, protocol: str, transfer_timeout_s: int,
+                ranges: list[tuple[int, int]]) -> tuple[Any, str, np.ndarray, list[int]]:
+    """A TransferEngine in P2P-handshake mode on ``hostname`` with ``ranges`` ``(addr, bytes)``
+    and a fresh doorbell buffer registered: ``(engine, session, doorbell, registered addrs)``.
+    The doorbell is owned by the caller (it must outlive the engine)."""
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(transfer_timeout_s))
+    from mooncake.engine import TransferEngine  # lazy: core never imports mooncake
+    eng = TransferEngine()
+    if eng.initialize(hostname, "P2PHANDSHAKE", protocol, "") != 0:
+        raise TransferError(f"Mooncake TE failed to initialize on {hostname!r} with "
+                            f"protocol {protocol!r} (P2P handshake)")
+    session = f"{hostname}:{eng.get_rpc_port()}"
+    doorbell = np.zeros(_DOORBELL_BYTES, np.uint8)
+    ranges = list(ranges) + [(doorbell.ctypes.data, _DOORBELL_BYTES)]
+    reg = [a for a, _ in ranges]
+    rc = eng.batch_register_memory(reg, [n for _, n in ranges])
+    if rc != 0:
+        raise TransferError(f"Mooncake TE refused to register {len(ranges)} memory ranges "
+                            f"(rc {rc})")
+    return eng, session, doorbell, reg
+
+
+def check_engine_args(name: Any, posting: Any, transfer_timeout_s: Any, workers: Any) -> None:
+    """ValueError naming the argument and its rule (both TE drivers' constructors)."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"name must be a non-empty str without ':', got {name!r}")
+    if posting not in TE_POSTINGS:
+        raise ValueError(f"posting must be one of {list(TE_POSTINGS)}, got {posting!r}")
+    if type(transfer_timeout_s) is not int or transfer_timeout_s < 5:
+        raise ValueError("transfer_timeout_s must be an int >= 5 (seconds; the engine's "
+                         f"floor), got {transfer_timeout_s!r}")
+    if type(workers) is not int or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+
+
+def run_calls(engine: Any, session: str, calls, code, note) -> int:
+    """The engine calls of one transfer, in order (the notification rides the last); the
+    first non-zero rc ends it."""
+    for i, (la, ra, ln) in enumerate(calls):
+        rc = engine.batch_transfer_sync(session, la, ra, ln, code,
+                                        note if i == len(calls) - 1 else None)
+        if rc != 0:
+            return int(rc)
+    return 0
+
+
 @dataclasses.dataclass
 class _Peer:
     name: str
@@ -123,6 +169,9 @@ class _Peer:
     plan: TransferPlan | None = None
     rows: np.ndarray | None = None        # its descriptors' (addr, bytes, dev) rows
     table: DescTable | None = None
+    pair: Any = None                      # a TpPairPlan (a peer of another TP size)
+    local_rows: np.ndarray | None = None  # a pair's local (head-slice) descriptors
+    local_table: DescTable | None = None
 
 
 class MooncakeTeAgent(TransferPosting):
@@ -148,15 +197,7 @@ class MooncakeTeAgent(TransferPosting):
                  protocol: str = "tcp", hma: bool = True, tp: dict[str, Any] | None = None,
                  posting: str = "auto",
                  transfer_timeout_s: int = 10, workers: int = 4):
-        if not isinstance(name, str) or not name or ":" in name:
-            raise ValueError(f"name must be a non-empty str without ':', got {name!r}")
-        if posting not in TE_POSTINGS:
-            raise ValueError(f"posting must be one of {list(TE_POSTINGS)}, got {posting!r}")
-        if type(transfer_timeout_s) is not int or transfer_timeout_s < 5:
-            raise ValueError("transfer_timeout_s must be an int >= 5 (seconds; the engine's "
-                             f"floor), got {transfer_timeout_s!r}")
-        if type(workers) is not int or workers < 1:
-            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+        check_engine_args(name, posting, transfer_timeout_s, workers)
         if plan.mem_type != "DRAM":
             raise ValueError(f"plan.mem_type must be 'DRAM' for this driver, got {plan.mem_type!r}")
         self.name = name
@@ -164,22 +205,9 @@ class MooncakeTeAgent(TransferPosting):
         self.hma = hma
         self.tp = dict(tp) if tp is not None else None
         self.posting = posting
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(transfer_timeout_s))
-        from mooncake.engine import TransferEngine  # lazy: core never imports mooncake
-        eng = TransferEngine()
-        if eng.initialize(hostname, "P2PHANDSHAKE", protocol, "") != 0:
-            raise TransferError(f"Mooncake TE failed to initialize on {hostname!r} with "
-                                f"protocol {protocol!r} (P2P handshake)")
-        self._engine: Any = eng
-        self.session = f"{hostname}:{eng.get_rpc_port()}"
-        self._doorbell = np.zeros(_DOORBELL_BYTES, np.uint8)   # owned: outlives the engine
-        ranges = [(int(a), int(n)) for a, n, _ in plan.registration_ranges()]
-        ranges.append((self._doorbell.ctypes.data, _DOORBELL_BYTES))
-        self._reg = [a for a, _ in ranges]
-        rc = eng.batch_register_memory(self._reg, [n for _, n in ranges])
-        if rc != 0:
-            raise TransferError(f"Mooncake TE refused to register {len(ranges)} memory ranges "
-                                f"(rc {rc})")
+        self._engine, self.session, self._doorbell, self._reg = open_engine(
+            hostname, protocol, transfer_timeout_s,
+            [(int(a), int(n)) for a, n, _ in plan.registration_ranges()])
         self._rows = np.ascontiguousarray(plan.descriptors(), dtype=np.uint64)
         self._table = desc_table(self._rows, plan.registration_ranges())
         self._group_bytes = plan._group_block_bytes
@@ -204,22 +232,31 @@ class MooncakeTeAgent(TransferPosting):
 
     def add_peer(self, payload: HandshakePayload, *, pair: Any = None) -> str:
         """Accept a peer from its handshake payload (compatibility checked, its regions laid
-        over our layout). Heterogeneous-TP peers (``pair``) are not supported yet."""
+        over our layout). ``pair``: a :class:`~hmacore.tp.TpPairPlan` for a peer of another
+        TP size (:func:`hmacore.transport.tp_peer.tp_pair_plans`): its head-slice
+        descriptors pair with ours and transfers use ``pair.desc_ids`` (remote ids are the
+        peer's own block ids), as in :meth:`NixlAgent.add_peer`."""
         self._check_open()
-        if pair is not None:
-            raise HandshakeError("heterogeneous-TP peers are not supported over Mooncake TE "
-                                 "yet (pair=...); use equal TP sizes or transport 'nixl'")
         p = self._load_peer(payload)
         try:
-            plan = payload.remote_plan(self.plan.layout)
-            rows = np.ascontiguousarray(plan.descriptors(), dtype=np.uint64)
-            table = desc_table(rows, plan.registration_ranges())
+            if pair is None:
+                plan = payload.remote_plan(self.plan.layout)
+                p.rows = np.ascontiguousarray(plan.descriptors(), dtype=np.uint64)
+                p.table = desc_table(p.rows, plan.registration_ranges())
+                p.plan = plan
+            else:
+                # a pair's virtual regions lie inside each side's registered memory: their
+                # own registration ranges are safe run barriers
+                p.rows = np.ascontiguousarray(pair.remote.descriptors(), dtype=np.uint64)
+                p.table = desc_table(p.rows, pair.remote.registration_ranges())
+                p.local_rows = np.ascontiguousarray(pair.local.descriptors(), dtype=np.uint64)
+                p.local_table = desc_table(p.local_rows, pair.local.registration_ranges())
+                p.pair = pair
         except HmacoreError:
             raise
         except Exception as e:  # noqa: BLE001 - a malformed region table
             raise HandshakeError(f"peer {p.name!r}: its regions do not fit our layout: "
                                  f"{type(e).__name__}: {e}") from e
-        p.plan, p.rows, p.table = plan, rows, table
         self._peers[p.name] = p
         return p.name
 
@@ -233,7 +270,7 @@ class MooncakeTeAgent(TransferPosting):
     def _load_peer(self, payload: HandshakePayload) -> _Peer:
         self.handshake_payload().check_compatible(payload)
         session, doorbell = parse_endpoint(payload.agent_metadata, payload.agent_name)
-        self._peers.pop(payload.agent_name, None)
+        # a peer of that name is replaced only once the new entry is complete
         return _Peer(payload.agent_name, payload, session, doorbell)
 
     def remove_peer(self, name: str) -> None:
@@ -259,9 +296,15 @@ class MooncakeTeAgent(TransferPosting):
             raise self._fail(request_id, f"unknown peer {peer!r} (handshake first)")
         if expires_at is not None and time.monotonic() >= expires_at:
             raise self._fail(request_id, f"the lease on peer {peer!r}'s blocks expired")
-        if p.plan is None or p.rows is None or p.table is None:
+        if p.rows is None or p.table is None:
             raise self._fail(request_id, f"peer {peer!r} was added for notifications only")
-        lids, rids, table, nbytes = self._checked_ids(request_id, p, local_ids, remote_ids)
+        if p.pair is not None:
+            lids, rids, table, nbytes = self._pair_ids(request_id, p, local_ids, remote_ids)
+            local_rows, local_table = p.local_rows, p.local_table
+        else:
+            lids, rids, table, nbytes = self._checked_ids(request_id, p, local_ids, remote_ids)
+            local_rows, local_table = self._rows, self._table
+        assert local_rows is not None and local_table is not None
         t = Transfer(request_id, op, peer, table, int(lids.size), nbytes,
                      posted_at=time.monotonic(), block_descriptors=int(lids.size))
         if not lids.size:   # full local hit: nothing to move
@@ -271,13 +314,13 @@ class MooncakeTeAgent(TransferPosting):
                 self.send_notif(peer, request_id, bytes(notif))
             return t
         if self.posting == "blocks":
-            lrows, rrows = self._rows[lids], p.rows[rids]
+            lrows, rrows = local_rows[lids], p.rows[rids]
             if not np.array_equal(lrows[:, 1], rrows[:, 1]):
                 raise self._fail(request_id, f"descriptor lengths differ from peer {peer!r}'s")
             t.mechanism = "blocks"
         else:
             try:
-                runs = find_runs(self._table, lids, p.table, rids)
+                runs = find_runs(local_table, lids, p.table, rids)
             except BlockTableError as e:
                 raise self._fail(request_id, f"bad descriptor pairs for {peer!r}: {e}") from None
             lrows, rrows, t.runs, t.mechanism = runs.local, runs.remote, runs.num_runs, "runs"
@@ -287,18 +330,24 @@ class MooncakeTeAgent(TransferPosting):
         code = TransferOpcode.Read if op == "READ" else TransferOpcode.Write
         calls = split_calls(lrows[:, 0], rrows[:, 0], lrows[:, 1],
                             MAX_SLICES_PER_CALL * TE_SLICE_BYTES)
-        t.handle = self._pool.submit(self._run_calls, p.session, calls, code, note)
+        t.handle = self._pool.submit(run_calls, self._engine, p.session, calls, code, note)
         return t
 
-    def _run_calls(self, session: str, calls, code, note) -> int:
-        """The engine calls of one transfer, in order (the notification rides the last);
-        the first non-zero rc ends it."""
-        for i, (la, ra, ln) in enumerate(calls):
-            rc = self._engine.batch_transfer_sync(session, la, ra, ln, code,
-                                                  note if i == len(calls) - 1 else None)
-            if rc != 0:
-                return int(rc)
-        return 0
+    def _pair_ids(self, request_id, p: _Peer, local_ids, remote_ids):
+        """A heterogeneous-TP transfer's desc ids (the pair plan validates both tables group
+        by group), the private int32 local copy and the bytes moved (served groups only)."""
+        try:
+            lids, rids = p.pair.desc_ids(local_ids, remote_ids)
+        except BlockTableError as e:
+            raise self._fail(request_id, f"bad block ids for peer {p.name!r}: {e}",
+                             group=getattr(e, "group", None),
+                             block_index=getattr(e, "block_index", None)) from None
+        table = tuple(np.array(g, dtype=np.int32) for g in local_ids)
+        served = p.pair.groups
+        nbytes = p.pair.local.table_bytes([len(g) if i in served else 0
+                                           for i, g in enumerate(table)])
+        return (np.asarray(lids, dtype=np.int64), np.asarray(rids, dtype=np.int64), table,
+                int(nbytes))
 
     def _checked_ids(self, request_id, p: _Peer, local_ids, remote_ids):
         """Desc ids of both sides (validated, per-group counts equal), a private int32 copy

@@ -342,7 +342,10 @@ def mode_badargs() -> dict:
         r["bad_name"] = _error(lambda: MooncakeTeAgent("a:b", plan))
         nixl_like = HandshakePayload.for_plan(plan, "nixl-peer", b"\x00binary-nixl-metadata")
         r["nixl_payload"] = _error(lambda: me.agent.add_peer(nixl_like))
-        r["pair"] = _error(lambda: me.agent.add_peer(nixl_like, pair=object()))
+        # a pair that is no TpPairPlan, for the live peer's own payload: refused, and the
+        # peer already added stays usable (checked by the READ below)
+        again = exchange_handshake("127.0.0.1", port, me.agent.handshake_payload())
+        r["pair"] = _error(lambda: me.agent.add_peer(again, pair=object()))
         r["failures_recorded"] = sorted(k for k in "abcdei" if me.agent.failure(k) is not None)
         # still usable, byte-exact
         t = me.agent.wait(me.agent.read("good", peer, ok, ok), 60)

@@ -1,8 +1,17 @@
-"""HmaNixlConnector with ``"transport": "mooncake"``: tests/vllm/test_pd_nixl.py (vLLM's real
-Scheduler + SCHEDULER- and WORKER-role connectors of two engines, pull mode) run again over
-the Mooncake Transfer Engine, inside ``unshare -n`` with only ``lo`` up: the right bytes for
-gemma (full + sliding), qwen3-next (Mamba + full) and deepseek-v4 (MLA) shaped requests, dead
-and restarted prefill peers, sync loads, aborts, stats; plus the start-up refusals."""
+"""HmaNixlConnector with ``"transport": "mooncake"``: tests/vllm's P/D connector tests (vLLM's
+real Scheduler + SCHEDULER- and WORKER-role connectors of two engines) run again over the
+Mooncake Transfer Engine, inside ``unshare -n`` with only ``lo`` up
+(``HMACORE_TEST_TRANSPORT=mooncake``; each harness asserts the connector built the TE driver):
+
+* pull (test_pd_nixl.py): the right bytes for gemma (full + sliding), qwen3-next (Mamba +
+  full) and deepseek-v4 (MLA) shaped requests, dead and restarted prefill peers, sync loads,
+  aborts, stats;
+* layer-wise push (test_push_flows.py, test_push_failures.py, test_push_peer_loss.py): every
+  layer's bytes over several prefill steps, dead / restarted peers, cancels, leases;
+* TP (test_pd_nixl_tp.py, test_push_tp.py): P/D at TP 2->1, 1->2 and 2->2, one process per
+  rank, every byte of every loaded block on every rank, pull and push; here the gemma case
+  (full + sliding) to bound CI time, every case (gemma, gemma-chunk, deepseek-v4 MLA, and
+  the registration failures) with ``HMACORE_TE_TP_ALL=1`` (``make test-te-tp``)."""
 from __future__ import annotations
 
 import os
@@ -15,22 +24,50 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.mooncake
-@pytest.mark.vllm
-@pytest.mark.timeout(1200)
-def test_pull_connector_over_mooncake_te():
+def run_over_te(paths: list[str], timeout_s: float, select: str | None = None) -> str:
+    """``pytest paths`` inside ``unshare -n`` (only ``lo``) with the TE transport; its
+    process group is killed by id if it overruns. Returns the output."""
     env = {**os.environ, "HMACORE_TEST_TRANSPORT": "mooncake", "GLOG_minloglevel": "2",
            "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
     script = (f"ip link set lo up && cd {ROOT} && exec {sys.executable} -m pytest -q "
-              "-p no:cacheprovider tests/vllm/test_pd_nixl.py")
+              f"-p no:cacheprovider {' '.join(paths)}"
+              + (f" -k '{select}'" if select else ""))
     proc = subprocess.Popen(["unshare", "-n", "--", "bash", "-c", script], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=1100)
+        out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"overran:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-6000:]
     assert " passed" in out and "failed" not in out and "skipped" not in out, out[-3000:]
+    return out
+
+
+@pytest.mark.mooncake
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+def test_pull_connector_over_mooncake_te():
+    run_over_te(["tests/vllm/test_pd_nixl.py"], 1100)
+
+
+@pytest.mark.mooncake
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+def test_push_connector_over_mooncake_te():
+    run_over_te(["tests/vllm/test_push_flows.py", "tests/vllm/test_push_failures.py",
+                 "tests/vllm/test_push_peer_loss.py"], 1100)
+
+
+@pytest.mark.mooncake
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_tp_connector_over_mooncake_te():
+    every = os.environ.get("HMACORE_TE_TP_ALL") == "1"
+    out = run_over_te(["tests/vllm/test_pd_nixl_tp.py", "tests/vllm/test_push_tp.py"], 1700,
+                      None if every else "every_byte and gemma and not chunk")
+    if not every:   # the 3 TP pairings, pull and push
+        assert "6 passed" in out, out[-3000:]

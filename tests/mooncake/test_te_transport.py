@@ -94,7 +94,7 @@ def test_bad_arguments_are_refused_and_agent_stays_usable():
     assert r["bad_name"].startswith("ValueError: name must be")
     assert r["nixl_payload"].startswith("HandshakeError") and "not a Mooncake TE endpoint" \
         in r["nixl_payload"]
-    assert "heterogeneous-TP" in r["pair"]
+    assert r["pair"].startswith("HandshakeError") and "do not fit our layout" in r["pair"]
     assert r["failures_recorded"] == ["a", "b", "c", "d", "e", "i"]
     assert r["after_state"] == "DONE" and r["after_bad_bytes"] == 0
     assert r["closed"] == "TransferError: the agent is closed"
@@ -145,3 +145,35 @@ def test_split_calls_keeps_bytes_and_order_within_the_slice_cap(lengths, cap):
     for c in calls:
         slices = sum(-(-n // TE_SLICE_BYTES) for n in c[2])
         assert slices <= max(1, cap // TE_SLICE_BYTES)
+
+
+def test_descriptor_drivers_satisfy_the_desc_interface():
+    from hmacore.transport.base import DescTransport
+    from hmacore.transport.mooncake_desc import TeDescAgent
+    from hmacore.transport.nixl_desc import DescAgent
+    names = [m for m in DescTransport.__dict__ if not m.startswith("_")
+             and callable(getattr(DescTransport, m))]
+    assert {"post", "state", "prep_pair", "send_notif", "notifs_by_agent"} <= set(names)
+    for cls in (DescAgent, TeDescAgent):
+        assert not [m for m in names if not hasattr(cls, m)], cls
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(name="a:b"), "name must be a non-empty str without ':'"),
+    (dict(name=""), "name must be a non-empty str"),
+    (dict(posting="per-run"), "posting must be one of"),
+    (dict(transfer_timeout_s=2), "transfer_timeout_s must be an int >= 5"),
+    (dict(workers=0), "workers must be an int >= 1"),
+    (dict(mem_type="VRAM"), "mem_type must be 'DRAM'"),
+])
+def test_te_desc_agent_refuses_bad_arguments_before_starting_an_engine(kw, match):
+    from hmacore.transport.mooncake_desc import TeDescAgent
+    args = {"name": "p", "ranges": [(1 << 20, 4096, 0)], **kw}
+    with pytest.raises(ValueError, match=match):
+        TeDescAgent(args.pop("name"), args.pop("ranges"), **args)
+
+
+def test_make_desc_transport_validates_the_transport_name():
+    from hmacore.transport.base import make_desc_transport
+    with pytest.raises(ValueError, match="transport must be one of"):
+        make_desc_transport("ucx", "p", [])

@@ -9,6 +9,7 @@ the way vLLM's attention layers do; then ``start_load_kv``, ``wait_for_save``,
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -23,13 +24,18 @@ from hmacore.plan import layer_sort_key
 from hmacore.tables import pair_block_spans
 
 JUNK = 0xAA
+# tests/mooncake/test_te_connector.py runs the push tests again inside a network namespace
+# with the Mooncake Transfer Engine as the transport ("transport": "mooncake")
+TRANSPORT = {"transport": os.environ["HMACORE_TEST_TRANSPORT"]} \
+    if os.environ.get("HMACORE_TEST_TRANSPORT") else {}
 
 
 class Engine:
     def __init__(self, make_kcc, extra=None, mode="push", **vkw):
         self.port = free_port()
         self.vc = H.vllm_config(extra={"side_channel_port": self.port, "kv_lease_duration": 30,
-                                       "transfer_mode": mode, **(extra or {})}, **vkw)
+                                       "transfer_mode": mode, **TRANSPORT, **(extra or {})},
+                             **vkw)
         self.kcc = make_kcc()
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
@@ -39,6 +45,9 @@ class Engine:
             for part in (arr if isinstance(arr, (tuple, list)) else [arr]):
                 part[...] = JUNK
         self.w.register_kv_caches(self.paged.kv_caches)
+        if mode == "push":   # the driver the connector built is the configured one
+            assert type(self.w.worker.agent).__name__ == (
+                "TeDescAgent" if TRANSPORT else "DescAgent")
         self.layers = sorted(self.layout.layer_to_group, key=layer_sort_key)
         self.metas: list = []
         self.outputs: list = []

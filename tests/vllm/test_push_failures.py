@@ -71,8 +71,10 @@ def test_p_gone_after_some_layers_leaves_nothing_valid():
 
 
 def test_d_gone_midway_p_frees_by_lease_end():
-    """D dies after P's first pushed step and P's WRITEs hang (never DONE nor ERR): P's
-    request finishes, its blocks are held under the lease and freed when it ends."""
+    """D dies after P's first pushed step and P's transport hangs (WRITEs never DONE nor
+    ERR, notifications neither sent nor refused: a black-holed peer): P's request finishes,
+    its blocks are held under the lease and freed when it ends. (A transport that sees the
+    death at once, Mooncake TE's refused connection, fails the push instead: no lease.)"""
     P = PH.Engine(GEMMA, extra={"kv_lease_duration": 3.0}, max_num_batched_tokens=40)
     D = PH.Engine(GEMMA)
     try:
@@ -84,6 +86,7 @@ def test_d_gone_midway_p_frees_by_lease_end():
                       what="P's first pushed step")
         D.close()                                    # D dies midway
         P.w.worker.agent.state = lambda handle: "PROC"   # its WRITEs never complete
+        P.w.worker.agent.send_notif = lambda remote, msg: None   # nor fail when notifying
         PH.step_until(lambda: "p" in P.conn.leases(), [P], what="P's request finishes")
         t0 = time.monotonic()
         PH.step_until(lambda: not P.s.requests, [P], timeout=3.0 + 15, what="P frees")

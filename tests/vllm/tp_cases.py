@@ -2,6 +2,7 @@
 byte pattern written by P and checked by D. Shared by tp_rank.py (rank processes) and
 tp_harness.py (the scheduler process)."""
 import dataclasses
+import os
 from typing import Any, Callable
 
 import torch
@@ -38,8 +39,11 @@ CASES = {
 
 
 def engine_config(case: Case, *, tp: int, port: int, engine_id: str, extra: dict | None = None):
-    """``extra``: more kv_connector_extra_config keys (e.g. ``transfer_mode``)."""
+    """``extra``: more kv_connector_extra_config keys (e.g. ``transfer_mode``).
+    ``HMACORE_TEST_TRANSPORT`` (tests/mooncake/test_te_connector.py): the transport."""
+    transport = os.environ.get("HMACORE_TEST_TRANSPORT")
     return H.vllm_config(extra={"side_channel_port": port, "kv_lease_duration": 30,
+                                **({"transport": transport} if transport else {}),
                                 **(extra or {})}, tp=tp,
                          engine_id=engine_id, kv_cache_layout="LBHNC", **case.vkw)
 

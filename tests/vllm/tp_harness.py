@@ -106,7 +106,13 @@ class TpEngine:
         """Wait for every rank's connector to be registered (start several engines first,
         then wait: the ranks import vLLM concurrently)."""
         try:
-            self.names = [r.read(timeout=240)["ready"] for r in self.ranks]
+            ready = [r.read(timeout=240) for r in self.ranks]
+            self.names = [m["ready"] for m in ready]
+            # the driver each rank's connector built is the configured transport's
+            te = os.environ.get("HMACORE_TEST_TRANSPORT") == "mooncake"
+            want = ("TeDescAgent" if te else "DescAgent") if self.push else \
+                ("MooncakeTeAgent" if te else "NixlAgent")
+            assert all(m["agent"] == want for m in ready), (want, ready)
         except Exception:
             self.close()
             raise

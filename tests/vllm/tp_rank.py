@@ -66,7 +66,8 @@ def main() -> None:
     conn = HmaNixlConnector(vc, KVConnectorRole.WORKER, kcc)
     caches = tp_cases.allocate(case, kcc, tp)
     conn.register_kv_caches(caches)
-    print(json.dumps({"ready": conn.worker.name, "port": conn.worker.port}), flush=True)
+    print(json.dumps({"ready": conn.worker.name, "port": conn.worker.port,
+                      "agent": type(conn.worker.agent).__name__}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]

@@ -42,7 +42,7 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
     default ``side_channel_host``), ``transfer_mode`` (``"pull"`` / ``"push"``),
     ``nixl_progress_delay_us`` (NIXL progress-thread poll delay, default 1000; 0: NIXL's own
     thread, which spins a core), ``transport`` (``"nixl"``, default, or ``"mooncake"``: the
-    Mooncake Transfer Engine, pull mode and equal TP sizes only), push mode only:
+    Mooncake Transfer Engine; pull and push, any TP pairing NIXL takes), push mode only:
     ``push_register_timeout`` (s, P waits for D's registration, default 30),
     ``push_recv_timeout`` (s, D waits for every layer, default 60).
     """
@@ -83,7 +83,8 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                                             sched.port, recv_timeout=sched.recv_timeout,
                                             lease_s=sched.lease_s, tp=tp,
                                             progress_delay_us=sched.progress_delay_us,
-                                            posting=sched.posting)
+                                            posting=sched.posting,
+                                            transport=self.transport)
             else:
                 from .worker import HmaNixlWorker  # imports the NIXL driver lazily
                 self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),

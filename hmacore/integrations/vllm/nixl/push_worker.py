@@ -1,7 +1,8 @@
 """Worker side of :class:`HmaNixlConnector` in layer-wise push mode, one worker per TP rank.
 
 Built on :mod:`hmacore.layerwise` (LayerPlan, LayerwisePusher, LayerwiseReceiver) over a
-:class:`~hmacore.transport.nixl_desc.DescAgent` whose NIXL agent is named
+:class:`~hmacore.transport.base.DescTransport` (NIXL's DescAgent or Mooncake TE's
+TeDescAgent, ``kv_connector_extra_config.transport``) whose agent is named
 ``<engine_id>#tp<rank>@push`` (``<engine_id>@push`` at TP = 1; a peer in pull mode is
 recognised at handshake and refused with a clear error). A TP-aware :class:`HandshakeServer`
 on ``side_channel_host:port + rank`` answers decode ranks.
@@ -51,12 +52,13 @@ import time
 from collections import deque
 from typing import Any
 
-from ....errors import HandshakeError, HmacoreError
+from ....errors import ConfigError, HandshakeError, HmacoreError
 from .._metrics import StatsCounter
 from ....layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState
 from ....plan import TransferPlan
 from ....tp import TpMapping, TpPairPlan, consumer_ranks
 from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
+from ....transport.base import check_transport, make_desc_transport
 from ....transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
 from .._roles import close_transport
 from ._tp import check_rank_peer
@@ -146,13 +148,21 @@ class HmaPushWorker:
         tp: this rank's :class:`~._tp.WorkerTp` (None: rank 0 of TP 1).
         progress_delay_us: the NIXL agent's progress-thread poll delay (microseconds).
         posting: how a WRITE's descriptors reach NIXL (:mod:`hmacore.transport.nixl_post`).
+        transport: ``"nixl"`` or ``"mooncake"``: the descriptor-level driver
+            (:func:`hmacore.transport.base.make_desc_transport`); Mooncake TE listens on
+            ``host``, which must then be routable.
     """
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  recv_timeout: float = 60.0, lease_s: float = 30.0,
                  gate_timeout: float = 5.0, tp: Any = None,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
-                 posting: str = "auto") -> None:
+                 posting: str = "auto", transport: str = "nixl") -> None:
+        self.transport = check_transport(transport)
+        if self.transport == "mooncake" and host in ("0.0.0.0", "::", ""):
+            raise ConfigError("transport 'mooncake' advertises the address its engine listens "
+                              "on: set side_channel_listen_host to a routable address, not "
+                              f"{host!r}")
         configure_ucx_env()
         self.layout = layout
         self.num_blocks = int(num_blocks)
@@ -200,13 +210,13 @@ class HmaPushWorker:
 
     # -- registration -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> TransferPlan:
-        from ....transport.nixl_desc import DescAgent
         plan = TransferPlan.from_kv_caches(self.layout, kv_caches, num_blocks=self.num_blocks)
         self.plan = plan
         self.layers = LayerPlan(plan)
-        self.agent = DescAgent(self.name, plan.registration_ranges(), mem_type=plan.mem_type,
-                               progress_delay_us=self.progress_delay_us,
-                               posting=self.posting)
+        self.agent = make_desc_transport(self.transport, self.name, plan.registration_ranges(),
+                                         mem_type=plan.mem_type, hostname=self.host,
+                                         posting=self.posting,
+                                         progress_delay_us=self.progress_delay_us)
         self.pusher = LayerwisePusher(self.agent, self.layers)
         self.receiver = LayerwiseReceiver(self._inbox, len(self.layers.layers))
         self._me = self._payload()
