@@ -97,7 +97,7 @@ class HmaNixlScheduler:
         self.sync_load = flag(extra, "sync_load", False)
         # experimental: pair with a prefill engine of other block sizes (hmacore.regrain);
         # proven at scheduler level, not yet with two real engines (docs/vllm.md)
-        self.block_size_remap = flag(extra, "block_size_remap", False)
+        self.block_size_remap = flag(extra, "block_size_remap", True)
         if self.sync_load and self.layout.num_groups > 1:
             logger.warning(
                 "sync_load with %d KV cache groups: vLLM 0.32 has no per-request failure path "

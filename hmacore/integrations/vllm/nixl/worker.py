@@ -302,12 +302,19 @@ class HmaNixlWorker:
         name, rplan = self.agent.add_regrain_peer(p)
         assert p.tp is not None
         rlayout = p.tp.kv_layout()
-        rpages = plan_pages(rlayout, rplan, page_layout=p.tp.page_layout,
+        # the page model of each side's kernel (vLLM CPU: K transposed, C.regrain_page_layout)
+        bs = [s.block_size for s in self.layout.groups if s.kind != GroupKind.MAMBA]
+        rbs = [s.block_size for s in rlayout.groups if s.kind != GroupKind.MAMBA]
+        rname = C.regrain_page_layout(p.tp.page_layout, p.tp.kv_dtype, p.tp.head_dim,
+                                      max(rbs, default=1))
+        lname = C.regrain_page_layout(self.tp.page_layout, self.tp.kv_dtype, self.tp.head_dim,
+                                      max(bs, default=1))
+        rpages = plan_pages(rlayout, rplan, page_layout=rname,
                             shardings=p.tp.shardings, tp_size=p.tp.tp_size,
-                            tp_rank=p.tp.tp_rank)
-        lpages = plan_pages(self.layout, self.agent.plan, page_layout=self.tp.page_layout,
+                            tp_rank=p.tp.tp_rank, head_dim=p.tp.head_dim)
+        lpages = plan_pages(self.layout, self.agent.plan, page_layout=lname,
                             shardings=self.tp.shardings, tp_size=self.tp.size,
-                            tp_rank=self.rank)
+                            tp_rank=self.rank, head_dim=self.tp.head_dim)
         plan = RegrainPlan(rlayout, self.layout, rplan, self.agent.plan, rpages, lpages)
         logger.info("block-size remap with %s: P %s, D %s tokens per block; pages P %s, D %s",
                     name, list(rlayout.block_sizes), list(self.layout.block_sizes),
