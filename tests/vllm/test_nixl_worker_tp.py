@@ -32,7 +32,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(kcc, name, shardings, tp=(0, 1), remap=False):
+def _worker(kcc, name, shardings, tp=(0, 1), remap=True):
     layout = layout_from_kv_cache_config(kcc)
     wtp = WorkerTp(tp[0], tp[1], tuple(shardings), "torch.float16", 16, "LBNHC")
     w = HmaNixlWorker(layout, kcc.num_blocks, name, "127.0.0.1", _port(), tp=wtp,
@@ -61,10 +61,11 @@ def test_mamba_groups_refuse_another_tp_size(caplog):
         w.shutdown()
 
 
-def test_other_block_sizes_are_refused_unless_remap_is_enabled(caplog):
+def test_other_block_sizes_are_refused_when_remap_is_off(caplog):
+    """The off switch (kv_connector_extra_config.block_size_remap=false): refused as before."""
     sh = [GroupSharding(2, 1, False)] * 2
-    P = _worker(H.gemma_like(num_blocks=16, bs=32), "P-bs32-off", sh)
-    D = _worker(H.gemma_like(num_blocks=16, bs=16), "D-bs16-off", sh)
+    P = _worker(H.gemma_like(num_blocks=16, bs=32), "P-bs32-off", sh, remap=False)
+    D = _worker(H.gemma_like(num_blocks=16, bs=16), "D-bs16-off", sh, remap=False)
     try:
         remote = RemotePeer("P-bs32-off", "p-req", "127.0.0.1", P.port, [[1, 2], [3, 4]])
         assert _load(D, remote, [[5, 6, 7], [8, 9, 10]]) == (set(), {"d-req"}, {"d-req"})
@@ -91,8 +92,8 @@ def test_a_remap_without_token_range_is_refused(caplog):
     """Equal TP sizes, block sizes 32 vs 16 (a block-size remap): metadata without the token
     range and table starts (which the scheduler side adds) fails the load; nothing is read."""
     sh = [GroupSharding(2, 1, False)] * 2
-    P = _worker(H.gemma_like(num_blocks=16, bs=32), "P-bs32", sh, remap=True)
-    D = _worker(H.gemma_like(num_blocks=16, bs=16), "D-bs16", sh, remap=True)
+    P = _worker(H.gemma_like(num_blocks=16, bs=32), "P-bs32", sh)
+    D = _worker(H.gemma_like(num_blocks=16, bs=16), "D-bs16", sh)
     try:
         remote = RemotePeer("P-bs32", "p-req", "127.0.0.1", P.port, [[1, 2], [3, 4]])
         assert _load(D, remote, [[5, 6, 7], [8, 9, 10]]) == (set(), {"d-req"}, {"d-req"})

@@ -24,10 +24,11 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
 class Engine:
-    def __init__(self, kcc, **vkw):
-        self.vc = H.vllm_config(extra={"side_channel_port": free_port(),
-                                       "kv_lease_duration": 30, "block_size_remap": True},
-                                **vkw)
+    def __init__(self, kcc, remap=None, **vkw):
+        extra = {"side_channel_port": free_port(), "kv_lease_duration": 30}
+        if remap is not None:                        # default: on
+            extra["block_size_remap"] = remap
+        self.vc = H.vllm_config(extra=extra, **vkw)
         self.kcc = kcc
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
@@ -104,6 +105,7 @@ def test_pd_pull_other_block_sizes_every_byte(case):
         while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
             assert time.monotonic() < deadline, "READ did not complete"
             D.d.step()
+            P.d.step()          # P answers the READ's done: D takes the data only then
         # expected: D's memory as before, plus P's tags on the rows of the tokens D needed
         lay = D.w.layout
         _, geo, _ = layer_geometry(lay, D.kcc.num_blocks, page_bytes=D.paged.page_bytes)
@@ -134,6 +136,32 @@ def test_pd_pull_other_block_sizes_every_byte(case):
             P.d.step()
         H.assert_no_leak(P.s)
         assert P.s.connector.scheduler.leases() == {}
+    finally:
+        P.close()
+        D.close()
+
+
+def test_remap_off_refuses_other_block_sizes(caplog):
+    """The off switch on D (kv_connector_extra_config.block_size_remap=false): P's blocks of
+    another size are refused with the reason logged, D computes the prompt itself."""
+    P = Engine(H.gemma_like(num_blocks=64, bs=16), block_size=16)
+    D = Engine(H.gemma_like(num_blocks=64, bs=32), remap=False, block_size=32)
+    try:
+        prompt = [1 + i % 900 for i in range(100)]
+        P.s.add_request(H.make_request("req", prompt, H.C.resolve_kv_cache_block_sizes(
+            P.kcc, P.vc)[1], params={"do_remote_decode": True}, max_tokens=1))
+        while "req" not in P.d.finished_params():
+            P.d.step()
+        params = P.d.finished_params()["req"]
+        d_req = H.make_request("d-req", prompt, H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1],
+                               params=params, max_tokens=2)
+        D.s.add_request(d_req)
+        D.d.step()
+        assert "d-req" not in D.d.metas[-1].reqs_to_recv
+        assert "P's block sizes [16, 16] differ from ours [32, 32] and kv_connector_extra_" \
+               "config.block_size_remap is false" in caplog.text
+        D.d.run()
+        H.assert_no_leak(D.s)
     finally:
         P.close()
         D.close()

@@ -95,8 +95,8 @@ class HmaNixlScheduler:
                               f"in [1, 65535], got {self.port}")
         self.tp_size = int(pc.tensor_parallel_size)
         self.sync_load = flag(extra, "sync_load", False)
-        # experimental: pair with a prefill engine of other block sizes (hmacore.regrain);
-        # proven at scheduler level, not yet with two real engines (docs/vllm.md)
+        # pair with a prefill engine of other block sizes (hmacore.regrain, docs/vllm.md);
+        # false: refused as before the remap existed
         self.block_size_remap = flag(extra, "block_size_remap", True)
         if self.sync_load and self.layout.num_groups > 1:
             logger.warning(
@@ -151,8 +151,8 @@ class HmaNixlScheduler:
                            "load", e)
             return None
         if p_layout is not self.layout and not self.block_size_remap:
-            logger.warning("P's block sizes %s differ from ours %s (set kv_connector_extra_"
-                           "config.block_size_remap=true to remap, experimental); no remote "
+            logger.warning("P's block sizes %s differ from ours %s and kv_connector_extra_"
+                           "config.block_size_remap is false (remove it to remap); no remote "
                            "load", params.get("remote_block_sizes"),
                            list(self.layout.block_sizes))
             return None

@@ -153,7 +153,7 @@ class HmaNixlWorker:
                  confirm_timeout: float = 30.0, posting: str = "auto",
                  recompute: bool = False,
                  transport: str = "nixl",
-                 block_size_remap: bool = False) -> None:
+                 block_size_remap: bool = True) -> None:
         self.transport = check_transport(transport)
         configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
         self.layout = layout
@@ -168,7 +168,7 @@ class HmaNixlWorker:
         self.confirm_timeout = float(confirm_timeout)
         self.posting = posting
         self.recompute = recompute      # kv_load_failure_policy == "recompute"
-        self.block_size_remap = block_size_remap   # experimental (docs/vllm.md)
+        self.block_size_remap = block_size_remap   # other block sizes: hmacore.regrain
         self.agent: KvTransport | None = None
         self.server: HandshakeServer | None = None
         self._done_msg = done_message(self.rank, self.tp_size)
