@@ -53,11 +53,22 @@ def rows(layout, g, page):
     return bs, page // bs
 
 
+def hashed(kcc):
+    """A KV cache config whose hash block size the engine resolved to its block size (what a
+    real engine's layout takes as its prefix-match unit)."""
+    kcc.hash_block_size = kcc.kv_cache_groups[0].kv_cache_spec.block_size
+    return kcc
+
+
 CASES = {
     "gemma_p16_d32": (dict(block_size=16), lambda: H.gemma_like(num_blocks=64, bs=16),
                       dict(block_size=32), lambda: H.gemma_like(num_blocks=64, bs=32), 150),
     "gemma_p32_d8": (dict(block_size=32), lambda: H.gemma_like(num_blocks=64, bs=32),
                      dict(block_size=8), lambda: H.gemma_like(num_blocks=160, bs=8), 150),
+    # D's blocks (and so its hash unit) larger than P's: P's layout takes P's unit
+    "gemma_p64_d128": (dict(block_size=64), lambda: H.gemma_like(num_blocks=32, bs=64),
+                       dict(block_size=128), lambda: hashed(H.gemma_like(num_blocks=32, bs=128)),
+                       150),
     "dsv4_p1x_d2x": (dict(max_num_batched_tokens=1024), lambda: H.dsv4_like(num_blocks=600),
                      dict(max_num_batched_tokens=1024),
                      lambda: H.dsv4_like(num_blocks=400, sizes=(512, 128, 128, 8, 16)), 600),

@@ -218,7 +218,8 @@ class HmaNixlScheduler:
             groups.append(dataclasses.replace(
                 spec, block_size=bs, page_bytes=spec.page_bytes * bs // spec.block_size,
                 kernel_block_size=None if kbs is None or bs % kbs else kbs))
-        return dataclasses.replace(self.layout, groups=tuple(groups))
+        # P's hash unit follows P's block sizes (ours may be larger than P's blocks: D 128 / P 64)
+        return dataclasses.replace(self.layout, groups=tuple(groups), prefix_match_unit=None)
 
     def _check_remote(self, table, params: dict, p_layout: Any = None) -> None:
         """What D can check of P's params against its own layout (ValueError naming the
