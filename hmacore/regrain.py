@@ -7,7 +7,8 @@ The mapping rule. Group g moves tokens ``[lo_g, hi_g)``. Token ``t`` lives on ea
 block ``ids[t // bs - first]`` at row ``t % bs``; inside a block, kernel block
 ``row // kernel_bs`` holds it at row ``row % kernel_bs`` of every chunk. A *chunk* is a
 token-major piece of a kernel block (``kernel_bs`` rows of ``row`` bytes): HND pages are one
-chunk per (K/V, head), vLLM CPU's LBHNC one per head, NHD one per K/V, an MLA latent one.
+chunk per (K/V, head), LBHNC one per head, NHD one per K/V, an MLA latent one; vLLM CPU's
+"vec" pages (CPU_VEC) hold K transposed, so one chunk per (head, K element) plus V per head.
 Both sides' pages name their chunks with the same keys (global head index, part); chunk
 ``key`` of the destination receives chunk ``key`` of the source, row for row. So a token range
 is a byte range inside a block exactly when the page is token-major per chunk; layouts that
@@ -52,7 +53,7 @@ __all__ = ["TokenPage", "token_page", "plan_pages", "TOKEN_MAJOR_LAYOUTS", "REFU
            "RegrainPlan", "RegrainRuns", "token_ranges", "block_size_ratio"]
 
 #: Page layouts whose chunks keep a block's token rows contiguous (see :func:`token_page`).
-TOKEN_MAJOR_LAYOUTS = ("HND", "LBHNC", "NHD", "LBNHC", "MLA")
+TOKEN_MAJOR_LAYOUTS = ("HND", "LBHNC", "NHD", "LBNHC", "MLA", "CPU_VEC")
 #: Layouts known not to: a token range inside a block is not one byte range per chunk.
 REFUSED_LAYOUTS = {
     "HDNX": "keys packed as [heads, head_size/x, block_size, x] (the legacy paged-attention key "
@@ -130,8 +131,8 @@ class TokenPage:
 
 
 def token_page(page_layout: str, *, block_size: int, head_bytes: int, heads: int = 1,
-               head_start: int = 0, kv: int = 2, kernel_block_size: int | None = None
-               ) -> TokenPage:
+               head_start: int = 0, kv: int = 2, kernel_block_size: int | None = None,
+               head_dim: int | None = None) -> TokenPage:
     """The chunks of a named vLLM page layout (per rank: ``heads`` heads from global head
     ``head_start``; ``head_bytes`` bytes per token of one head of K or V; ``kv`` parts, 2 for
     packed K/V, 1 for a split K/V region or a key-only cache):
@@ -142,6 +143,10 @@ def token_page(page_layout: str, *, block_size: int, head_bytes: int, heads: int
     * ``LBNHC`` ``[tokens, heads*kv*head_bytes]``: one chunk ``("kv", None)``.
     * ``MLA``   ``[tokens, head_bytes]`` (one latent per token, same on every rank): one
       chunk ``("latent", None)``.
+    * ``CPU_VEC`` what vLLM's CPU attention ("vec" ISA) really writes into an ``LBHNC`` page:
+      per head, K transposed ``[head_dim, tokens]`` then V ``[tokens, head_dim]``; chunks
+      ``("k", head, d)`` of one element per row (``head_bytes / head_dim`` bytes) for every
+      ``d``, then ``("v", head)``. Needs ``head_dim`` and ``kv=2``.
 
     Raises LayoutError naming the layout for :data:`REFUSED_LAYOUTS` and unknown names."""
     if page_layout in REFUSED_LAYOUTS:
@@ -166,21 +171,32 @@ def token_page(page_layout: str, *, block_size: int, head_bytes: int, heads: int
         chunks = [((c, None), n * hb) for c in range(kv)]
     elif page_layout == "LBNHC":
         chunks = [(("kv", None), n * kv * hb)]
+    elif page_layout == "CPU_VEC":
+        if kv != 2:
+            raise LayoutError(f"page layout 'CPU_VEC' packs K and V in one page (kv=2), got kv={kv}")
+        hd = _int("head_dim", head_dim, 1)
+        if hb % hd:
+            raise LayoutError(f"page layout 'CPU_VEC': head_bytes {hb} is not head_dim {hd} "
+                              "elements of whole bytes")
+        chunks = []
+        for h in range(h0, h0 + n):
+            chunks += [(("k", h, d), hb // hd) for d in range(hd)]
+            chunks.append((("v", h), hb))
     else:
         chunks = [(("latent", None), hb)]
     return TokenPage(bs, kbs, tuple(chunks), page_layout)
 
 
 def plan_pages(layout: KVLayout, plan: TransferPlan, *, page_layout: str,
-               shardings: Sequence[Any], tp_size: int = 1, tp_rank: int = 0
-               ) -> list[TokenPage | None]:
+               shardings: Sequence[Any], tp_size: int = 1, tp_rank: int = 0,
+               head_dim: int | None = None) -> list[TokenPage | None]:
     """The :class:`TokenPage` of every group of a registered plan (None for Mamba groups and
     groups not moved), from the page layout name and each group's sharding (``(num_heads,
     chunks, replicated)`` or a :class:`hmacore.tp.GroupSharding`): MLA / replicated groups
     one latent chunk, head-sharded groups this rank's heads (vLLM's rule), K/V packed per
     block (``kv=2``) or split into two regions per layer (``kv=1``). Bytes per token row come
     from the region's kernel block: ``kernel_bytes / (kernel_bs * heads * kv)``; LayoutError
-    when that does not divide."""
+    when that does not divide. ``head_dim``: elements per head (``CPU_VEC`` only)."""
     from .tp import kv_heads_of_rank
     out: list[TokenPage | None] = []
     for g, spec in enumerate(layout.groups):
@@ -208,7 +224,8 @@ def plan_pages(layout: KVLayout, plan: TransferPlan, *, page_layout: str,
             raise LayoutError(f"group {g}: kernel block of {kernel} B is not {kbs} rows x {n} "
                               f"heads x {kv} parts of whole bytes")
         out.append(token_page(page_layout, block_size=bs, heads=n, head_start=h0,
-                              head_bytes=kernel // (kbs * n * kv), kv=kv, kernel_block_size=kbs))
+                              head_bytes=kernel // (kbs * n * kv), kv=kv, kernel_block_size=kbs,
+                              head_dim=head_dim))
     return out
 
 

@@ -24,6 +24,23 @@ def test_layout_without_contiguous_token_rows_refused_by_name():
         token_page("XYZ", block_size=16, head_bytes=8)
 
 
+def test_cpu_vec_page_model():
+    """vLLM CPU's vec pages: per head, K transposed ([head_dim, tokens]) then V ([tokens,
+    head_dim]); K chunks of one element per token row."""
+    page = token_page("CPU_VEC", block_size=32, heads=2, head_start=1, head_bytes=16, kv=2,
+                      head_dim=4)
+    off = page.offsets()
+    assert off[("k", 1, 0)] == (0, 4) and off[("k", 1, 3)] == (3 * 32 * 4, 4)
+    assert off[("v", 1)] == (4 * 32 * 4, 16) and off[("k", 2, 0)] == (2 * 32 * 16, 4)
+    assert page.block_bytes == 2 * 2 * 32 * 16
+    with pytest.raises(LayoutError, match="kv=2"):
+        token_page("CPU_VEC", block_size=32, head_bytes=16, kv=1, head_dim=4)
+    with pytest.raises(LayoutError, match="head_dim must be an int"):
+        token_page("CPU_VEC", block_size=32, head_bytes=16, kv=2)
+    with pytest.raises(LayoutError, match="not head_dim 3 elements"):
+        token_page("CPU_VEC", block_size=32, head_bytes=16, kv=2, head_dim=3)
+
+
 def test_token_page_rules():
     with pytest.raises(LayoutError, match="must divide block_size"):
         TokenPage(16, 5, ((("kv", 0), 4),))

@@ -64,6 +64,7 @@ class EngineProcess:
         max_num_batched_tokens: the scheduler's token budget per step (small values force a
             long prompt to be prefilled over several steps).
         prefix_caching: vLLM's local prefix cache on/off.
+        block_size: tokens per KV block (``--block-size``; default the runner's, 32).
         env: extra environment for the child (a ``PYTHONPATH`` in it is put first).
         wrapper: argv prefix (e.g. a network-namespace runner) placed before the interpreter.
     """
@@ -71,7 +72,8 @@ class EngineProcess:
     def __init__(self, model: str | Path, kv_transfer_config: dict | None, log_path: str | Path,
                  *, start_timeout: float = 240.0, max_num_batched_tokens: int = 512,
                  prefix_caching: bool = True, env: dict | None = None,
-                 wrapper: list[str] | None = None, python: str | None = None) -> None:
+                 wrapper: list[str] | None = None, python: str | None = None,
+                 block_size: int | None = None) -> None:
         self.log_path = Path(log_path)
         rfd, wfd = os.pipe()
         child_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
@@ -92,6 +94,8 @@ class EngineProcess:
             "--kv-transfer-config", json.dumps(kv_transfer_config) if kv_transfer_config else ""]
         if not prefix_caching:
             argv.append("--no-prefix-caching")
+        if block_size is not None:
+            argv += ["--block-size", str(int(block_size))]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=self._log,
                                      stderr=subprocess.STDOUT, env=child_env, pass_fds=(wfd,),

@@ -129,10 +129,12 @@ def qwen3_next_like(num_blocks: int = 400, bs: int = 64, mode: str = "align",
     ])
 
 
-def dsv4_like(num_blocks: int = 2000) -> KVCacheConfig:
+def dsv4_like(num_blocks: int = 2000, sizes: tuple[int, ...] = (256, 64, 64, 4, 8)
+              ) -> KVCacheConfig:
     """Five groups, 256/64/64/4/8 tokens per block (DeepSeek-V4-like), from 0.32 spec classes:
     compressed MLA (256), SWA MLA (64, window 128), a second SWA-like group (64), the C4
-    compressor state as SWA-MLA (bs 4, window 8) and C128 (bs 8, window 128)."""
+    compressor state as SWA-MLA (bs 4, window 8) and C128 (bs 8, window 128). ``sizes``:
+    other block sizes per group (a block-size remap peer)."""
     def mla(bs):
         return MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=64, dtype=DT)
 
@@ -140,11 +142,11 @@ def dsv4_like(num_blocks: int = 2000) -> KVCacheConfig:
         return SlidingWindowMLASpec(block_size=bs, num_kv_heads=1, head_size=64, dtype=DT,
                                     sliding_window=w)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        group(["layers.0.attn"], mla(256)),
-        group(["layers.0.swa"], swmla(64, 128)),
-        group(["layers.1.swa"], swmla(64, 256)),
-        group(["layers.0.c4"], swmla(4, 8)),
-        group(["layers.0.c128"], swmla(8, 128)),
+        group(["layers.0.attn"], mla(sizes[0])),
+        group(["layers.0.swa"], swmla(sizes[1], 128)),
+        group(["layers.1.swa"], swmla(sizes[2], 256)),
+        group(["layers.0.c4"], swmla(sizes[3], 8)),
+        group(["layers.0.c128"], swmla(sizes[4], 128)),
     ])
 
 

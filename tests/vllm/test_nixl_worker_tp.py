@@ -32,10 +32,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(kcc, name, shardings, tp=(0, 1)):
+def _worker(kcc, name, shardings, tp=(0, 1), remap=True):
     layout = layout_from_kv_cache_config(kcc)
     wtp = WorkerTp(tp[0], tp[1], tuple(shardings), "torch.float16", 16, "LBNHC")
-    w = HmaNixlWorker(layout, kcc.num_blocks, name, "127.0.0.1", _port(), tp=wtp)
+    w = HmaNixlWorker(layout, kcc.num_blocks, name, "127.0.0.1", _port(), tp=wtp,
+                      block_size_remap=remap)
     w.register_kv_caches(allocate_paged_kv(layout, kcc.num_blocks).kv_caches)  # spec page sizes
     return w
 
@@ -60,15 +61,43 @@ def test_mamba_groups_refuse_another_tp_size(caplog):
         w.shutdown()
 
 
-def test_different_block_sizes_are_refused(caplog):
+def test_other_block_sizes_are_refused_when_remap_is_off(caplog):
+    """The off switch (kv_connector_extra_config.block_size_remap=false): refused as before."""
+    sh = [GroupSharding(2, 1, False)] * 2
+    P = _worker(H.gemma_like(num_blocks=16, bs=32), "P-bs32-off", sh, remap=False)
+    D = _worker(H.gemma_like(num_blocks=16, bs=16), "D-bs16-off", sh, remap=False)
+    try:
+        remote = RemotePeer("P-bs32-off", "p-req", "127.0.0.1", P.port, [[1, 2], [3, 4]])
+        assert _load(D, remote, [[5, 6, 7], [8, 9, 10]]) == (set(), {"d-req"}, {"d-req"})
+        assert "has block sizes [32, 32], this engine [16, 16]" in caplog.text
+    finally:
+        D.shutdown()
+        P.shutdown()
+
+
+def test_block_sizes_that_are_not_multiples_are_refused(caplog):
+    sh = [GroupSharding(2, 1, False)] * 2
+    P = _worker(H.gemma_like(num_blocks=16, bs=24), "P-bs24", sh)
+    D = _worker(H.gemma_like(num_blocks=16, bs=16), "D-bs16", sh)
+    try:
+        remote = RemotePeer("P-bs24", "p-req", "127.0.0.1", P.port, [[1, 2], [3, 4]])
+        assert _load(D, remote, [[5, 6, 7], [8, 9, 10]]) == (set(), {"d-req"}, {"d-req"})
+        assert "different block sizes must be whole multiples" in caplog.text
+    finally:
+        D.shutdown()
+        P.shutdown()
+
+
+def test_a_remap_without_token_range_is_refused(caplog):
+    """Equal TP sizes, block sizes 32 vs 16 (a block-size remap): metadata without the token
+    range and table starts (which the scheduler side adds) fails the load; nothing is read."""
     sh = [GroupSharding(2, 1, False)] * 2
     P = _worker(H.gemma_like(num_blocks=16, bs=32), "P-bs32", sh)
     D = _worker(H.gemma_like(num_blocks=16, bs=16), "D-bs16", sh)
     try:
         remote = RemotePeer("P-bs32", "p-req", "127.0.0.1", P.port, [[1, 2], [3, 4]])
         assert _load(D, remote, [[5, 6, 7], [8, 9, 10]]) == (set(), {"d-req"}, {"d-req"})
-        assert "has block sizes [32, 32], this engine [16, 16]: the vLLM connector pairs " \
-               "engines with equal block sizes only" in caplog.text
+        assert "a block-size remap needs the token range" in caplog.text
     finally:
         D.shutdown()
         P.shutdown()

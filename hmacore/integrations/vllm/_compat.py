@@ -348,3 +348,29 @@ def kv_cache_layout_name(vllm_config: Any) -> str | None:
     """The KV cache page layout the engine resolved (e.g. ``"LBHNC"`` on CPU), or None."""
     name = getattr(vllm_config.cache_config, "kv_cache_layout", None)
     return None if name is None else str(getattr(name, "name", name))
+
+
+def regrain_page_layout(page_layout: str, kv_dtype: str, head_dim: int, block_size: int) -> str:
+    """The page model a block-size remap must use for a page of this engine.
+
+    vLLM's CPU attention names its pages ``LBHNC`` but its "vec" kernels write, per head, K
+    transposed (``[head_dim, tokens]``) then V (``[tokens, head_dim]``): whole blocks copy the
+    same either way, token ranges do not, so the remap uses ``CPU_VEC`` there. Other CPU
+    kernels (AMX, vec16, NEON, ...) pack K in ways not modelled: HandshakeError naming the ISA.
+    Other platforms keep the name they resolved."""
+    from vllm.platforms import current_platform
+    if page_layout != "LBHNC" or not current_platform.is_cpu():
+        return page_layout
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    dtype = getattr(torch, kv_dtype.removeprefix("torch."), None)
+    isa = _get_attn_isa(dtype, int(block_size), int(head_dim)) \
+        if isinstance(dtype, torch.dtype) else None
+    if isa != "vec":
+        from ...errors import HandshakeError
+        raise HandshakeError(f"block-size remap: vLLM's CPU attention kernel {isa!r} (KV dtype "
+                             f"{kv_dtype}, head size {head_dim}, block size {block_size}) packs "
+                             "K in a way hmacore does not map token by token; only the 'vec' "
+                             "kernel's pages (CPU_VEC) remap. Use equal --block-size on both "
+                             "engines")
+    return "CPU_VEC"

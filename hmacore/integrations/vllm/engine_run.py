@@ -115,7 +115,9 @@ class _Engine:
         pool = sched.kv_cache_manager.block_pool
         return {"free": int(pool.get_num_free_blocks()), "total": int(pool.num_gpu_blocks),
                 "requests": len(sched.requests),
-                "groups": len(sched.kv_cache_config.kv_cache_groups)}
+                "groups": len(sched.kv_cache_config.kv_cache_groups),
+                "block_sizes": [int(g.kv_cache_spec.block_size)
+                                for g in sched.kv_cache_config.kv_cache_groups]}
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  kv_transfer_params: list | None, remote_decode: bool) -> dict:

@@ -94,7 +94,8 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                                             confirm_timeout=sched.lease_s,
                                             posting=sched.posting,
                                             recompute=sched.recompute,
-                                            transport=self.transport)
+                                            transport=self.transport,
+                                            block_size_remap=sched.block_size_remap)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:

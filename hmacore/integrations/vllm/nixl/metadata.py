@@ -28,6 +28,8 @@ class RemotePeer:
     num_tokens: int = 0                 # tokens P computed (remote_num_tokens)
     expiry_time: float | None = None    # P's lease deadline (P's clock), informational
     tp_size: int = 1
+    block_sizes: list[int] | None = None    # P's block size per group (None: equal to D's)
+    block_first: list[int] | None = None    # P's table position of block_ids[g][0]
 
 
 @dataclasses.dataclass
@@ -48,6 +50,8 @@ class RecvRequest:
     awaiting: bool                      # parked in WAITING_FOR_REMOTE_KVS (async load)
     num_external_tokens: int = 0
     start_tokens: int | None = None     # tokens computed before the load (its local hit)
+    load_start: int = 0                 # first token loaded (D's local hit), tokens
+    local_first: tuple[int, ...] = ()   # D's table position of local_block_ids[g][0]
 
 
 @dataclasses.dataclass

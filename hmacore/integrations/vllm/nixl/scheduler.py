@@ -23,11 +23,13 @@ Contracts kept (vllm-hma.md §1.6, §4.2, §4.7, §4.8):
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ....errors import BlockTableError, ConfigError
+from ....regrain import block_size_ratio
 from ....spec import GroupKind
 from ....tables import as_block_table, count_hashed, fill_blocks, \
     from_wire
@@ -93,6 +95,9 @@ class HmaNixlScheduler:
                               f"in [1, 65535], got {self.port}")
         self.tp_size = int(pc.tensor_parallel_size)
         self.sync_load = flag(extra, "sync_load", False)
+        # pair with a prefill engine of other block sizes (hmacore.regrain, docs/vllm.md);
+        # false: refused as before the remap existed
+        self.block_size_remap = flag(extra, "block_size_remap", True)
         if self.sync_load and self.layout.num_groups > 1:
             logger.warning(
                 "sync_load with %d KV cache groups: vLLM 0.32 has no per-request failure path "
@@ -139,26 +144,84 @@ class HmaNixlScheduler:
             logger.warning("kv_transfer_params lack %s; no remote load", _REMOTE_KEYS)
             return None
         fp = params.get("hma_layout_fingerprint")
-        if fp is not None and fp != self.layout.pairing_fingerprint():
+        try:
+            p_layout = self._remote_layout(params.get("remote_block_sizes"))
+        except (ConfigError, TypeError, ValueError) as e:
+            logger.warning("kv_transfer_params.remote_block_sizes rejected (%s); no remote "
+                           "load", e)
+            return None
+        if p_layout is not self.layout and not self.block_size_remap:
+            logger.warning("P's block sizes %s differ from ours %s and kv_connector_extra_"
+                           "config.block_size_remap is false (remove it to remap); no remote "
+                           "load", params.get("remote_block_sizes"),
+                           list(self.layout.block_sizes))
+            return None
+        if p_layout is not self.layout:    # a block-size remap: P says what it agrees on
+            fp = params.get("hma_regrain_fingerprint")
+            if fp is None:
+                logger.warning("P's block sizes %s differ from ours %s and its params carry no "
+                               "hma_regrain_fingerprint; no remote load",
+                               params.get("remote_block_sizes"), list(self.layout.block_sizes))
+                return None
+            if fp != self.layout.regrain_fingerprint():
+                logger.warning("P's KV layout differs from ours beyond block sizes (regrain "
+                               "fingerprint %s vs %s); no remote load", fp,
+                               self.layout.regrain_fingerprint())
+                return None
+        elif fp is not None and fp != self.layout.pairing_fingerprint():
             logger.warning("P's KV layout fingerprint %s differs from ours %s (groups, block "
                            "sizes or windows disagree); no remote load", fp,
                            self.layout.pairing_fingerprint())
             return None
         try:
             table = from_wire(params.get("remote_block_ids") or [], self.layout.num_groups)
-            self._check_remote(table, params)
+            self._check_remote(table, params, p_layout)
+            first = params.get("remote_block_first")
+            if first is not None and (not isinstance(first, list) or len(first) != len(table)
+                                      or any(isinstance(f, bool) or not isinstance(f, int)
+                                             or f < 0 for f in first)):
+                raise ValueError(f"remote_block_first must be one int >= 0 per group, got "
+                                 f"{first!r}")
             return RemotePeer(engine_id=str(params["remote_engine_id"]),
                               request_id=str(params["remote_request_id"]),
                               host=str(params["remote_host"]), port=int(params["remote_port"]),
                               block_ids=[[int(x) for x in g] for g in table],
                               num_tokens=int(params.get("remote_num_tokens") or 0),
                               expiry_time=params.get("remote_blocks_expiry_time"),
-                              tp_size=int(params.get("tp_size") or 1))
+                              tp_size=int(params.get("tp_size") or 1),
+                              block_sizes=None if p_layout is self.layout
+                              else list(p_layout.block_sizes),
+                              block_first=None if first is None else [int(f) for f in first])
         except (BlockTableError, TypeError, ValueError) as e:
             logger.warning("kv_transfer_params rejected (%s); no remote load", e)
             return None
 
-    def _check_remote(self, table, params: dict) -> None:
+    def _remote_layout(self, sizes: Any):
+        """P's layout: ours, or ours with P's block size per attention group when
+        ``remote_block_sizes`` differs (a block-size remap, hmacore.regrain; the sizes must be
+        integer multiples of ours, Mamba groups equal). ValueError naming the rule."""
+        if sizes is None or list(sizes) == list(self.layout.block_sizes):
+            return self.layout
+        if not isinstance(sizes, list) or len(sizes) != self.layout.num_groups or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(f"remote_block_sizes must be one int >= 1 per group, got {sizes!r}")
+        groups = []
+        for g, (spec, bs) in enumerate(zip(self.layout.groups, sizes)):
+            if bs == spec.block_size:
+                groups.append(spec)
+                continue
+            if spec.kind == GroupKind.MAMBA:
+                raise ValueError(f"group {g} (Mamba): P's block size {bs} differs from ours "
+                                 f"{spec.block_size}")
+            block_size_ratio(bs, spec.block_size)
+            kbs = spec.kernel_block_size
+            groups.append(dataclasses.replace(
+                spec, block_size=bs, page_bytes=spec.page_bytes * bs // spec.block_size,
+                kernel_block_size=None if kbs is None or bs % kbs else kbs))
+        # P's hash unit follows P's block sizes (ours may be larger than P's blocks: D 128 / P 64)
+        return dataclasses.replace(self.layout, groups=tuple(groups), prefix_match_unit=None)
+
+    def _check_remote(self, table, params: dict, p_layout: Any = None) -> None:
         """What D can check of P's params against its own layout (ValueError naming the
         rule): the lease has not expired (P's wall clock; P frees the blocks then), and with
         ``remote_num_tokens`` n, each group's id count fits n tokens (at most
@@ -178,7 +241,7 @@ class HmaNixlScheduler:
             return
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"remote_num_tokens must be an int >= 0, got {n!r}")
-        for g, (ids, spec) in enumerate(zip(table, self.layout.groups)):
+        for g, (ids, spec) in enumerate(zip(table, (p_layout or self.layout).groups)):
             need = -(-n // spec.block_size)
             most = need + 1 + (spec.num_speculative_blocks or 0)
             if len(ids) > most:
@@ -285,16 +348,20 @@ class HmaNixlScheduler:
                     table, hashed = self._load_window(table, hashed, start,
                                                       start + int(num_external_tokens))
                 local = clip_table(fill_blocks(table, hashed), self.layout)
+                # each list is a suffix of its (load-windowed) table: where it starts
+                first = tuple(len(t) - len(x) for t, x in zip(table, local))
                 if not self.sync_load:  # a sync load completes inside the step
                     self._awaiting[rid] = (remote.engine_id, remote.request_id)
             else:  # full local prefix hit: nothing to read, only let P free its blocks
                 local = self._empty()
+                first = ()
             self._recv_pending[rid] = RecvRequest(
                 request_id=rid, local_block_ids=local,
                 local_num_computed_blocks=computed, remote=remote,
                 awaiting=num_external_tokens > 0 and not self.sync_load,
                 num_external_tokens=int(num_external_tokens),
-                start_tokens=None if start is None else int(start))
+                start_tokens=None if start is None else int(start),
+                load_start=int(start or 0), local_first=first)
         params["do_remote_prefill"] = False
         params["_hma_remote_processed"] = True
 
@@ -406,8 +473,11 @@ class HmaNixlScheduler:
             remote_engine_id=self.engine_id, remote_request_id=rid,
             remote_host=self.host, remote_port=self.port, tp_size=self.tp_size,
             remote_num_tokens=int(request.num_computed_tokens),
+            remote_block_sizes=list(self.layout.block_sizes),
+            remote_block_first=[len(t) - len(c) for t, c in zip(table, clipped)],
             remote_blocks_expiry_time=expiry,
-            hma_layout_fingerprint=self.layout.pairing_fingerprint())
+            hma_layout_fingerprint=self.layout.pairing_fingerprint(),
+            hma_regrain_fingerprint=self.layout.regrain_fingerprint())
 
     # -- queries ---------------------------------------------------------------------------
     def has_pending_block_frees(self) -> bool:

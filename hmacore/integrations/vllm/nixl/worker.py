@@ -44,10 +44,13 @@ import dataclasses
 import time
 from typing import Any
 
+import numpy as np
+
 from ....errors import ConfigError, HandshakeError, HmacoreError, TransferError
 from ....grain import cdiv
 from ....plan import TransferPlan
 from ....recovery import UNKNOWN, VllmReport, plan_vllm_report
+from ....regrain import RegrainPlan, plan_pages, token_ranges
 from ....spec import GroupKind
 from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
 from ....transport.base import KvTransport, check_transport
@@ -99,6 +102,7 @@ class _Source:
     readers: tuple[str, ...]
     peers: tuple[str, ...]
     engine_id: str = ""
+    regrain: Any = None    # a RegrainPlan when the engine's block sizes differ from ours
 
 
 #: P's answers to a reader's ``done`` (see :meth:`HmaNixlWorker._answer_done`)
@@ -148,7 +152,8 @@ class HmaNixlWorker:
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
                  confirm_timeout: float = 30.0, posting: str = "auto",
                  recompute: bool = False,
-                 transport: str = "nixl") -> None:
+                 transport: str = "nixl",
+                 block_size_remap: bool = True) -> None:
         self.transport = check_transport(transport)
         configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
         self.layout = layout
@@ -163,6 +168,7 @@ class HmaNixlWorker:
         self.confirm_timeout = float(confirm_timeout)
         self.posting = posting
         self.recompute = recompute      # kv_load_failure_policy == "recompute"
+        self.block_size_remap = block_size_remap   # other block sizes: hmacore.regrain
         self.agent: KvTransport | None = None
         self.server: HandshakeServer | None = None
         self._done_msg = done_message(self.rank, self.tp_size)
@@ -261,6 +267,7 @@ class HmaNixlWorker:
                                  f"{host}:{port}: TP {remote_tp})")
         me = self.agent.handshake_payload()
         got: list[HandshakePayload] = []
+        regrain = False
         for r in range(remote_tp):
             p = exchange_handshake(host, port + r, me)
             if p.agent_name.endswith(PUSH_AGENT_SUFFIX):
@@ -268,10 +275,16 @@ class HmaNixlWorker:
                     f"transfer_mode mismatch: peer {p.agent_name!r} at {host}:{port + r} runs "
                     "push mode, this engine kv_connector_extra_config.transfer_mode='pull' (set "
                     "the same transfer_mode on both engines)")
-            check_rank_peer(p, r, remote_tp, f"{host}:{port + r}", self.layout.block_sizes,
+            sizes = self.layout.block_sizes
+            if tuple(p.block_sizes) != tuple(sizes) and remote_tp == self.tp_size \
+                    and p.tp is not None and self.block_size_remap:
+                sizes, regrain = tuple(p.block_sizes), True   # a block-size remap (below)
+            check_rank_peer(p, r, remote_tp, f"{host}:{port + r}", sizes,
                             f"kv_transfer_params said TP {remote_tp}, so port {port + r} "
                             f"must be rank {r}")
             got.append(p)
+        if regrain:
+            return self._connect_regrain(got)
         if remote_tp == self.tp_size:
             readers = {self.rank: self.agent.add_peer(got[self.rank])}
         else:
@@ -280,6 +293,64 @@ class HmaNixlWorker:
         peers = tuple(readers[r] if r in readers else self.agent.add_notify_peer(got[r])
                       for r in range(remote_tp))
         return _Source(tuple(readers[r] for r in sorted(readers)), peers)
+
+    def _connect_regrain(self, got: list[HandshakePayload]) -> _Source:
+        """Same TP size, other block sizes: this rank reads its own rank of P through a
+        :class:`hmacore.regrain.RegrainPlan` (byte runs in each side's block grain)."""
+        assert self.tp is not None and self.agent is not None
+        p = got[self.rank]
+        name, rplan = self.agent.add_regrain_peer(p)
+        assert p.tp is not None
+        rlayout = p.tp.kv_layout()
+        # the page model of each side's kernel (vLLM CPU: K transposed, C.regrain_page_layout)
+        bs = [s.block_size for s in self.layout.groups if s.kind != GroupKind.MAMBA]
+        rbs = [s.block_size for s in rlayout.groups if s.kind != GroupKind.MAMBA]
+        rname = C.regrain_page_layout(p.tp.page_layout, p.tp.kv_dtype, p.tp.head_dim,
+                                      max(rbs, default=1))
+        lname = C.regrain_page_layout(self.tp.page_layout, self.tp.kv_dtype, self.tp.head_dim,
+                                      max(bs, default=1))
+        rpages = plan_pages(rlayout, rplan, page_layout=rname,
+                            shardings=p.tp.shardings, tp_size=p.tp.tp_size,
+                            tp_rank=p.tp.tp_rank, head_dim=p.tp.head_dim)
+        lpages = plan_pages(self.layout, self.agent.plan, page_layout=lname,
+                            shardings=self.tp.shardings, tp_size=self.tp.size,
+                            tp_rank=self.rank, head_dim=self.tp.head_dim)
+        plan = RegrainPlan(rlayout, self.layout, rplan, self.agent.plan, rpages, lpages)
+        logger.info("block-size remap with %s: P %s, D %s tokens per block; pages P %s, D %s",
+                    name, list(rlayout.block_sizes), list(self.layout.block_sizes),
+                    [(p.layout, p.kernel_block_size, p.chunks) for p in rpages if p],
+                    [(p.layout, p.kernel_block_size, p.chunks) for p in lpages if p])
+        peers = tuple(name if r == self.rank else self.agent.add_notify_peer(got[r])
+                      for r in range(len(got)))
+        return _Source((name,), peers, regrain=plan)
+
+    def _read_regrain(self, rr, src: _Source) -> Transfer:
+        """One READ of byte runs: tokens ``[load_start, load_start + external)`` of every
+        attention group (clipped per group by :func:`token_ranges`), Mamba state slots paired
+        from the front."""
+        remote = rr.remote
+        if rr.num_external_tokens <= 0 or len(rr.local_first) != len(rr.local_block_ids) \
+                or remote.block_first is None:
+            # the token range and table starts come from the scheduler side; without them
+            # the runs would silently move nothing (or the wrong rows)
+            raise HandshakeError(f"load of {rr.request_id}: a block-size remap needs the "
+                                 "token range and both tables' starts (num_external_tokens, "
+                                 "local_first, remote_block_first); this metadata lacks them")
+        end = int(rr.load_start) + int(rr.num_external_tokens)
+        lo, hi = token_ranges(self.layout, end, int(rr.load_start))
+        local = [list(g) for g in rr.local_block_ids]
+        rem = [list(g) for g in remote.block_ids]
+        for g, spec in enumerate(self.layout.groups):
+            if spec.kind == GroupKind.MAMBA:
+                n = min(len(local[g]), len(rem[g]))
+                local[g], rem[g] = local[g][:n], rem[g][:n]
+        runs = src.regrain.runs(rem, local, lo, hi,
+                                src_first=remote.block_first or [0] * len(rem),
+                                dst_first=list(rr.local_first) or [0] * len(local))
+        t = self.agent.read_runs(remote.request_id, src.readers[0], runs.as_runs("dst"),
+                                 notif=self._read_done_msg)
+        t.local_block_ids = tuple(np.asarray(g, dtype=np.int32) for g in local)
+        return t
 
     # -- per step ---------------------------------------------------------------------------
     def start_load_kv(self, meta: HmaNixlConnectorMetadata) -> None:
@@ -416,10 +487,16 @@ class HmaNixlWorker:
                 if rr.awaiting:
                     self._done_recving.add(rid)
                 return
-            local, rem = trim_remote_to_local(rr.local_block_ids, remote.block_ids, self.layout)
-            for peer in src.readers:
-                posted.append(self.agent.read(remote.request_id, peer, local, rem,
-                                              notif=self._read_done_msg))
+            if src.regrain is not None:
+                t = self._read_regrain(rr, src)
+                posted.append(t)
+                local = t.local_block_ids
+            else:
+                local, rem = trim_remote_to_local(rr.local_block_ids, remote.block_ids,
+                                                  self.layout)
+                for peer in src.readers:
+                    posted.append(self.agent.read(remote.request_id, peer, local, rem,
+                                                  notif=self._read_done_msg))
             for peer in src.peers:
                 if peer not in src.readers:
                     self.agent.send_notif(peer, remote.request_id, self._done_msg)

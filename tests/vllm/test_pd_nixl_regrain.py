@@ -1,0 +1,178 @@
+"""P/D with different block sizes (HMA on) through the pull connector, real NIXL: two engines
+in one process, each vLLM's real Scheduler with a SCHEDULER-role HmaNixlConnector and a
+WORKER-role one over paged KV memory shaped like vLLM's CPU pages (token-major rows). P's
+token rows carry a tag of (layer, token); after D's load every byte of D's memory is checked:
+the rows of tokens D needed (per group: window, prefix) hold P's tags, nothing else changed.
+P frees on D's notification; neither engine leaks a block."""
+import os
+import time
+
+import numpy as np
+import pytest
+
+import harness as H
+from ports import free_port
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from hmacore.demo.paged_memory import allocate_paged_kv
+from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
+from hmacore.paged import layer_geometry
+from hmacore.regrain import token_ranges
+
+pytestmark = pytest.mark.nixl
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+class Engine:
+    def __init__(self, kcc, remap=None, **vkw):
+        extra = {"side_channel_port": free_port(), "kv_lease_duration": 30}
+        if remap is not None:                        # default: on
+            extra["block_size_remap"] = remap
+        self.vc = H.vllm_config(extra=extra, **vkw)
+        self.kcc = kcc
+        self.s = H.make_scheduler(self.vc, self.kcc)
+        self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
+        self.paged = allocate_paged_kv(self.w.layout, self.kcc.num_blocks)
+        self.w.register_kv_caches(self.paged.kv_caches)
+        self.d = H.Driver(self.s, worker=self.w)
+
+    def close(self):
+        self.w.shutdown()
+
+
+def tag(g, j, t, n):
+    x = (np.arange(n, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    x ^= np.full(1, (g << 48) | (j << 40) | t, np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+    return (x >> np.uint64(40)).astype(np.uint8)
+
+
+def rows(layout, g, page):
+    """Token rows of a block: (bs, bytes per token) -- every page here is token-major
+    (LBNHC: [tokens, heads*2*head_size]; MLA: [tokens, latent])."""
+    bs = layout.groups[g].block_size
+    return bs, page // bs
+
+
+def hashed(kcc):
+    """A KV cache config whose hash block size the engine resolved to its block size (what a
+    real engine's layout takes as its prefix-match unit)."""
+    kcc.hash_block_size = kcc.kv_cache_groups[0].kv_cache_spec.block_size
+    return kcc
+
+
+CASES = {
+    "gemma_p16_d32": (dict(block_size=16), lambda: H.gemma_like(num_blocks=64, bs=16),
+                      dict(block_size=32), lambda: H.gemma_like(num_blocks=64, bs=32), 150),
+    "gemma_p32_d8": (dict(block_size=32), lambda: H.gemma_like(num_blocks=64, bs=32),
+                     dict(block_size=8), lambda: H.gemma_like(num_blocks=160, bs=8), 150),
+    # D's blocks (and so its hash unit) larger than P's: P's layout takes P's unit
+    "gemma_p64_d128": (dict(block_size=64), lambda: H.gemma_like(num_blocks=32, bs=64),
+                       dict(block_size=128), lambda: hashed(H.gemma_like(num_blocks=32, bs=128)),
+                       150),
+    "dsv4_p1x_d2x": (dict(max_num_batched_tokens=1024), lambda: H.dsv4_like(num_blocks=600),
+                     dict(max_num_batched_tokens=1024),
+                     lambda: H.dsv4_like(num_blocks=400, sizes=(512, 128, 128, 8, 16)), 600),
+    "dsv4_p1x_dhalf": (dict(max_num_batched_tokens=1024), lambda: H.dsv4_like(num_blocks=600),
+                       dict(max_num_batched_tokens=1024),
+                       lambda: H.dsv4_like(num_blocks=1000, sizes=(128, 32, 32, 2, 4)), 600),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pd_pull_other_block_sizes_every_byte(case):
+    pkw, pk, dkw, dk, n = CASES[case]
+    P, D = Engine(pk(), **pkw), Engine(dk(), **dkw)
+    try:
+        prompt = [1 + i % 900 for i in range(n)]
+        p_req = H.make_request("req", prompt, H.C.resolve_kv_cache_block_sizes(
+            P.kcc, P.vc)[1], params={"do_remote_decode": True}, max_tokens=1)
+        P.s.add_request(p_req)
+        while "req" not in P.d.finished_params():
+            P.d.step()
+        params = P.d.finished_params()["req"]
+        assert params["remote_block_sizes"] != list(D.w.layout.block_sizes)
+        # the "model" wrote the prompt's KV: every token row of every block P holds
+        p_table = P.s.kv_cache_manager.get_block_ids("req")
+        for g, spec in enumerate(P.w.layout.groups):
+            bs, row = rows(P.w.layout, g, P.paged.page_bytes[g])
+            for j, name in enumerate(spec.layer_names):
+                arr = P.paged.kv_caches[name].reshape(P.kcc.num_blocks, bs, row)
+                for i, b in enumerate(p_table[g]):
+                    if b:
+                        for r in range(bs):
+                            arr[b, r] = tag(g, j, i * bs + r, row)
+        rng = np.random.default_rng(3)
+        for s in D.paged.storages:
+            s[...] = rng.integers(0, 256, s.shape, dtype=np.uint8)
+        before = [s.copy() for s in D.paged.storages]
+
+        hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+        d_req = H.make_request("d-req", prompt, hbs, params=params, max_tokens=3)
+        D.s.add_request(d_req)
+        D.d.step()                                       # READ posted
+        rr = D.d.metas[-1].reqs_to_recv["d-req"]
+        assert rr.awaiting and rr.remote.block_sizes == params["remote_block_sizes"]
+        deadline = time.monotonic() + 30
+        while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
+            assert time.monotonic() < deadline, "READ did not complete"
+            D.d.step()
+            P.d.step()          # P answers the READ's done: D takes the data only then
+        # expected: D's memory as before, plus P's tags on the rows of the tokens D needed
+        lay = D.w.layout
+        _, geo, _ = layer_geometry(lay, D.kcc.num_blocks, page_bytes=D.paged.page_bytes)
+        want = [b.copy() for b in before]
+        d_table = D.s.kv_cache_manager.get_block_ids("d-req")
+        end = rr.load_start + rr.num_external_tokens
+        lo, hi = token_ranges(lay, end, rr.load_start)
+        moved = 0
+        for g, spec in enumerate(lay.groups):
+            bs, row = rows(lay, g, D.paged.page_bytes[g])
+            for j, name in enumerate(spec.layer_names):
+                (s, off, stride, _), = geo[name]
+                for t in range(lo[g], hi[g]):
+                    b = d_table[g][t // bs]
+                    assert b, f"group {g}: D holds no block for token {t}"
+                    a = off + b * stride + (t % bs) * row
+                    want[s][a:a + row] = tag(g, j, t, row)
+                    moved += row
+        for k, (a, w) in enumerate(zip(D.paged.storages, want)):
+            bad = np.flatnonzero(a != w)
+            assert bad.size == 0, f"{case}: storage {k}: {bad.size} bytes differ"
+        assert moved > 0
+        D.d.run()
+        H.assert_no_leak(D.s)
+        deadline = time.monotonic() + 20
+        while P.s.requests:
+            assert time.monotonic() < deadline, "P never saw D's notification"
+            P.d.step()
+        H.assert_no_leak(P.s)
+        assert P.s.connector.scheduler.leases() == {}
+    finally:
+        P.close()
+        D.close()
+
+
+def test_remap_off_refuses_other_block_sizes(caplog):
+    """The off switch on D (kv_connector_extra_config.block_size_remap=false): P's blocks of
+    another size are refused with the reason logged, D computes the prompt itself."""
+    P = Engine(H.gemma_like(num_blocks=64, bs=16), block_size=16)
+    D = Engine(H.gemma_like(num_blocks=64, bs=32), remap=False, block_size=32)
+    try:
+        prompt = [1 + i % 900 for i in range(100)]
+        P.s.add_request(H.make_request("req", prompt, H.C.resolve_kv_cache_block_sizes(
+            P.kcc, P.vc)[1], params={"do_remote_decode": True}, max_tokens=1))
+        while "req" not in P.d.finished_params():
+            P.d.step()
+        params = P.d.finished_params()["req"]
+        d_req = H.make_request("d-req", prompt, H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1],
+                               params=params, max_tokens=2)
+        D.s.add_request(d_req)
+        D.d.step()
+        assert "d-req" not in D.d.metas[-1].reqs_to_recv
+        assert "P's block sizes [16, 16] differ from ours [32, 32] and kv_connector_extra_" \
+               "config.block_size_remap is false" in caplog.text
+        D.d.run()
+        H.assert_no_leak(D.s)
+    finally:
+        P.close()
+        D.close()
