@@ -70,6 +70,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.distributed.kv_events import (  # noqa: E402
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -345,3 +351,13 @@ def kv_cache_layout_name(vllm_config: Any) -> str | None:
     """The KV cache page layout the engine resolved (e.g. ``"LBHNC"`` on CPU), or None."""
     name = getattr(vllm_config.cache_config, "kv_cache_layout", None)
     return None if name is None else str(getattr(name, "name", name))
+
+
+def event_block_hash(digest: bytes) -> Any:
+    """A block hash as vLLM's KV events carry it: the low 64 bits as an int (big-endian, the
+    default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or the digest bytes (0.32 / 0.33
+    ``maybe_convert_block_hash``)."""
+    import vllm.envs as envs
+    if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+        return int.from_bytes(digest[-8:], "big")
+    return digest
