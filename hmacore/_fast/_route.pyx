@@ -213,14 +213,6 @@ cdef class SharedResidency:
         self._size += 1
         return 1
 
-    cdef inline bint _holds(self, group_id_t g, const uint8_t* d, Py_ssize_t w,
-                            uint64_t b) noexcept nogil:
-        cdef Py_ssize_t j
-        if self._size == 0:
-            return False
-        j = self._probe(g, d, NULL)
-        return j >= 0 and (self._masks[j * self._words + w] & b) != 0
-
     cdef void _unset_slot(self, Py_ssize_t j, Py_ssize_t w, uint64_t b) noexcept nogil:
         """Clear the engine bit of slot j; a slot no engine holds any more is deleted."""
         cdef Py_ssize_t k
@@ -307,7 +299,7 @@ cdef class SharedResidency:
         resident (no-ops), rows applied (== len(ops); if memory runs out MemoryError is
         raised, naming the rows applied before it)."""
         self._check(bit)
-        cdef Py_ssize_t n = ops.shape[0], i, stores = 0, w = bit >> 6
+        cdef Py_ssize_t n = ops.shape[0], i, j, stores = 0, w = bit >> 6
         cdef uint64_t b = (<uint64_t>1) << (bit & 63)
         cdef int64_t stored = 0, removed = 0, ignored = 0, resident = self._resident[bit]
         cdef int rc = 0
@@ -335,13 +327,15 @@ cdef class SharedResidency:
                         raise MemoryError(f"KV event row {i}: out of memory ({i} rows applied)")
                     stored += 1
                 elif op < 0:
-                    if not self._holds(groups[i], &digests[i, 0], w, b):
+                    # one probe: the duplicate layers never move the table's slots
+                    j = self._probe(groups[i], &digests[i, 0], NULL) if self._size else -1
+                    if j < 0 or not (self._masks[j * self._words + w] & b):
                         ignored += 1
                         continue
                     removed += 1
                     if dups and _remove_duplicate(dups, groups[i], &digests[i, 0]):
                         continue
-                    self._unset_slot(self._probe(groups[i], &digests[i, 0], NULL), w, b)
+                    self._unset_slot(j, w, b)
                     resident -= 1
                 else:
                     self._resident[bit] = resident
