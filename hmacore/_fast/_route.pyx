@@ -386,11 +386,12 @@ cdef class SharedResidency:
         st.size = self._size
         st.ds = self.digest_size
         try:
-            with nogil:
-                for e in range(nb):
-                    bit = bit_a[e]
-                    o[e] = hit_over_masks(&kt, n_rows, max_length, memo, _fill, &st,
-                                          bit >> 6, (<uint64_t>1) << (bit & 63), spans)
+            # the GIL stays held: the memo points into this table's arrays, which only a
+            # call on this object (serialised by the GIL, and by RoutingIndex's lock) changes
+            for e in range(nb):
+                bit = bit_a[e]
+                o[e] = hit_over_masks(&kt, n_rows, max_length, memo, _fill, &st,
+                                      bit >> 6, (<uint64_t>1) << (bit & 63), spans)
         finally:
             free(memo)
             free(spans)
