@@ -14,7 +14,8 @@ Reports (every hmacore answer is checked equal to the Python index's before timi
   computation (vLLM's sha256 chain, the same
   Python code in both, reported once) and lookup separately;
 - bytes per resident block per engine (hmacore: table bytes / keys; Python: tracemalloc of
-  the dict with its keys).
+  the dict with its keys), for one engine holding a 128k prompt and for N engines holding
+  the spread residency of a 32k prompt (all engines' bytes / all engines' resident keys).
 """
 from __future__ import annotations
 
@@ -128,6 +129,31 @@ def memory(layout, engines_unused, rng):
     return hm_bytes, py_bytes, index.resident_blocks(key)
 
 
+def memory_shared(layout, engines, rng):
+    """N engines, engine i holding the first (i+1)/N of a 32k prompt in every group."""
+    index = RoutingIndex(layout)
+    py = OracleRoute(layout)
+    d = index.block_hashes(rng.integers(1, 30000, 32768).tolist())
+    rows = []
+    for e in range(engines):
+        g, r = block_rows(index, d, (e + 1) / engines)
+        rows.append((g, [int.from_bytes(d[i][-8:], "big") for i in r]))
+    keys8 = {v: v.to_bytes(8, "big") for _, ints in rows for v in ints}
+    for e, (g, ints) in enumerate(rows):
+        key = index.add_engine(f"e{e}")
+        index.apply(key, np.full(len(ints), OP_STORE, np.int8), g, ints)
+    held = sum(index.resident_blocks(k) for k in index.engines)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for e, (g, ints) in enumerate(rows):
+        py.add_engine(e)
+        py.apply(e, [OP_STORE] * len(ints), g.tolist(), [keys8[v] for v in ints])
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    py_bytes = (after - before + sum(sys.getsizeof(k) for k in keys8.values())) / held
+    return index.total_nbytes() / held, py_bytes, held
+
+
 def bench_query(layout, engines, tokens, repeat, rng, spread=True):
     index = RoutingIndex(layout)
     py = OracleRoute(layout)
@@ -173,8 +199,11 @@ def main(argv=None):
                   f"{t_hash * 1e3:.2f} ms | {t_hm * 1e6:.1f} us | {t_py * 1e3:.2f} ms | "
                   f"{t_py / t_hm:.0f}x | {best} |")
     hm_b, py_b, blocks = memory(layout, args.engines, rng)
-    print(f"\nbytes per resident block per engine ({blocks} blocks): hmacore {hm_b:.1f}, "
-          f"Python {py_b:.1f} ({py_b / hm_b:.1f}x)")
+    print(f"\nbytes per resident block per engine, one engine ({blocks} blocks): "
+          f"hmacore {hm_b:.1f}, Python {py_b:.1f} ({py_b / hm_b:.1f}x)")
+    hm_b, py_b, held = memory_shared(layout, args.engines, rng)
+    print(f"bytes per resident block per engine, {args.engines} engines sharing a 32k prompt "
+          f"({held} engine-blocks): hmacore {hm_b:.1f}, Python {py_b:.1f} ({py_b / hm_b:.1f}x)")
 
 
 if __name__ == "__main__":

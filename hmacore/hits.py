@@ -391,6 +391,11 @@ class HitFinder:
         tokens, spans = self._kernel.run(exists, hashes, max_length, apply_eagle)
         return HitResult._lazy(tokens, spans, self)
 
+    @property
+    def kernel(self) -> _hits.HitKernel:
+        """The compiled rule (immutable; the routing index runs it over engine masks)."""
+        return self._kernel
+
     def hit_tokens(self, hashes: np.ndarray, exists: ExistenceSet | None, max_length: int,
                    *, apply_eagle: bool = True) -> int:
         """Only the length (tokens) of :meth:`longest_hit` (vLLM's

@@ -4,8 +4,10 @@ by vLLM's KV events; a query gives every engine's prefix hit by vLLM's hybrid ru
 Residency follows vLLM's prefix cache exactly when each engine's events arrive in order and
 once each (the event adapter's job: ZMQ sequence numbers, replay or ``reset_engine`` on a gap):
 a ``BlockStored`` hash is one insertion of (group, hash), a ``BlockRemoved`` hash one removal,
-and vLLM may hold one key in several blocks, so each key carries a count and is resident while
-it is positive (see hmacore/_fast/_route.pyx). Odd input never corrupts the index:
+and vLLM may hold one key in several blocks, so each key carries a count per engine and is
+resident while it is positive. All engines share one table: (group, hash) -> the mask of
+engines holding it (see hmacore/_fast/_route.pyx), so a query probes each (group, hash row)
+once for every engine. Odd input never corrupts the index:
 
 - a remove of a key that is not resident is a no-op (counted as ``ignored``);
 - a duplicated store raises the count, so the key stays resident until a matching remove;
@@ -30,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from ._fast import _route
-from ._fast._hits import ExistenceSet
 from .errors import ArgumentTypeError, ArgumentValueError, ConfigError, HashInputError, LayoutError
 from .hits import HitFinder
 from .route_hashing import BlockHasher
@@ -63,13 +64,6 @@ class ApplyStats:
     ignored: int = 0
     unknown_engine: int = 0
     cleared: int = 0
-
-
-class _Engine:
-    __slots__ = ("layers",)
-
-    def __init__(self, digest_size: int) -> None:
-        self.layers: list[ExistenceSet] = [ExistenceSet(digest_size)]
 
 
 class RoutingIndex:
@@ -112,7 +106,11 @@ class RoutingIndex:
         self.int_hashes = bool(int_hashes)
         self.hasher = BlockHasher(self.hash_block_size, hash_algo, seed)
         self.digest_size = _INT_WIDTH if self.int_hashes else self.hasher.digest_size
-        self._engines: dict[Hashable, _Engine] = {}
+        self._residency = _route.SharedResidency(self.digest_size)
+        self._engines: dict[Hashable, int] = {}      # key -> engine bit in the shared table
+        self._keys: tuple = ()                        # the engines' keys and bits, in order,
+        self._bits = np.zeros(0, np.int64)            # rebuilt when engines come and go
+        self._kernel = finder.kernel
         self._lock = threading.Lock()
 
     # -- engines ----------------------------------------------------------------------------
@@ -124,21 +122,32 @@ class RoutingIndex:
             raise ArgumentValueError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
         key = (engine_id, int(dp_rank))
         with self._lock:
-            self._engines.setdefault(key, _Engine(self.digest_size))
+            if key not in self._engines:
+                self._engines[key] = self._residency.add_engine()
+                self._index_engines()
         return key
 
     def remove_engine(self, key: Hashable) -> bool:
         """Forget an engine; its later events are dropped. False if it was unknown."""
         with self._lock:
-            return self._engines.pop(key, None) is not None
+            bit = self._engines.pop(key, None)
+            if bit is None:
+                return False
+            self._residency.remove_engine(bit)
+            self._index_engines()
+            return True
+
+    def _index_engines(self) -> None:
+        self._keys = tuple(self._engines)
+        self._bits = np.fromiter(self._engines.values(), np.int64, len(self._engines))
 
     def reset_engine(self, key: Hashable) -> bool:
         """Empty an engine (its event stream restarted or lost events). False if unknown."""
         with self._lock:
-            eng = self._engines.get(key)
-            if eng is None:
+            bit = self._engines.get(key)
+            if bit is None:
                 return False
-            eng.layers = [ExistenceSet(self.digest_size)]
+            self._residency.clear_engine(bit)
             return True
 
     @property
@@ -149,12 +158,23 @@ class RoutingIndex:
     def resident_blocks(self, key: Hashable) -> int:
         """Distinct resident (group, hash) keys of an engine."""
         with self._lock:
-            return len(self._engines[key].layers[0])
+            return self._residency.resident(self._engines[key])
 
     def nbytes(self, key: Hashable) -> int:
-        """Bytes held for an engine's residency (every layer's table)."""
+        """Bytes attributed to an engine: its share of the shared table (table bytes x its
+        resident keys / all engines' resident keys) plus its duplicate layers."""
         with self._lock:
-            return sum(layer.nbytes for layer in self._engines[key].layers)
+            res = self._residency
+            bit = self._engines[key]
+            total = sum(res.resident(b) for b in self._engines.values())
+            share = res.nbytes * res.resident(bit) // total if total else 0
+            return share + res.duplicate_nbytes(bit)
+
+    def total_nbytes(self) -> int:
+        """Bytes of the whole index's residency (shared table and every duplicate layer)."""
+        with self._lock:
+            res = self._residency
+            return res.nbytes + sum(res.duplicate_nbytes(b) for b in self._engines.values())
 
     # -- events -----------------------------------------------------------------------------
     def digests(self, hashes: Any) -> np.ndarray:
@@ -257,10 +277,11 @@ class RoutingIndex:
     def _apply(self, key: Hashable, ops: np.ndarray, groups: np.ndarray, digests: np.ndarray,
                clears: int) -> ApplyStats:
         with self._lock:
-            eng = self._engines.get(key)
-            if eng is None:
+            bit = self._engines.get(key)
+            if bit is None:
                 return ApplyStats(unknown_engine=int(ops.size))
-            stored, removed, ignored, _ = _route.apply_rows(eng.layers, ops, groups, digests)
+            stored, removed, ignored, _ = _route.apply_rows(self._residency, bit, ops, groups,
+                                                            digests)
         return ApplyStats(stored=stored, removed=removed, ignored=ignored, cleared=clears)
 
     def _event(self, key: Hashable, op: int, group: int, hashes: Any) -> ApplyStats:
@@ -305,14 +326,14 @@ class RoutingIndex:
             raise ArgumentValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         keys = self.fold(hashes)
         max_length = max(int(num_tokens) - 1, 0)
-        hits = {}
-        hit_tokens = self.finder.hit_tokens
         with self._lock:
-            for key, eng in self._engines.items():
-                hits[key] = hit_tokens(keys, eng.layers[0], max_length) if keys.shape[0] else 0
-        best = max(hits.values(), default=0)
-        best_engines = tuple(k for k, v in hits.items() if v == best) if best else ()
-        return RouteResult(hits, best, best_engines, int(num_tokens))
+            names = self._keys
+            found = self._residency.hits(self._kernel, self.num_groups, keys, max_length,
+                                         self._bits)
+        best = int(found.max()) if found.size else 0
+        best_engines = tuple(names[i] for i in np.flatnonzero(found == best)) if best else ()
+        return RouteResult(dict(zip(names, found.tolist())), best, best_engines,
+                           int(num_tokens))
 
 
 def _int_array(name: str, values: Any, dtype: Any) -> np.ndarray:

@@ -95,6 +95,64 @@ def test_index_matches_oracle(sc, data):
         assert index.resident_blocks(key) == len(oracle.engines[key])
 
 
+@settings(max_examples=min(25, int(os.environ.get("HMACORE_EXAMPLES", "2000"))), deadline=None)
+@given(layouts(), st.integers(65, 200), st.randoms(use_true_random=False))
+def test_many_engines_match_oracle(layout, n_engines, rnd):
+    """More engines than one 64-bit mask word holds (the shared table widens its masks), with
+    engines removed and new ones reusing their bits, duplicates, removes and clears: every
+    engine's hit and residency equal the oracle's."""
+    index = RoutingIndex(layout)
+    oracle = OracleRoute(layout)
+    h = layout.hash_block_size
+    prompts = [chain(16, seed) for seed in range(3)]
+
+    def feed(key):
+        ops, groups, raw = [], [], []
+        for _ in range(rnd.randint(1, 4)):
+            g = rnd.randrange(layout.num_groups)
+            k = rnd.choice([layout.groups[g].block_size // h, 1])
+            prompt = rnd.choice(prompts)
+            blocks = len(prompt) // k
+            if not blocks:
+                continue
+            op = rnd.choice([OP_STORE, OP_STORE, OP_STORE, OP_REMOVE, OP_CLEAR])
+            end = rnd.randint(1, blocks)
+            for i in range(rnd.randrange(end) if op == OP_REMOVE else 0, end):
+                ops.append(op)
+                groups.append(g)
+                raw.append(prompt[(i + 1) * k - 1])
+                if op == OP_CLEAR:
+                    break
+        index.apply(key, ops, groups, ints(raw))
+        oracle.apply(key, ops, groups, [fold(d, True) for d in raw])
+
+    keys = [index.add_engine(f"e{i}") for i in range(n_engines)]
+    for key in keys:
+        oracle.add_engine(key)
+    for rnd_round in range(3):
+        for key in keys:
+            feed(key)
+        for key in rnd.sample(keys, 5):               # engines leave; new ones take their bits
+            assert index.remove_engine(key)
+            del oracle.engines[key]
+            keys.remove(key)
+        for i in range(5):
+            key = index.add_engine(f"new{rnd_round}-{i}")
+            oracle.add_engine(key)
+            keys.append(key)
+            feed(key)
+        for prompt in prompts:
+            n = rnd.randint(0, len(prompt))
+            num_tokens = n * h + rnd.randint(0, h)
+            got = index.query_hashes(prompt[:n], num_tokens)
+            want = oracle.hits(prompt[:n], num_tokens)
+            assert got.hits == want
+            assert set(got.best_engines) == ({k for k, v in want.items() if v == got.best}
+                                             if got.best else set())
+        for key in keys:
+            assert index.resident_blocks(key) == len(oracle.engines[key])
+
+
 # -- semantics of odd events -------------------------------------------------------------------
 @pytest.fixture
 def index():

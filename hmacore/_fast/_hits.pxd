@@ -1,8 +1,8 @@
 # Existence set of (group id, block hash) keys and the longest-hit kernel (see _hits.pyx).
 from cpython.pythread cimport PyThread_type_lock
-from libc.stdint cimport uint8_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 
-from hmacore._fast._types cimport group_id_t
+from hmacore._fast._types cimport group_id_t, token_t
 
 
 cdef class ExistenceSet:
@@ -27,3 +27,33 @@ cdef class ExistenceSet:
     cdef int reserve(self, Py_ssize_t extra) noexcept nogil
     cdef void lock(self) noexcept nogil
     cdef void unlock(self) noexcept nogil
+
+
+# Engine-mask mode of the hit kernel (routing: hmacore/_fast/_route.pyx).
+ctypedef const uint64_t* (*mask_fill_t)(void* state, group_id_t group,
+                                        Py_ssize_t row) noexcept nogil
+
+cdef struct SpecRow:
+    int64_t kind
+    int64_t block_size
+    int64_t window
+    int64_t chunk
+    int64_t eagle
+    int64_t member_start
+    int64_t member_end
+    int64_t fine_lookup
+
+cdef struct KernelTables:
+    const SpecRow* sp
+    Py_ssize_t S
+    const group_id_t* members
+    int64_t num_members
+    int64_t hash_block
+    int64_t align
+    bint partial
+    bint unitary
+
+cdef int kernel_tables(object kernel, KernelTables* out) except -1
+cdef token_t hit_over_masks(const KernelTables* k, Py_ssize_t n_rows, token_t max_length,
+                            const uint64_t** memo, mask_fill_t fill, void* fill_state,
+                            Py_ssize_t word, uint64_t bit, int64_t* out) noexcept nogil

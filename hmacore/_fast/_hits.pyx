@@ -57,15 +57,9 @@ cdef enum:
 
 # One row of the ``specs`` table (an (S, 8) C-contiguous int64 array): the kernels read it
 # through this struct (eight int64 fields, no padding: checked at import).
-cdef struct SpecRow:
-    int64_t kind           # GroupKind value
-    int64_t block_size     # tokens per block (context-parallel scaled)
-    int64_t window         # sliding window, tokens (SLIDING)
-    int64_t chunk          # attention chunk, tokens (CHUNKED)
-    int64_t eagle          # 1: drop the last matched block (EAGLE/MTP)
-    int64_t member_start   # members[member_start:member_end] are the spec's group ids
-    int64_t member_end
-    int64_t fine_lookup    # 1: the manager supports sub-block (hash-row) lookups
+# (SpecRow is declared in _hits.pxd: kind, block_size, window, chunk, eagle, member_start,
+# member_end, fine_lookup; GroupKind value, tokens, 1 = drop the last matched block, the
+# spec's members[member_start:member_end], 1 = sub-block lookups supported)
 SPEC_COLUMNS = ("kind", "block_size", "window", "chunk", "eagle", "member_start",
                 "member_end", "fine_lookup")
 cdef enum:
@@ -536,6 +530,14 @@ cdef struct Ctx:
     const group_id_t* members
     token_t hash_block
     bint all_present           # mask mode: every probe hits (no set)
+    # engine-mask mode (routing, ``hit_over_masks``): presence of key (group, row) for one
+    # engine is bit ``bit`` of word ``word`` of the key's engine mask; memo[group * n_rows
+    # + row] caches the mask pointer (NULL: not looked up yet, then ``fill`` looks it up)
+    const uint64_t** memo
+    mask_fill_t fill
+    void* fill_state
+    Py_ssize_t word
+    uint64_t bit
 
 
 cdef inline bint _probe(ExistenceSet es, Ctx* c, int64_t ms, int64_t me,
@@ -543,6 +545,18 @@ cdef inline bint _probe(ExistenceSet es, Ctx* c, int64_t ms, int64_t me,
     """All member groups [ms, me) hold the key of hash row ``row``."""
     cdef int64_t m
     cdef PyObject* o
+    cdef const uint64_t* mask
+    cdef Py_ssize_t at
+    if c.memo != NULL:
+        for m in range(ms, me):
+            at = c.members[m] * c.n_rows + row
+            mask = c.memo[at]
+            if mask == NULL:
+                mask = c.fill(c.fill_state, c.members[m], row)
+                c.memo[at] = mask
+            if not (mask[c.word] & c.bit):
+                return False
+        return True
     if c.all_present:
         return True
     cdef const uint8_t* d
@@ -781,6 +795,7 @@ def longest_hit(ExistenceSet es, hashes, max_length, specs, members,
         return 0
     cdef const uint8_t[:, ::1] hv = hashes
     cdef Ctx c
+    c.memo = NULL
     c.n_rows = hv.shape[0]
     c.ds = hv.shape[1]
     c.all_present = es is None
@@ -994,6 +1009,7 @@ cdef class HitKernel:
             return 0, out
         cdef Ctx c
         cdef cnp.ndarray hv
+        c.memo = NULL
         c.all_present = es is None
         c.members = self._mem
         c.hash_block = self.hash_block
@@ -1031,3 +1047,48 @@ cdef class HitKernel:
             if es is not None:
                 es.unlock()
         return hit, out
+
+
+# ---------------------------------------------------------------------------------------
+# Engine-mask mode: one kernel's rule for one engine over a shared key -> engine-mask table
+# ---------------------------------------------------------------------------------------
+cdef int kernel_tables(object kernel, KernelTables* out) except -1:
+    """``out`` = the validated constants of a HitKernel (pointers into its private read-only
+    arrays: valid while the caller holds a reference to the kernel)."""
+    if type(kernel) is not HitKernel or (<HitKernel>kernel)._args is None:
+        raise HashInputError("kernel must be an initialised HitKernel")
+    cdef HitKernel k = <HitKernel>kernel
+    out.sp = k._sp
+    out.S = k.S
+    out.members = k._mem
+    out.num_members = k.nm
+    out.hash_block = k.hash_block
+    out.align = k.align
+    out.partial = k.partial
+    out.unitary = k.unitary
+    return 0
+
+
+cdef token_t hit_over_masks(const KernelTables* k, Py_ssize_t n_rows, token_t max_length,
+                            const uint64_t** memo, mask_fill_t fill, void* fill_state,
+                            Py_ssize_t word, uint64_t bit, int64_t* out) noexcept nogil:
+    """The hit of the engine owning mask bit (word, bit): the same rule and fixed point as
+    ``longest_hit``, each probe answered from the memo (one table lookup per (group, row)
+    for all engines). ``memo`` has (max group id + 1) * n_rows entries; ``out`` S * 2."""
+    cdef Ctx c
+    if k.S == 0:
+        return 0
+    c.memo = memo
+    c.fill = fill
+    c.fill_state = fill_state
+    c.word = word
+    c.bit = bit
+    c.hashes = NULL
+    c.items = NULL
+    c.bad_row = -1
+    c.n_rows = n_rows
+    c.ds = 0
+    c.members = k.members
+    c.hash_block = k.hash_block
+    c.all_present = False
+    return _fixed_point(None, &c, k.sp, k.S, max_length, k.align, k.partial, k.unitary, out)

@@ -1,10 +1,33 @@
-"""Bulk application of KV events to one engine's counted residency (see _route.pyx)."""
+"""Engines' counted residency in one shared (group, hash) -> engine-mask table, and the
+routing query (see _route.pyx)."""
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
-from ._hits import ExistenceSet
+from ._hits import HitKernel
 
-def apply_rows(layers: list[ExistenceSet], ops: npt.NDArray[np.int8],
+MAX_ENGINES: int
+
+class SharedResidency:
+    digest_size: int
+    def __init__(self, digest_size: int = 16) -> None: ...
+    def add_engine(self) -> int: ...
+    def clear_engine(self, bit: int) -> None: ...
+    def remove_engine(self, bit: int) -> None: ...
+    def resident(self, bit: int) -> int: ...
+    def duplicate_nbytes(self, bit: int) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def num_keys(self) -> int: ...
+    def apply_rows(self, bit: int, ops: npt.NDArray[np.int8], groups: npt.NDArray[np.int32],
+                   digests: npt.NDArray[np.uint8]) -> tuple[int, int, int, int]: ...
+    def hits(self, kernel: HitKernel, num_groups: int, hashes: npt.NDArray[np.uint8],
+             max_length: int, bits: npt.NDArray[np.int64] | Sequence[int]
+             ) -> npt.NDArray[np.int64]: ...
+
+def apply_rows(residency: SharedResidency, bit: int, ops: npt.NDArray[np.int8],
                groups: npt.NDArray[np.int32],
                digests: npt.NDArray[np.uint8]) -> tuple[int, int, int, int]: ...
 def pack_event_lists(ops: list[int], groups: list[int], hashes: list[int], num_groups: int

@@ -99,6 +99,10 @@ class MooncakeStore:
         self._last_try = -float("inf")
         self._recover_lock = threading.Lock()   # one recovery at a time (shared clients)
         self.calls = {"exists": 0, "put": 0, "get": 0, "remove": 0}
+        # change journals (watch_changes): this client's successful puts and removes only;
+        # the master's evictions and other clients' writes are not visible here
+        self._journals: list[list[tuple[str, bool]]] = []
+        self._journal_lock = threading.Lock()
         #: buffers handed to put/get batches, and what reached Mooncake after merging runs
         self.buffers = {"given": 0, "posted": 0}
         self.recovery = {"suspected": 0, "recovered": 0, "reconnected": 0, "gave_up": 0,
@@ -257,7 +261,38 @@ class MooncakeStore:
 
     def batch_put(self, keys: Sequence[str], parts) -> list[int]:
         """Write each key's value from its (addr, size) buffers in registered memory."""
-        return self._batch_buffers("put", "batch_put_from_multi_buffers", keys, parts)
+        keys = list(keys)
+        res = self._batch_buffers("put", "batch_put_from_multi_buffers", keys, parts)
+        self._journal(keys, res, True)
+        return res
+
+    # -- change journals (the store connector's KV events) ---------------------------------
+    def watch_changes(self) -> list[tuple[str, bool]]:
+        """A journal of this client's key changes: ``(key, True)`` per successful put,
+        ``(key, False)`` per successful remove. Mooncake's master evicts without telling
+        its clients, so evictions never appear (nor other clients' writes)."""
+        journal: list[tuple[str, bool]] = []
+        with self._journal_lock:
+            self._journals.append(journal)
+        return journal
+
+    def take_changes(self, journal: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+        with self._journal_lock:
+            out = journal[:]
+            del journal[:]
+        return out
+
+    def unwatch_changes(self, journal: list[tuple[str, bool]]) -> None:
+        with self._journal_lock:
+            self._journals[:] = [j for j in self._journals if j is not journal]
+
+    def _journal(self, keys: list[str], codes: list[int], present: bool) -> None:
+        if not self._journals:
+            return
+        done = [(k, present) for k, c in zip(keys, codes) if c == OK]
+        with self._journal_lock:
+            for journal in self._journals:
+                journal.extend(done)
 
     def batch_get(self, keys: Sequence[str], parts) -> list[int]:
         """Read each key's value into its (addr, size) buffers in registered memory."""
@@ -291,6 +326,7 @@ class MooncakeStore:
         res = self._call("batch_remove", keys, True)
         if res is None or len(res) != len(keys):
             return [RPC_FAIL] * len(keys)
+        self._journal(keys, res, False)
         return res
 
     def close(self) -> None:

@@ -123,6 +123,11 @@ class EmbeddedStore:
     lookup in this process runs the hit kernel on vLLM's ``list[bytes]`` hashes directly
     (:func:`lookup_hit_indexed`) with no key strings. A namespace whose digests differ in
     width has no index (lookups then use the keys).
+
+    Change journals: :meth:`watch_changes` gives a list to which every later change of a
+    key's presence is appended as ``(key, present)`` (a put of a new key: True; an eviction
+    or a remove: False; an overwrite changes nothing); :meth:`take_changes` drains it under
+    the store's lock. The store connector turns them into KV events (the store tier).
     """
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -135,6 +140,7 @@ class EmbeddedStore:
         self._lock = threading.Lock()
         self.evictions = 0
         self._index: dict[str, _hits.ExistenceSet | None] = {}
+        self._journals: list[list[tuple[str, bool]]] = []
 
     @property
     def used_bytes(self) -> int:
@@ -180,6 +186,28 @@ class EmbeddedStore:
         else:
             es.discard(group, digest)
 
+    def watch_changes(self) -> list[tuple[str, bool]]:
+        """A new change journal (see the class docstring); drain it with take_changes."""
+        journal: list[tuple[str, bool]] = []
+        with self._lock:
+            self._journals.append(journal)
+        return journal
+
+    def take_changes(self, journal: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+        """The changes appended to ``journal`` since the last call, in order."""
+        with self._lock:
+            out = journal[:]
+            del journal[:]
+        return out
+
+    def unwatch_changes(self, journal: list[tuple[str, bool]]) -> None:
+        with self._lock:
+            self._journals[:] = [j for j in self._journals if j is not journal]
+
+    def _changed(self, k: str, present: bool) -> None:
+        for journal in self._journals:
+            journal.append((k, present))
+
     def _inside(self, addr: int, size: int) -> bool:
         for base, n in self._regions.items():
             if base <= addr and addr + size <= base + n:
@@ -215,9 +243,12 @@ class EmbeddedStore:
             self._used -= len(ev)
             self.evictions += 1
             self._indexed(evicted, False)
+            self._changed(evicted, False)
         self._data[k] = value
         self._used += len(value)
         self._indexed(k, True)
+        if old is None:
+            self._changed(k, True)
         return OK
 
     def batch_get(self, keys, parts) -> list[int]:
@@ -247,6 +278,7 @@ class EmbeddedStore:
                 else:
                     self._used -= len(v)
                     self._indexed(k, False)
+                    self._changed(k, False)
                     out.append(OK)
         return out
 

@@ -30,14 +30,32 @@ def main(role: str, case: str, port: int) -> None:
              "global_segment_size": 128 << 20}
     _, _, n = T.CASES[case]
     prompt = [1 + i % 900 for i in range(n)]
-    inst = T.Instance(case, extra)
+    inst = T.Instance(case, extra, kv_events=role == "A")
     if role == "A":
         inst.s.add_request(H.make_request("a", prompt, inst.hbs, max_tokens=4))
         inst.run(write=True)
         saves = [m.saves["a"] for m in inst.metas if "a" in m.saves]
         rep = inst.w.worker.last_saves["a"]
-        print(json.dumps({"saved": max(s.num_tokens for s in saves), "written": rep.written,
-                          "failed": rep.failed}), flush=True)
+        out = {"saved": max(s.num_tokens for s in saves), "written": rep.written,
+               "failed": rep.failed}
+        # the store tier's KV events of the puts, fed into a RoutingIndex: its hit for the
+        # prompt equals the connector's own lookup through the master
+        from hmacore.route_index import RoutingIndex
+        from route_events import event_rows
+        written = sum(r.written for r in inst.w.worker.last_saves.values())
+        events = inst.w.get_kv_connector_kv_cache_events()
+        evs = events.get_all_events() if events is not None else []
+        sched = inst.s.connector.scheduler
+        index = RoutingIndex(sched.layout, finder=sched.finder)
+        tier = index.add_engine("mooncake")
+        if evs:
+            index.apply(tier, *event_rows(evs))
+        again = H.make_request("a2", prompt, inst.hbs)
+        out.update(keys_written=written, events_stored=sum(len(e.block_hashes) for e in evs),
+                   events_medium=sorted({e.medium for e in evs}),
+                   index_hit=index.query_hashes(again.block_hashes, len(prompt)).hits[tier],
+                   lookup_hit=sched.lookup(again))
+        print(json.dumps(out), flush=True)
         sys.stdin.readline()
         inst.close()
         return

@@ -55,6 +55,11 @@ def test_store_connector_across_processes(case, port, hit):
     r = run_scenario(f"connector-{case}", port=port)
     saver, loader = r["saver"], r["loader"]
     assert saver.get("failed") == 0 and saver.get("saved", 0) >= hit, r
+    # the store tier's KV events: one stored hash per key put, and the hit a RoutingIndex
+    # computes from them equals the connector's own lookup through the master
+    assert saver["events_stored"] == saver["keys_written"] > 0, r
+    assert saver["events_medium"] == ["HMACORE_STORE"], r
+    assert saver["index_hit"] == saver["lookup_hit"] == hit, r
     assert loader.get("hit") == hit, r
     assert loader["compared"] > 0 and loader["mismatched"] == 0
     assert loader["miss"] == 0 and loader["leak_free"] is True

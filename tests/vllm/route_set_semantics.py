@@ -7,20 +7,22 @@ are needed. Not a test: docs/routing.md runs
 and expects mismatches (failures)."""
 import hmacore._fast._route as _route
 
+_counted = _route.apply_rows
 
-def _set_semantics(layers, ops, groups, digests):
-    base = layers[0]
+
+def _set_semantics(residency, bit, ops, groups, digests):
+    """Row by row; a remove is repeated until the key is gone (its count forced to 0)."""
     stored = removed = ignored = 0
-    for op, g, d in zip(ops, groups, digests):
-        if op == 0:
-            base.clear()
-        elif op > 0:
-            base.add(int(g), d.tobytes())
-            stored += 1
-        elif base.discard(int(g), d.tobytes()):
-            removed += 1
-        else:
-            ignored += 1
+    for i in range(len(ops)):
+        row = (ops[i:i + 1], groups[i:i + 1], digests[i:i + 1])
+        if ops[i] >= 0:
+            stored += _counted(residency, bit, *row)[0]
+            continue
+        s, r, ig, _ = _counted(residency, bit, *row)
+        removed += r
+        ignored += ig
+        while r:
+            _, r, _, _ = _counted(residency, bit, *row)
     return stored, removed, ignored, len(ops)
 
 

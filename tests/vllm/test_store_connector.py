@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import harness as H
+from vllm.config import KVEventsConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec
 
@@ -119,10 +120,13 @@ def fill(kcc, caches, table):
 
 
 class Instance:
-    def __init__(self, case, extra, policy="fail"):
+    def __init__(self, case, extra, policy="fail", kv_events=False):
         vkw, make, _ = CASES[case]
         self.vc = H.vllm_config(kv_connector="HmaStoreConnector", extra=extra,
                                 load_failure_policy=policy, **vkw)
+        if kv_events:
+            self.vc.kv_events_config = KVEventsConfig(enable_kv_cache_events=True,
+                                                      publisher="null")
         self.kcc = make()
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.w = HmaStoreConnector(self.vc, KVConnectorRole.WORKER, self.kcc)

@@ -70,6 +70,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.distributed.kv_events import (  # noqa: E402
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -374,3 +380,13 @@ def regrain_page_layout(page_layout: str, kv_dtype: str, head_dim: int, block_si
                              "kernel's pages (CPU_VEC) remap. Use equal --block-size on both "
                              "engines")
     return "CPU_VEC"
+
+
+def event_block_hash(digest: bytes) -> Any:
+    """A block hash as vLLM's KV events carry it: the low 64 bits as an int (big-endian, the
+    default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or the digest bytes (0.32 / 0.33
+    ``maybe_convert_block_hash``)."""
+    import vllm.envs as envs
+    if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+        return int.from_bytes(digest[-8:], "big")
+    return digest

@@ -21,6 +21,11 @@ Hits follow vLLM's rule for the engine's config (``scheduler.hit_finder``): the 
 last-block drop when ``speculative_config.use_eagle_block_drop()`` (and for groups vLLM
 flags ``is_eagle_group``), aligned to ``kv_cache_config.cache_hit_alignment_tokens``.
 
+KV events (``--kv-events-config`` with ``enable_kv_cache_events``): with an embedded store in
+this process (``store_scope`` ``"process"``, or ``"auto"`` with the engine in one process) the
+connector also reports what its store gains and loses, per group, as vLLM KV events with
+``medium="HMACORE_STORE"`` (:mod:`.events`): a router's second tier.
+
 ``kv_role``: ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does both.
 Scheduler role: :class:`~.scheduler.HmaStoreScheduler`; worker role:
 :class:`~.worker.HmaStoreWorker` (TP = PP = 1).
@@ -33,6 +38,7 @@ from .. import _compat as C
 from .._roles import RoleDispatch, require_single_worker
 from .._config import STORE_KEYS, check_keys
 from .backend import open_store, release_store
+from .events import StoreEventSource, StoreKVEvents
 from .scheduler import HmaStoreScheduler, key_builder
 
 __all__ = ["HmaStoreConnector"]
@@ -55,6 +61,7 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         self.store = store
         self.scheduler: HmaStoreScheduler | None = None
         self.worker = None
+        self.store_events: StoreEventSource | None = None
         if not worker:
             self.scheduler = sched
             _logger.info("HmaStoreConnector (%s): %s; store %s, hit alignment %d tokens, "
@@ -68,6 +75,13 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
             # the scheduler side's finder: same eagle drop and alignment on both sides
             self.worker = HmaStoreWorker(sched.finder, int(kv_cache_config.num_blocks), store,
                                          key_builder(vllm_config, extra))
+            kec = getattr(vllm_config, "kv_events_config", None)
+            if kec is not None and kec.enable_kv_cache_events:
+                if hasattr(store, "watch_changes"):
+                    self.store_events = StoreEventSource(store, sched.keys, sched.layout)
+                else:
+                    _logger.warning("HmaStoreConnector: %s reports no changes; no KV events "
+                                    "for the store tier", type(store).__name__)
 
     # -- scheduler side -------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: list[int]):
@@ -80,11 +94,24 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         try:
             super().shutdown()
         finally:
+            if self.store_events is not None:
+                self.store_events.close()
+                self.store_events = None
             store, self.store = self.store, None
             if store is not None:
                 release_store(store)
 
+    def take_events(self):
+        """The store tier's KV events the worker reported since the last call."""
+        return self._sched().take_events()
+
     # -- worker side -----------------------------------------------------------------------------
+    def get_kv_connector_kv_cache_events(self) -> StoreKVEvents | None:
+        """This step's store changes of this engine's keys as KV events (None if none)."""
+        src = self.store_events
+        events = src.take() if src is not None else []
+        return StoreKVEvents(events) if events else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of partially failed loads vLLM can restart from (see HmaStoreWorker)."""
         w = self.worker

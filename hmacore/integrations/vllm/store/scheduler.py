@@ -131,6 +131,7 @@ class HmaStoreScheduler(TableFollower):
         self.stats = {"lookups": 0, "hit_tokens": 0, "loads": 0, "saves": 0}
         self.counters = StatsCounter()     # vLLM's stats / /metrics (_metrics.py)
         self._index_ns = self._index_namespace()
+        self._events: list = []      # the store tier's KV events from the worker (events.py)
 
     def _index_namespace(self) -> str | None:
         """The one key namespace of every looked-up group when a lookup can run on the
@@ -288,7 +289,15 @@ class HmaStoreScheduler(TableFollower):
                          hashes=raw, digest_size=len(req.block_hashes[0]),
                          state_blocks=states, block_offsets=offsets, row_offset=row0)
 
+    def take_events(self) -> list:
+        """KV events of the store tier reported by the worker since the last call."""
+        out, self._events = self._events, []
+        return out
+
     def update_connector_output(self, connector_output: Any) -> None:
+        store_events = getattr(connector_output, "kv_cache_events", None)
+        if store_events is not None:
+            self._events.extend(store_events.get_all_events())
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
             for rid, ids in self._loading.items():
