@@ -94,14 +94,17 @@ class Fleet:
         mgr = s.kv_cache_manager
         lookup = mgr.get_computed_blocks
 
-        def get_computed_blocks(request):
+        def get_computed_blocks(request, max_cache_hit_length=None):
+            # 0.33 passes vLLM's cap on the hit (default num_tokens - 1); 0.32 has none
             self.feed(key, mgr.take_events())   # emitted earlier in this schedule() call
-            n = request.num_tokens
+            n = request.num_tokens if max_cache_hit_length is None else max_cache_hit_length + 1
             own = self.index.query_hashes(request.block_hashes, n).hits[key]
             hashed = self.index.block_hashes(request.all_token_ids)
             assert hashed == list(request.block_hashes[:len(hashed)]), "hashes differ from vLLM's"
-            from_tokens = self.index.query(request.all_token_ids).hits[key]
-            out = lookup(request)        # (blocks, hit tokens, shared-prefix boundary)
+            from_tokens = self.index.query(list(request.all_token_ids)[:n]).hits[key]
+            # (blocks, hit tokens, shared-prefix boundary)
+            out = lookup(request) if max_cache_hit_length is None \
+                else lookup(request, max_cache_hit_length)
             found = out[1]
             self.checks += 1
             self.hits += found > 0
