@@ -117,6 +117,10 @@ cdef class SharedResidency:
         free(self._slots)
         free(self._masks)
 
+    def __reduce__(self):
+        raise TypeError("SharedResidency cannot be pickled (a raw table owned by one "
+                        "RoutingIndex); rebuild the index from the engines' event streams")
+
     # -- table ---------------------------------------------------------------------------
     cdef inline Py_ssize_t _probe(self, group_id_t g, const uint8_t* d,
                                   Py_ssize_t* insert_at) noexcept nogil:
