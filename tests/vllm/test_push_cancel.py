@@ -55,7 +55,7 @@ def _tables(E):
     return {b for rid in E.s.requests for g in mgr.get_block_ids(rid) for b in g if b}
 
 
-def _late_write(policy, *, hold=True, p_dies=False):
+def _late_write(policy, *, hold=True, p_dies=False, stuck=False):
     """Run the scenario; returns what the checks need."""
     P = PH.Engine(GEMMA, max_num_batched_tokens=40)
     extra = {"push_recv_timeout": 2.0, "push_cancel_ack_timeout": 120.0}
@@ -107,6 +107,20 @@ def _late_write(policy, *, hold=True, p_dies=False):
                           [D], timeout=20, what="D releases after finding P dead")
             P.w.worker.agent.send_notif = lambda *a: None      # the dead P says nothing
         else:
+            if stuck:
+                # P's late WRITEs stay in flight (NIXL never reports them DONE): P must not
+                # answer the cancel, D keeps holding
+                agent = P.w.worker.agent
+                agent.state = lambda handle: "PROC"
+                PH.step_until(lambda: any(P.w.worker.pusher.in_flight(s)
+                                          for s in P.w.worker.pusher.requests),
+                              [P, D], timeout=30, what="P's late WRITEs posted")
+                for _ in range(10):
+                    P.step()
+                    D.step()
+                assert D.w.worker.holds() and D.conn.held_blocks() == held
+                assert not P.w.worker.counters._data.get("push_cancels_answered")
+                del agent.state                    # the WRITEs end: P answers now
             PH.step_until(lambda: not D.w.worker.holds() and not D.conn.held_blocks(),
                           [P, D], timeout=30, what="P answers the cancel and D releases")
         after_mark = _pages(D, others)
@@ -163,3 +177,9 @@ def test_p_found_dead_releases_the_hold():
     assert out["clobbered"] == [] and out["changed"] == []
     assert out["counters"].get("push_cancels_unacknowledged") == 1, out["counters"]
     assert not out["counters"].get("push_cancels_acknowledged"), out["counters"]
+
+
+def test_p_answers_only_once_its_writes_ended():
+    out = _late_write("recompute", stuck=True)
+    assert out["clobbered"] == [] and out["changed"]
+    assert out["counters"].get("push_cancels_acknowledged") == 1, out["counters"]

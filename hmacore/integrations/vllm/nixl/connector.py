@@ -44,7 +44,9 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
     thread, which spins a core), ``transport`` (``"nixl"``, default, or ``"mooncake"``: the
     Mooncake Transfer Engine, pull mode and equal TP sizes only), push mode only:
     ``push_register_timeout`` (s, P waits for D's registration, default 30),
-    ``push_recv_timeout`` (s, D waits for every layer, default 60).
+    ``push_recv_timeout`` (s, D waits for every layer, default 60),
+    ``push_cancel_ack_timeout`` (s, D holds a cancelled push's blocks for P's answer, default
+    60).
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:

@@ -72,7 +72,9 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
 
     Extra ``kv_connector_extra_config`` keys: ``push_register_timeout`` (P: seconds a push
     request waits for D's registration, default 30), ``push_recv_timeout`` (D: seconds from
-    registration until every layer must have arrived, default 60; read by the worker).
+    registration until every layer must have arrived, default 60; read by the worker),
+    ``push_cancel_ack_timeout`` (D: seconds the blocks of a cancelled push stay pinned while
+    the prefill side has not answered the cancel, default 60; read by the worker).
     Refused (ValueError): ``sync_load`` true; Mamba groups with TP > 1. Mamba groups register
     one state slot (the block holding the state after the loaded tokens; P computes the prompt
     less the backoff token).

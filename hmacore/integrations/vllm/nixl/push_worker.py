@@ -21,7 +21,10 @@ on ``side_channel_host:port + rank`` answers decode ranks.
   from it at once and drops the address, so the next registration handshakes afresh (a
   restarted prefill engine, new engine id or not). A registration NIXL cannot deliver to a
   known address is retried once after a fresh handshake. A push that failed is cancelled on
-  P (``<push_id>:CANCEL``), so a late P stops writing into blocks D gave back.
+  P (``<push_id>:CANCEL:<D agent>``) and its registered blocks stay held (``holding`` in the
+  worker metadata: the scheduler pins them in vLLM's block pool) until every P rank answered
+  ``<push_id>:CANCELLED:<P agent>``, the source is lost, or ``cancel_ack_timeout`` s passed
+  (``released``); the request itself is reported failed at once.
   No hook raises into vLLM: every failure ends the requests it concerns.
 * P: a rank reports a push id (worker metadata, ``registered_by`` = this rank) once every
   *consumer* decode rank (:func:`hmacore.tp.consumer_ranks`; equal TP: the same rank)
@@ -37,6 +40,9 @@ on ``side_channel_host:port + rank`` answers decode ranks.
   block re-written later is never overtaken by its stale copy. When the final step is sent
   or any step failed, the request is reported in ``finished_sending`` once (a rank without
   consumers: when the final step comes); vLLM's KVOutputAggregator waits for every rank.
+  A failed or cancelled push posts nothing more, and ends only once none of its WRITEs is in
+  flight (handles are released when NIXL reports them DONE or ERR, never while PROC); a
+  CANCEL is answered then (at once when nothing was posted or the push already ended).
 
 Units: block ids per group; descriptor ids from LayerPlan; times ``time.monotonic()`` seconds.
 PP = 1; prefill and decode must have equal block sizes.
