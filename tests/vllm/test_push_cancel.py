@@ -180,6 +180,8 @@ def test_p_found_dead_releases_the_hold():
 
 
 def test_p_answers_only_once_its_writes_ended():
+    # (the WRITEs kept in flight may be step 0's last ones, posted before the cancel: no
+    # "changed" check here; the other tests show late WRITEs landing in held blocks)
     out = _late_write("recompute", stuck=True)
-    assert out["clobbered"] == [] and out["changed"]
+    assert out["clobbered"] == []
     assert out["counters"].get("push_cancels_acknowledged") == 1, out["counters"]
