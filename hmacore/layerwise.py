@@ -249,9 +249,12 @@ class LayerwisePusher:
             self._fail(request_id, req, f"layer {layer!r} WRITE could not be posted: {e}")
 
     def progress(self) -> None:
-        """Poll outstanding WRITEs; send completion notifications; expire leases."""
+        """Poll outstanding WRITEs; send completion notifications; expire leases. A stopped or
+        failed request's WRITEs still in flight are polled until they end (then released)."""
         now = time.monotonic()
         for rid, req in list(self._reqs.items()):
+            if req.state != PushState.PUSHING and req.pending:
+                self._drain(req)
             if req.state == PushState.PUSHING:
                 for layer, h in list(req.pending.items()):
                     try:
@@ -278,6 +281,32 @@ class LayerwisePusher:
             if now >= req.expires_at:
                 self._release(rid)
 
+    def stop(self, request_id: str) -> None:
+        """Post nothing more for the request (the decode side gave up on it): a PUSHING
+        request becomes FAILED without a notification; its WRITEs already posted stay
+        tracked until they end (:meth:`in_flight`)."""
+        req = self._req(request_id)
+        if req.state == PushState.PUSHING:
+            req.state = PushState.FAILED
+            req.error = "stopped"
+
+    def in_flight(self, request_id: str) -> int:
+        """The request's posted WRITEs that have not ended yet (neither DONE nor ERR)."""
+        return len(self._req(request_id).pending)
+
+    def _drain(self, req: _PushReq) -> None:
+        for layer, h in list(req.pending.items()):
+            try:
+                st = self.transport.state(h)
+            except Exception:  # noqa: BLE001 - an errored handle: it no longer moves bytes
+                st = "ERR"
+            if st != "PROC":
+                try:
+                    self.transport.release(h)
+                except Exception:  # noqa: BLE001 - an errored handle may refuse release
+                    pass
+                del req.pending[layer]
+
     def finish(self, request_id: str) -> None:
         """The decode side is done with the blocks (or the request was aborted): release now."""
         self._req(request_id)
@@ -301,12 +330,9 @@ class LayerwisePusher:
     def _fail(self, rid: str, req: _PushReq, msg: str) -> None:
         req.state = PushState.FAILED
         req.error = msg
-        for h in req.pending.values():
-            try:
-                self.transport.release(h)
-            except Exception:  # noqa: BLE001 - an errored handle may refuse release
-                pass
-        req.pending.clear()
+        # ended WRITEs are released now; those still in flight stay pending until they end
+        # (releasing a handle does not recall bytes already on their way)
+        self._drain(req)
         try:
             self.transport.send_notif(req.peer, f"{req.tag}:failed".encode())
         except Exception:  # noqa: BLE001 - the peer may be gone; its deadline fails it

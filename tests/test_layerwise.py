@@ -219,3 +219,57 @@ def test_notification_tag_and_per_peer_local_layers():
     assert set(sub.layers) < set(LayerPlan(dp).layers)
     with pytest.raises(LayoutError, match="pair layers differ"):
         pusher.add_peer("E", LayerPlan(dp), local_layers=sub)
+
+
+class HeldTransport(MemTransport):
+    """Every posted WRITE stays in flight (PROC) until ``end`` is called with its handle's
+    state; release is recorded (releasing a PROC handle is what must never happen)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.states, self.released, self.released_in_flight = {}, [], []
+
+    def post(self, op, peer, lids, rids, notif):
+        super().post(op, peer, lids, rids, notif)
+        h = len(self.states)
+        self.states[h] = "PROC"
+        return h
+
+    def state(self, h):
+        return self.states[h]
+
+    def release(self, h):
+        (self.released_in_flight if self.states[h] == "PROC" else self.released).append(h)
+
+
+@pytest.mark.parametrize("how", ["stop", "error"])
+def test_stopped_or_failed_push_keeps_in_flight_writes_until_they_end(how):
+    # a cancelled (stop) or failed push posts nothing more, but its WRITEs already posted
+    # stay tracked (in_flight) until NIXL says DONE / ERR, and only then are released
+    layout = LAYOUTS["full_sliding"]
+    p, d, pp, dp, _, _, _, ptable, dtable, _ = _push(layout)
+    tr = HeldTransport(pp.descriptors(), dp.descriptors())
+    pusher = LayerwisePusher(tr, LayerPlan(pp), {"D": LayerPlan(dp)})
+    pusher.start("r1", "D", ptable, dtable, lease_s=60)
+    layers = pusher.local.layers
+    pusher.save_layer("r1", layers[0])
+    pusher.save_layer("r1", layers[1])
+    assert pusher.in_flight("r1") == 2
+    if how == "stop":
+        pusher.stop("r1")
+    else:
+        tr.states[0] = "ERR"
+    pusher.progress()
+    assert pusher.state("r1") == PushState.FAILED
+    assert pusher.in_flight("r1") == (2 if how == "stop" else 1)
+    posts = tr.posts
+    pusher.save_layer("r1", layers[2])          # nothing more is posted
+    assert tr.posts == posts
+    tr.states[1] = "DONE"
+    if how == "stop":
+        tr.states[0] = "DONE"
+    pusher.progress()
+    assert pusher.in_flight("r1") == 0 and sorted(tr.released) == [0, 1]
+    assert tr.released_in_flight == []
+    pusher.finish("r1")
+    assert pusher.requests == ()

@@ -40,7 +40,8 @@ from ..tp import PAGE_LAYOUTS, kv_heads_of_rank
 __all__ = ["PROTOCOL_VERSION", "HandshakePayload", "HandshakeServer", "TpDescription",
            "exchange_handshake", "tp_fingerprint_fields", "check_regrain_compatible"]
 
-PROTOCOL_VERSION = 3  # 2: optional TP description (heterogeneous TP); 3: READs confirmed
+PROTOCOL_VERSION = 4  # 2: optional TP description (heterogeneous TP); 3: READs confirmed;
+# 4: push cancels acknowledged (<push_id>:CANCEL:<agent> / <push_id>:CANCELLED:<agent>)
 
 
 

@@ -22,12 +22,16 @@ def _prompt(n):
     return [1 + i % 900 for i in range(n)]
 
 
-def _recomputed(D, r):
-    """r failed its load: vLLM restarted it from token 0 and it finishes normally."""
+def _recomputed(D, r, engines=None):
+    """r failed its load: vLLM restarted it from token 0 and it finishes normally; blocks
+    held for a cancelled push are released once P answers (``engines`` step, default D)."""
     assert r.request_id in D.conn.failed_recving
     assert r.num_computed_tokens == 0
     PH.step_until(lambda: not D.s.requests, [D], what="D finishes after recompute")
     assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+    held = getattr(D.conn, "held_blocks", set)     # a pull-mode D holds nothing
+    PH.step_until(lambda: not held(), engines or [D],
+                  what="the cancelled push's blocks released")
     H.assert_no_leak(D.s)
 
 
@@ -42,8 +46,9 @@ def test_d_deadline_is_a_failed_recv_and_recompute():
         PH.step_until(lambda: "d" in D.conn.failed_recving, [D], what="D's deadline")
         assert time.monotonic() - t0 >= 0.9
         assert any("deadline" in e for e in D.w.worker.errors), D.w.worker.errors
-        _recomputed(D, r)
-        P.step()            # P saw the registration and D's cancel after its deadline
+        assert D.conn.held_blocks()                   # P may still WRITE: blocks held
+        _recomputed(D, r, [P, D])   # P sees the registration and D's cancel, answers it
+        assert D.w.worker.counters._data.get("push_cancels_acknowledged") == 1
         assert "late" not in P.conn.registered()      # a late P request is not pushed
     finally:
         P.close()
@@ -52,7 +57,10 @@ def test_d_deadline_is_a_failed_recv_and_recompute():
 
 def test_p_gone_after_some_layers_leaves_nothing_valid():
     P = PH.Engine(GEMMA, max_num_batched_tokens=40)
-    D = PH.Engine(GEMMA, extra={"push_recv_timeout": 3.0}, load_failure_policy="recompute")
+    # a P closed inside this process is not reported disconnected by NIXL: D's cancel is
+    # never answered and the hold ends at push_cancel_ack_timeout
+    D = PH.Engine(GEMMA, extra={"push_recv_timeout": 3.0, "push_cancel_ack_timeout": 2.0},
+                  load_failure_policy="recompute")
     try:
         d_params, p_params = PH.push_params("gone", P.port)
         r = H.make_request("d", _prompt(150), 16, params=d_params, max_tokens=2)
@@ -66,6 +74,9 @@ def test_p_gone_after_some_layers_leaves_nothing_valid():
         PH.step_until(lambda: "d" in D.conn.failed_recving, [D], timeout=20,
                       what="D's deadline")
         _recomputed(D, r)
+        c = D.w.worker.counters._data
+        assert c.get("push_cancels_unacknowledged") == 1, c
+        assert not c.get("push_cancels_acknowledged"), c
     finally:
         D.close()
 
@@ -238,7 +249,7 @@ def test_p_abort_fails_d_and_frees_p(when):
                       timeout=15, what="P frees and D fails")
         H.assert_no_leak(P.s)
         assert any("prefill side reported" in e for e in D.w.worker.errors), D.w.worker.errors
-        _recomputed(D, r)
+        _recomputed(D, r, [P, D])     # P answers the cancel D still sends
     finally:
         P.close()
         D.close()

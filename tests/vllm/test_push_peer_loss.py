@@ -20,13 +20,16 @@ def _prompt(n):
     return [1 + i % 900 for i in range(n)]
 
 
-def _settled(D, r, policy: str) -> None:
+def _settled(D, r, policy: str, P=None) -> None:
     """``r``'s push failed: recompute -> computed locally and finished normally; fail ->
-    finished with an error; the engine keeps going and holds no block."""
+    finished with an error; the engine keeps going and, once P answered D's cancel (``P``
+    steps too), holds no block."""
     PH.step_until(lambda: not D.s.requests, [D], timeout=60, what="D settles the request")
     want = H.RequestStatus.FINISHED_LENGTH_CAPPED if policy == "recompute" \
         else H.RequestStatus.FINISHED_ERROR
     assert r.status == want, r.status
+    PH.step_until(lambda: not D.conn.held_blocks(), [D] if P is None else [P, D],
+                  timeout=30, what="P answers D's cancel")
     H.assert_no_leak(D.s)
     # a plain request afterwards runs normally
     plain = H.make_request("plain", _prompt(40), 16, max_tokens=2)
@@ -65,7 +68,7 @@ def test_unclaimed_registration_is_dropped_and_decode_told(policy):
         PH.step_until(lambda: "lost" not in P.conn.registered()
                       and r.status != H.RequestStatus.WAITING_FOR_REMOTE_KVS, [P, D],
                       timeout=60, what="P drops the registration, D hears of it")
-        _settled(D, r, policy)
+        _settled(D, r, policy, P)
         assert not P.w.worker._regs
     finally:
         P.close()
@@ -102,7 +105,7 @@ def test_hook_errors_do_not_escape(monkeypatch):
                       what="D hears the push failed")
         assert any("nixl went wrong" in e for e in D.w.worker.errors), D.w.worker.errors
         PH.step_until(lambda: not P.s.requests, [P], timeout=60, what="P ends its request")
-        _settled(D, r, "recompute")
+        _settled(D, r, "recompute", P)
         H.assert_no_leak(P.s)
     finally:
         P.close()
@@ -145,7 +148,7 @@ def test_unpairable_step_gives_up_the_push(monkeypatch):
         assert p.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
         PH.step_until(lambda: not P.s.requests, [P], timeout=60, what="P ends its request")
         H.assert_no_leak(P.s)
-        _settled(D, r, "fail")
+        _settled(D, r, "fail", P)
     finally:
         P.close()
         D.close()

@@ -128,6 +128,12 @@ def test_d_rank_never_registers(engines):
         assert p_req.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
         assert all(not m.push_saves for m in P.metas[-10:] if m)
         D.run_out()
+        # D's ranks cancelled the push: its blocks stay pinned until P's rank answers
+        deadline = time.monotonic() + 40
+        while D.s.connector.scheduler.held_blocks():
+            assert time.monotonic() < deadline, "P never answered D's cancels"
+            D.step()
+            P.step(fill=True)
         H.assert_no_leak(D.s)
         H.assert_no_leak(P.s)
         sched = P.s.connector.scheduler

@@ -22,6 +22,7 @@ NIXL_KEYS = frozenset({
     "kv_lease_duration", "side_channel_host", "side_channel_listen_host", "side_channel_port",
     "sync_load", "block_size_remap",
     "nixl_progress_delay_us", "nixl_posting", "transfer_mode", "push_register_timeout", "push_recv_timeout",
+    "push_cancel_ack_timeout",
     "transport",
 })
 #: every key HmaStoreConnector reads (store selection, Mooncake client, keys, loads)

@@ -33,6 +33,13 @@ COUNTERS: dict[str, str] = {
                   "(its blocks may have been reused): reported failed",
     "read_confirm_timeouts": "KV loads whose READ finished but whose prefill rank never "
                              "confirmed its lease within kv_lease_duration: reported failed",
+    "push_cancels_acknowledged": "Pushes the decode side cancelled whose blocks it held until "
+                                 "every prefill rank confirmed none of its WRITEs was in flight",
+    "push_cancels_unacknowledged": "Pushes the decode side cancelled whose blocks it released "
+                                   "without that confirmation (prefill lost, or "
+                                   "push_cancel_ack_timeout)",
+    "push_cancels_answered": "Cancels from a decode engine the prefill side confirmed (sent once "
+                             "none of the push's WRITEs was in flight)",
     "store_lookups": "Store lookups (one per request per scheduling pass)",
     "store_hit_tokens": "Tokens found in the store by lookups that led to a load",
     "store_loads": "Store loads scheduled",

@@ -44,7 +44,9 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
     thread, which spins a core), ``transport`` (``"nixl"``, default, or ``"mooncake"``: the
     Mooncake Transfer Engine; pull and push, any TP pairing NIXL takes), push mode only:
     ``push_register_timeout`` (s, P waits for D's registration, default 30),
-    ``push_recv_timeout`` (s, D waits for every layer, default 60).
+    ``push_recv_timeout`` (s, D waits for every layer, default 60),
+    ``push_cancel_ack_timeout`` (s, D holds a cancelled push's blocks for P's answer, default
+    60).
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -81,6 +83,7 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                 self.worker = HmaPushWorker(sched.layout, int(kv_cache_config.num_blocks),
                                             sched.engine_id, sched.listen_host,
                                             sched.port, recv_timeout=sched.recv_timeout,
+                                            cancel_ack_timeout=sched.cancel_ack_timeout,
                                             lease_s=sched.lease_s, tp=tp,
                                             progress_delay_us=sched.progress_delay_us,
                                             posting=sched.posting,
@@ -133,6 +136,14 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        return bool(getattr(self.scheduler, "has_pending_push_work", lambda: False)())
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        bind = getattr(self.scheduler, "bind_block_pool", None)
+        if bind is not None:
+            bind(gpu_block_pool)
 
     # -- worker side -----------------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:

@@ -99,12 +99,19 @@ class HmaPushWorkerMeta(HmaNixlWorkerMeta):
 
     registered: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)
     registered_by: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    #: D: request id -> decode ranks that cancelled its push and hold its blocks until the
+    #: prefill side acknowledges; ``released``: ranks whose hold ended (pinned blocks free)
+    holding: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    released: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: Any) -> HmaPushWorkerMeta:
-        by = {k: list(v) for k, v in self.registered_by.items()}
-        for pid, ranks in (getattr(other, "registered_by", None) or {}).items():
-            by[pid] = sorted(set(by.get(pid, ())) | set(ranks))
+        def unite(name: str) -> dict[str, list[int]]:
+            by = {k: list(v) for k, v in getattr(self, name).items()}
+            for key, ranks in (getattr(other, name, None) or {}).items():
+                by[key] = sorted(set(by.get(key, ())) | set(ranks))
+            return by
         return HmaPushWorkerMeta(renewed=set(self.renewed) | set(getattr(other, "renewed", ())),
                                  registered={**self.registered,
                                              **(getattr(other, "registered", None) or {})},
-                                 registered_by=by)
+                                 registered_by=unite("registered_by"),
+                                 holding=unite("holding"), released=unite("released"))

@@ -72,7 +72,9 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
 
     Extra ``kv_connector_extra_config`` keys: ``push_register_timeout`` (P: seconds a push
     request waits for D's registration, default 30), ``push_recv_timeout`` (D: seconds from
-    registration until every layer must have arrived, default 60; read by the worker).
+    registration until every layer must have arrived, default 60; read by the worker),
+    ``push_cancel_ack_timeout`` (D: seconds the blocks of a cancelled push stay pinned while
+    the prefill side has not answered the cancel, default 60; read by the worker).
     Refused (ValueError): ``sync_load`` true; Mamba groups with TP > 1. Mamba groups register
     one state slot (the block holding the state after the loaded tokens; P computes the prompt
     less the backoff token).
@@ -93,11 +95,17 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         extra = dict(ktc.kv_connector_extra_config or {})
         self.register_timeout = number(extra, "push_register_timeout", 30.0, positive=True)
         self.recv_timeout = number(extra, "push_recv_timeout", 60.0, positive=True)
+        self.cancel_ack_timeout = number(extra, "push_cancel_ack_timeout", 60.0, positive=True)
         # P side push requests, followed until their final WRITE (TableFollower)
         self.trackers = TrackerSet(self.layout)
         self._block_sizes = tuple(s.block_size for s in self.layout.groups)
         # D side
         self._regs_pending: dict[str, PushRegistration] = {}
+        # request id -> the block ids its registration lets P write (kept until the worker
+        # reports the request's load ended: a cancelled push pins them, see _hold)
+        self._reg_blocks: dict[str, list[int]] = {}
+        self._pins: dict[tuple[str, int], list[Any]] = {}   # (request id, D rank) -> blocks
+        self._block_pool: Any = None
         # P side
         self._push_reqs: dict[str, tuple[Any, str]] = {}   # rid -> (Request, push id)
         self._hold_since: dict[str, float] = {}
@@ -218,6 +226,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
                 block_ids=ids, num_tokens=end, awaiting=awaiting)
             if awaiting:
                 self._awaiting[rid] = ("", pp["push_id"])
+                self._reg_blocks[rid] = [int(b) for g in ids for b in g if b]
         params["do_remote_prefill"] = False
         params["_hma_remote_processed"] = True
 
@@ -353,14 +362,20 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         """Fold the workers' report: D loads finished/failed; P registrations, pushes ended
         (only requests P holds become ``finished_sending``), lease expiry."""
         wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
+        holding = getattr(wmeta, "holding", None)
+        released = getattr(wmeta, "released", None)
         if not (connector_output.finished_sending or connector_output.finished_recving
                 or connector_output.failed_recving or getattr(wmeta, "registered", None)
-                or self._leases or self._reg_partial):
+                or holding or released or self._leases or self._reg_partial):
             # the common step: nothing reported, no lease to expire
             if self._unclaimed_at:
                 self._drop_stale_registrations(self.clock())
             connector_output.finished_sending = None
             return
+        # before the loads are folded: vLLM frees a failed request's blocks after this call
+        self._hold(holding or {}, released or {})
+        for rid in connector_output.finished_recving or ():
+            self._reg_blocks.pop(rid, None)
         self._fold_loads(connector_output)
         by = getattr(wmeta, "registered_by", None) or {}
         for pid, ids in (getattr(wmeta, "registered", None) or {}).items():
@@ -448,6 +463,47 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             return False, None
         self._leases[rid] = self._new_leases[rid] = self.clock() + self.lease_s
         return True, None
+
+    def bind_block_pool(self, block_pool: Any) -> None:
+        """D: vLLM's block pool (``bind_gpu_block_pool``), where cancelled pushes pin blocks."""
+        self._block_pool = block_pool
+
+    def _hold(self, holding: dict[str, list[int]], released: dict[str, list[int]]) -> None:
+        """D: pin the registered blocks of each push a decode rank cancelled (one reference
+        per rank in vLLM's block pool, so freeing the request does not return them to the
+        free queue) and unpin them when that rank's hold ended (prefill acknowledged, found
+        dead, or ``push_cancel_ack_timeout``). The request itself fails at once."""
+        for rid, ranks in holding.items():
+            ids = self._reg_blocks.get(rid)
+            if not ids:
+                continue
+            if self._block_pool is None:
+                logger.warning("push of %s cancelled but vLLM bound no block pool to the "
+                               "connector: its blocks are freed with the request (a late "
+                               "WRITE may land in a reused block)", rid)
+                continue
+            for rank in ranks:
+                if (rid, rank) not in self._pins:
+                    blocks = [self._block_pool.blocks[b] for b in ids]
+                    self._block_pool.touch(blocks)
+                    self._pins[(rid, rank)] = blocks
+        for rid, ranks in released.items():
+            for rank in ranks:
+                blocks = self._pins.pop((rid, rank), None)
+                if blocks is not None:
+                    self._block_pool.free_blocks(blocks)
+
+    def held_blocks(self) -> set[int]:
+        """D: ids of the blocks pinned for cancelled pushes."""
+        return {b.block_id for blocks in self._pins.values() for b in blocks}
+
+    def has_pending_block_frees(self) -> bool:
+        """P: leases held; D: blocks pinned for cancelled pushes (released soon)."""
+        return bool(self._pins) or super().has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        """D: keep the engine stepping while blocks are pinned, so the release arrives."""
+        return bool(self._pins)
 
     # -- queries ---------------------------------------------------------------------------
     def registered(self) -> set[str]:

@@ -22,7 +22,10 @@ on ``side_channel_host:port + rank`` answers decode ranks.
   from it at once and drops the address, so the next registration handshakes afresh (a
   restarted prefill engine, new engine id or not). A registration NIXL cannot deliver to a
   known address is retried once after a fresh handshake. A push that failed is cancelled on
-  P (``<push_id>:CANCEL``), so a late P stops writing into blocks D gave back.
+  P (``<push_id>:CANCEL:<D agent>``) and its registered blocks stay held (``holding`` in the
+  worker metadata: the scheduler pins them in vLLM's block pool) until every P rank answered
+  ``<push_id>:CANCELLED:<P agent>``, the source is lost, or ``cancel_ack_timeout`` s passed
+  (``released``); the request itself is reported failed at once.
   No hook raises into vLLM: every failure ends the requests it concerns.
 * P: a rank reports a push id (worker metadata, ``registered_by`` = this rank) once every
   *consumer* decode rank (:func:`hmacore.tp.consumer_ranks`; equal TP: the same rank)
@@ -38,6 +41,9 @@ on ``side_channel_host:port + rank`` answers decode ranks.
   block re-written later is never overtaken by its stale copy. When the final step is sent
   or any step failed, the request is reported in ``finished_sending`` once (a rank without
   consumers: when the final step comes); vLLM's KVOutputAggregator waits for every rank.
+  A failed or cancelled push posts nothing more, and ends only once none of its WRITEs is in
+  flight (handles are released when NIXL reports them DONE or ERR, never while PROC); a
+  CANCEL is answered then (at once when nothing was posted or the push already ended).
 
 Units: block ids per group; descriptor ids from LayerPlan; times ``time.monotonic()`` seconds.
 PP = 1; prefill and decode must have equal block sizes.
@@ -80,7 +86,8 @@ __all__ = ["HmaPushWorker"]
 
 _REG = b"REG:"
 _PING = b":PING"         # D -> P liveness probe (no push id); P drops it
-_CANCEL = b"CANCEL"      # D -> P "<push_id>:CANCEL": D gave up on that push (deadline, lost rank)
+_CANCEL = b"CANCEL:"     # D -> P "<push_id>:CANCEL:<D agent>": D gave up on that push
+_CANCELLED = b"CANCELLED:"   # P -> D "<push_id>:CANCELLED:<P agent>": no WRITE of it in flight
 
 
 class _Inbox:
@@ -134,6 +141,20 @@ class _Push:
     forward_end: float = 0.0
     last_write_done: float = 0.0
     first_post: float = 0.0
+    cancelled_by: set[str] = dataclasses.field(default_factory=set)  # D agents to acknowledge
+    abandoned: bool = False        # a step's WRITEs were released in flight (P's lease ended)
+
+
+@dataclasses.dataclass
+class _Cancel:
+    """D: a push D gave up on while some prefill rank may still WRITE into its blocks; the
+    blocks stay held (scheduler pin) until every rank in ``waiting`` acknowledged, the source
+    is lost, or ``deadline`` (``time.monotonic()``) passes."""
+
+    request_id: str
+    key: tuple[str, int]
+    waiting: set[str]
+    deadline: float
 
 
 class HmaPushWorker:
@@ -155,6 +176,7 @@ class HmaPushWorker:
 
     def __init__(self, layout, num_blocks: int, engine_id: str, host: str, port: int, *,
                  recv_timeout: float = 60.0, lease_s: float = 30.0,
+                 cancel_ack_timeout: float = 60.0,
                  gate_timeout: float = 5.0, tp: Any = None,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
                  posting: str = "auto", transport: str = "nixl") -> None:
@@ -194,6 +216,10 @@ class HmaPushWorker:
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         self.counters = StatsCounter()        # vLLM's stats / /metrics (_metrics.py)
+        self.cancel_ack_timeout = cancel_ack_timeout
+        self._cancels: dict[str, _Cancel] = {}    # push id -> cancel awaiting P's answer
+        self._holding: set[str] = set()           # request ids newly held (to report)
+        self._released: set[str] = set()          # request ids whose hold ended (to report)
         # P side
         self._dpeers: dict[str, tuple[int, int]] = {}   # D agent -> (its rank, its TP size)
         self._consumers_of: dict[int, tuple[int, ...]] = {}   # D TP size -> consumer ranks
@@ -388,6 +414,11 @@ class HmaPushWorker:
                             self.agent.remove_remote(p.agent_name)
                         names.append(self.agent.add_remote(p.agent_metadata))
                     self._sources[key] = _Source(ptp, tuple(names), from_ranks)
+                    for pid, c in list(self._cancels.items()):
+                        if c.key == key and not c.waiting & set(names):
+                            # another engine answers at that address: the one we cancelled
+                            # with is gone (a new engine id means a new NIXL agent)
+                            self._end_hold(pid, "source lost (a new engine at its address)")
                 except Exception as e:  # noqa: BLE001 - NIXL refused the peer
                     err = f"{type(e).__name__}: {e}"
             for reg in regs:
@@ -413,6 +444,15 @@ class HmaPushWorker:
                 if p.request_id == rid:
                     self._guard(f"lease end of push {pid!r}", self._abort, pid,
                                 "the prefill lease expired")
+                    for sub in p.subs:       # P's blocks are freed: drop what is left
+                        try:
+                            self.pusher.finish(sub)
+                        except HmacoreError:
+                            pass
+                    if p.subs and p.cancelled_by:
+                        logger.warning("push %s: cancel not acknowledged (its lease ended "
+                                       "with WRITEs in flight)", pid)
+                    p.subs.clear()
                     self._pushes.pop(pid, None)
                     self._regs.pop(pid, None)
                     self._dead.append(pid)
@@ -477,7 +517,7 @@ class HmaPushWorker:
         if sent:
             # some prefill ranks have it and may WRITE: tell them to stop; losing the source
             # fails this push and every other one awaited from it (one agent of it is gone)
-            self._cancel(reg.push_id, src.names[:sent])
+            self._cancel(reg.push_id, reg.request_id, key, src.names[:sent])
             self._lose_source(key, f"registration of {reg.request_id!r} not sent: {err}")
             return
         for k in keys:
@@ -497,13 +537,55 @@ class HmaPushWorker:
             self._recving.add(reg.request_id)
             self._failed.add(reg.request_id)
 
-    def _cancel(self, pid: str, names: Any) -> None:
-        """D gave up on push ``pid`` (deadline, lost rank): P ranks stop pushing it."""
+    def _cancel(self, pid: str, rid: str, key: tuple[str, int], names: Any) -> None:
+        """D gave up on push ``pid`` of request ``rid`` (deadline, failure): P ranks ``names``
+        stop pushing it. The request's registered blocks stay held (the scheduler pins them
+        on the ``holding`` report) until every rank answered ``CANCELLED`` (sent once none of
+        its WRITEs into them is in flight), the source is lost, or ``cancel_ack_timeout``."""
+        c = self._cancels.get(pid)
+        if c is None:
+            c = self._cancels[pid] = _Cancel(rid, key, set(),
+                                             time.monotonic() + self.cancel_ack_timeout)
+            self._holding.add(rid)
+        msg = pid.encode() + b":" + _CANCEL + self.name.encode()
         for name in names:
+            c.waiting.add(name)
             try:
-                self.agent.send_notif(name, pid.encode() + b":" + _CANCEL)
-            except Exception:  # noqa: BLE001 - best effort: that rank may be gone
-                pass
+                self.agent.send_notif(name, msg)
+            except Exception as e:  # noqa: BLE001 - that rank may be gone: pings tell
+                logger.warning("push %s: cancel to %s not sent: %s", pid, name, e)
+
+    def _on_cancelled(self, pid: str, agent: str) -> None:
+        """D: prefill rank ``agent`` has no WRITE of push ``pid`` in flight any more."""
+        c = self._cancels.get(pid)
+        if c is None:
+            return
+        c.waiting.discard(agent)
+        if not c.waiting:
+            self._end_hold(pid, "acknowledged")
+
+    def _end_hold(self, pid: str, how: str) -> None:
+        """D: the blocks of cancelled push ``pid`` may be reused: ``how`` is "acknowledged"
+        (every prefill rank answered), "source lost" or "deadline"."""
+        c = self._cancels.pop(pid)
+        if c.request_id in self._holding:      # not reported yet: never pinned
+            self._holding.discard(c.request_id)
+        else:
+            self._released.add(c.request_id)
+        if how == "acknowledged":
+            self.counters.add("push_cancels_acknowledged")
+            return
+        self.counters.add("push_cancels_unacknowledged")
+        logger.warning("push %s of %s: blocks released without the prefill engine's cancel "
+                       "acknowledgement (%s; still waiting for %s)", pid, c.request_id, how,
+                       sorted(c.waiting))
+
+    def _check_cancels(self) -> None:
+        """D: holds whose ``cancel_ack_timeout`` passed end unacknowledged."""
+        now = time.monotonic()
+        for pid, c in list(self._cancels.items()):
+            if now >= c.deadline:
+                self._end_hold(pid, f"no answer within {self.cancel_ack_timeout} s")
 
     def _lose_source(self, key: tuple[str, int], why: str) -> None:
         """D: the prefill engine at ``key`` is gone (NIXL reports its agent disconnected, or a
@@ -511,6 +593,9 @@ class HmaPushWorker:
         its deadline, and the next registration for that address handshakes afresh (a
         restarted engine, new engine id or not, gets its new agent)."""
         src = self._sources.pop(key, None)
+        for pid, c in list(self._cancels.items()):    # its WRITEs died with its agent
+            if c.key == key:
+                self._end_hold(pid, "source lost")
         if src is not None:
             live = {n for s in self._sources.values() for n in s.names}
             for name in src.names:
@@ -540,7 +625,8 @@ class HmaPushWorker:
         at the next send (``NIXL_ERR_REMOTE_DISCONNECT``): its pushes fail within about
         that interval instead of at ``push_recv_timeout``."""
         now = time.monotonic()
-        for key in {k for _, _, k in self._expect.values()}:
+        keys = {k for _, _, k in self._expect.values()} | {c.key for c in self._cancels.values()}
+        for key in keys:
             src = self._sources.get(key)
             if src is None or now - src.checked < PEER_CHECK_INTERVAL_S:
                 continue
@@ -557,8 +643,13 @@ class HmaPushWorker:
             if m == _PING:
                 continue
             pid, _, body = m.partition(b":")
-            if body == _CANCEL:
-                self._abort(pid.decode(errors="replace"), "the decode side gave up on it")
+            if body.startswith(_CANCEL):
+                self._on_cancel(pid.decode(errors="replace"),
+                                body[len(_CANCEL):].decode(errors="replace"))
+                continue
+            if body.startswith(_CANCELLED):
+                self._on_cancelled(pid.decode(errors="replace"),
+                                   body[len(_CANCELLED):].decode(errors="replace"))
                 continue
             if body.startswith(_REG):
                 try:
@@ -747,19 +838,32 @@ class HmaPushWorker:
             for sub in list(p.subs):
                 try:
                     st = self.pusher.state(sub)
-                except HmacoreError:
+                except HmacoreError:         # released by its lease end, maybe in flight
                     p.subs.remove(sub)
+                    p.abandoned = True
                     continue
                 if st == PushState.SENT:
                     p.last_write_done = max(p.last_write_done, self.pusher.last_write_done(sub))
                     self.pusher.finish(sub)
                     p.subs.remove(sub)
                 elif st == PushState.FAILED:
-                    err = self.pusher.error(sub)
-                    self.pusher.finish(sub)
-                    p.subs.remove(sub)
-                    self._fail_push(pid, p, err or "WRITE failed")
-            if p.failed is not None or (p.final_started and not p.subs):
+                    if p.failed is None:
+                        self._fail_push(pid, p, self.pusher.error(sub) or "WRITE failed")
+                    if not self.pusher.in_flight(sub):
+                        self.pusher.finish(sub)
+                        p.subs.remove(sub)
+            if p.failed is not None:
+                # post nothing more; a sub ends once none of its WRITEs is in flight
+                for sub in list(p.subs):
+                    try:
+                        self.pusher.stop(sub)
+                        if not self.pusher.in_flight(sub):
+                            self.pusher.finish(sub)
+                            p.subs.remove(sub)
+                    except HmacoreError:
+                        p.subs.remove(sub)
+                        p.abandoned = True
+            if not p.subs and (p.failed is not None or p.final_started):
                 self._end(pid, p)
 
     def _tell_failed(self, pid: str, agents) -> None:
@@ -787,22 +891,38 @@ class HmaPushWorker:
                 self._tell_failed(pid, reg.agents.values())
             return
         self._fail_push(pid, p, why)
-        for sub in p.subs:
+        self._progress()      # ends the push now if none of its WRITEs is in flight
+
+    def _on_cancel(self, pid: str, agent: str) -> None:
+        """P: decode agent ``agent`` gave up on push ``pid``: post nothing more for it and
+        acknowledge (``CANCELLED``) once none of its WRITEs is in flight (at once when none
+        is: not started, or ended; :meth:`_end` acknowledges the others)."""
+        p = self._pushes.get(pid)
+        if p is not None:
+            p.cancelled_by.add(agent)
+        self._abort(pid, "the decode side gave up on it")
+        if p is None:
+            self._acknowledge(pid, (agent,))
+
+    def _acknowledge(self, pid: str, agents: Any) -> None:
+        msg = pid.encode() + b":" + _CANCELLED + self.name.encode()
+        for agent in agents:
             try:
-                self.pusher.finish(sub)
-            except HmacoreError:
-                pass
-        p.subs.clear()
+                self.agent.send_notif(agent, msg)
+                self.counters.add("push_cancels_answered")
+            except Exception as e:  # noqa: BLE001 - that decode rank may be gone
+                logger.warning("push %s: cancel acknowledgement to %s not sent: %s", pid,
+                               agent, e)
 
     def _end(self, pid: str, p: _Push) -> None:
-        if p.subs:                              # a failure: stop the other steps' WRITEs
-            for sub in p.subs:
-                try:
-                    self.pusher.finish(sub)
-                except HmacoreError:            # already released (its lease ended)
-                    pass
-            p.subs.clear()
+        """Called once none of the push's WRITEs is in flight (``p.subs`` empty)."""
         self._pushes.pop(pid, None)
+        if p.cancelled_by:
+            if p.abandoned:     # a WRITE was dropped in flight: let D's ack deadline decide
+                logger.warning("push %s: cancel not acknowledged (a WRITE was released in "
+                               "flight when the lease ended)", pid)
+            else:
+                self._acknowledge(pid, sorted(p.cancelled_by))
         self._regs.pop(pid, None)
         self._dead.append(pid)
         self._sending.add(p.request_id)
@@ -830,8 +950,10 @@ class HmaPushWorker:
         self._guard("polling WRITEs", self._progress)
         self._guard("polling pushes", self.receiver.poll)
         self._guard("settling pushes", self._settle)
-        if self._expect:
+        if self._expect or self._cancels:
             self._guard("checking prefill peers", self._check_sources)
+        if self._cancels:
+            self._guard("checking cancels", self._check_cancels)
         recving, failed = self._recving, self._failed
         self._recving, self._failed = set(), set()
         sending, self._sending = self._sending, set()
@@ -856,18 +978,24 @@ class HmaPushWorker:
                 self._failed.add(rid)
                 src = self._sources.get(key)
                 if src is not None:
-                    self._cancel(pid, src.names)
+                    self._cancel(pid, rid, key, src.names)
             for k in keys:
                 self.receiver.forget(k)
             del self._expect[pid]
 
     def build_worker_meta(self) -> HmaPushWorkerMeta | None:
-        if not self._new_regs:
+        if not (self._new_regs or self._holding or self._released):
             return None
         meta = HmaPushWorkerMeta(registered=self._new_regs,
-                                 registered_by={pid: [self.rank] for pid in self._new_regs})
-        self._new_regs = {}
+                                 registered_by={pid: [self.rank] for pid in self._new_regs},
+                                 holding={rid: [self.rank] for rid in self._holding},
+                                 released={rid: [self.rank] for rid in self._released})
+        self._new_regs, self._holding, self._released = {}, set(), set()
         return meta
+
+    def holds(self) -> dict[str, set[str]]:
+        """D: push id -> prefill agents whose cancel acknowledgement is awaited."""
+        return {pid: set(c.waiting) for pid, c in self._cancels.items()}
 
     def stats(self) -> list[dict]:
         """P: one record per ended push (``forward_end`` / ``last_write_done``: monotonic
