@@ -6,7 +6,8 @@ Mooncake Transfer Engine, inside ``unshare -n`` with only ``lo`` up
 * pull (test_pd_nixl.py): the right bytes for gemma (full + sliding), qwen3-next (Mamba +
   full) and deepseek-v4 (MLA) shaped requests, dead and restarted prefill peers, sync loads,
   aborts, stats;
-* layer-wise push (test_push_flows.py, test_push_failures.py, test_push_peer_loss.py): every
+* layer-wise push (test_push_flows.py, test_push_failures.py, test_push_cancel.py,
+  test_push_peer_loss.py): every
   layer's bytes over several prefill steps, dead / restarted peers, cancels, leases;
 * TP (test_pd_nixl_tp.py, test_push_tp.py): P/D at TP 2->1, 1->2 and 2->2, one process per
   rank, every byte of every loaded block on every rank, pull and push; here the gemma case
@@ -58,6 +59,7 @@ def test_pull_connector_over_mooncake_te():
 @pytest.mark.timeout(1200)
 def test_push_connector_over_mooncake_te():
     run_over_te(["tests/vllm/test_push_flows.py", "tests/vllm/test_push_failures.py",
+                 "tests/vllm/test_push_cancel.py",
                  "tests/vllm/test_push_peer_loss.py"], 1100)
 
 

@@ -8,6 +8,7 @@ the subscriber has accounted for a given sequence number, then compares the inde
 """
 from __future__ import annotations
 
+import socket
 import time
 
 import msgspec
@@ -61,7 +62,28 @@ def batch(events: list, rank: int | None = None) -> V.KVEventBatch:
     return V.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=rank)
 
 
+def _wait_until_free(port: int, timeout: float = 30.0) -> None:
+    """ZMQ releases a closed listener's port asynchronously: wait (bounded) until a plain
+    bind of the loopback port succeeds, so a restarted publisher can take it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+        time.sleep(0.1)
+
+
 def publisher(port: int, replay: int | None, **kw) -> V.ZmqEventPublisher:
+    """vLLM's publisher on these loopback ports: it connects to ``port`` (the subscriber
+    binds it) and binds ``replay``, which a restarted engine takes over from its predecessor:
+    wait until that one is released."""
+    if replay:
+        _wait_until_free(replay)
     return V.ZmqEventPublisher(0, endpoint=tcp(port),
                                replay_endpoint=tcp(replay) if replay else None, **kw)
 
