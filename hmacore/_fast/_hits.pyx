@@ -33,12 +33,11 @@ cimport numpy as cnp
 
 cnp.import_array()
 
+from hmacore._fast._slots cimport SLOT_DELETED, SLOT_EMPTY, probe_slots
 from hmacore._fast._types cimport group_id_t, token_t, GROUP_ID_NPY, TOKEN_NPY, TOKEN_MAX
 from hmacore._fast._helpers cimport PyLong_AsLongLongAndOverflow, sat_add
 from hmacore.errors import HashInputError
 
-cdef group_id_t TAG_EMPTY = -1
-cdef group_id_t TAG_DELETED = -2
 cdef Py_ssize_t MIN_CAP = 16
 # Largest number of keys a set holds: 2**55 keys need a 2**57-slot table (3/4 load), whose
 # byte size (x 36) and every intermediate of reserve() stay below 2**63.
@@ -280,7 +279,7 @@ cdef class ExistenceSet:
             j = <Py_ssize_t>(_key_hash(tag, src + 4, self.digest_size) & <uint64_t>mask)
             while True:
                 memcpy(&tag, fresh + j * self._slot_size, 4)
-                if tag == TAG_EMPTY:
+                if tag == SLOT_EMPTY:
                     break
                 j = (j + 1) & mask
             memcpy(fresh + j * self._slot_size, src, self._slot_size)
@@ -312,27 +311,10 @@ cdef class ExistenceSet:
 
     cdef inline Py_ssize_t probe(self, group_id_t group, const uint8_t* digest,
                                  Py_ssize_t* insert_at) noexcept nogil:
-        """The one linear probe of has / put / drop: the slot index of key (group, digest),
-        or -1 when absent; then ``insert_at`` (if not NULL) gets the slot an insert should
-        use (the first tombstone passed, else the empty slot that ended the probe).
-        Requires ``_cap > 0``; terminates because the table always has an empty slot."""
-        cdef Py_ssize_t mask = self._cap - 1, first_free = -1, j
-        cdef group_id_t tag
-        cdef uint8_t* slot
-        j = <Py_ssize_t>(_key_hash(group, digest, self.digest_size) & <uint64_t>mask)
-        while True:
-            slot = self._slots + j * self._slot_size
-            memcpy(&tag, slot, 4)
-            if tag == TAG_EMPTY:
-                if insert_at != NULL:
-                    insert_at[0] = first_free if first_free >= 0 else j
-                return -1
-            if tag == TAG_DELETED:
-                if first_free < 0:
-                    first_free = j
-            elif tag == group and memcmp(slot + 4, digest, self.digest_size) == 0:
-                return j
-            j = (j + 1) & mask
+        """The one linear probe of has / put / drop (``_slots.probe_slots``). Requires
+        ``_cap > 0``."""
+        return probe_slots(self._slots, self._cap, self._slot_size, self.digest_size, group,
+                           digest, _key_hash(group, digest, self.digest_size), insert_at)
 
     cdef bint has(self, group_id_t group, const uint8_t* digest) noexcept nogil:
         return self._size != 0 and self.probe(group, digest, NULL) >= 0
@@ -348,7 +330,7 @@ cdef class ExistenceSet:
             return 0
         slot = self._slots + at * self._slot_size
         memcpy(&tag, slot, 4)
-        if tag == TAG_EMPTY:          # a reused tombstone was already counted in _used
+        if tag == SLOT_EMPTY:          # a reused tombstone was already counted in _used
             self._used += 1
         memcpy(slot, &group, 4)
         memcpy(slot + 4, digest, self.digest_size)
@@ -357,7 +339,7 @@ cdef class ExistenceSet:
 
     cdef bint drop(self, group_id_t group, const uint8_t* digest) noexcept nogil:
         cdef Py_ssize_t j
-        cdef group_id_t tag = TAG_DELETED
+        cdef group_id_t tag = SLOT_DELETED
         if self._size == 0:
             return False
         j = self.probe(group, digest, NULL)

@@ -28,10 +28,9 @@ import numpy as np
 
 from hmacore._fast._hits cimport (ExistenceSet, KernelTables, hit_over_masks, kernel_tables,
                                   mask_fill_t)
+from hmacore._fast._slots cimport SLOT_DELETED, SLOT_EMPTY, probe_slots
 from hmacore._fast._types cimport group_id_t, token_t
 
-cdef group_id_t TAG_EMPTY = -1
-cdef group_id_t TAG_DELETED = -2
 cdef Py_ssize_t MIN_CAP = 16
 # 2**50 keys: every byte count below (slots x (20..36 + 8 x words)) stays below 2**63
 cdef Py_ssize_t MAX_KEYS = 1 << 50
@@ -82,7 +81,7 @@ cdef const uint64_t* _fill(void* state, group_id_t g, Py_ssize_t row) noexcept n
     while True:
         slot = st.slots + j * st.slot_size
         memcpy(&tag, slot, 4)
-        if tag == TAG_EMPTY:
+        if tag == SLOT_EMPTY:
             return ZERO_MASK
         if tag == g and memcmp(slot + 4, d, st.ds) == 0:
             return st.masks + j * st.words
@@ -124,25 +123,9 @@ cdef class SharedResidency:
     # -- table ---------------------------------------------------------------------------
     cdef inline Py_ssize_t _probe(self, group_id_t g, const uint8_t* d,
                                   Py_ssize_t* insert_at) noexcept nogil:
-        """Slot of key (g, d) or -1; ``insert_at`` gets the slot an insert should use.
-        Requires _cap > 0 (the table always keeps an empty slot, so the scan ends)."""
-        cdef Py_ssize_t mask = self._cap - 1, first_free = -1, j
-        cdef group_id_t tag
-        cdef uint8_t* slot
-        j = <Py_ssize_t>(_key_hash(g, d, self.digest_size) & <uint64_t>mask)
-        while True:
-            slot = self._slots + j * self._slot_size
-            memcpy(&tag, slot, 4)
-            if tag == TAG_EMPTY:
-                if insert_at != NULL:
-                    insert_at[0] = first_free if first_free >= 0 else j
-                return -1
-            if tag == TAG_DELETED:
-                if first_free < 0:
-                    first_free = j
-            elif tag == g and memcmp(slot + 4, d, self.digest_size) == 0:
-                return j
-            j = (j + 1) & mask
+        """Slot of key (g, d) or -1 (``_slots.probe_slots``). Requires _cap > 0."""
+        return probe_slots(self._slots, self._cap, self._slot_size, self.digest_size, g, d,
+                           _key_hash(g, d, self.digest_size), insert_at)
 
     cdef int _rehash(self, Py_ssize_t cap, Py_ssize_t words) noexcept nogil:
         """Rebuild with ``cap`` slots and ``words`` mask words (>= the current); -1 if out of
@@ -165,7 +148,7 @@ cdef class SharedResidency:
             j = <Py_ssize_t>(_key_hash(tag, src + 4, self.digest_size) & <uint64_t>m)
             while True:
                 memcpy(&tag, slots + j * self._slot_size, 4)
-                if tag == TAG_EMPTY:
+                if tag == SLOT_EMPTY:
                     break
                 j = (j + 1) & m
             memcpy(slots + j * self._slot_size, src, self._slot_size)
@@ -208,7 +191,7 @@ cdef class SharedResidency:
             return 1
         slot = self._slots + at * self._slot_size
         memcpy(&tag, slot, 4)
-        if tag == TAG_EMPTY:
+        if tag == SLOT_EMPTY:
             self._used += 1
         memcpy(slot, &g, 4)
         memcpy(slot + 4, d, self.digest_size)
@@ -221,7 +204,7 @@ cdef class SharedResidency:
         """Clear the engine bit of slot j; a slot no engine holds any more is deleted."""
         cdef Py_ssize_t k
         cdef uint64_t* m = self._masks + j * self._words
-        cdef group_id_t tag = TAG_DELETED
+        cdef group_id_t tag = SLOT_DELETED
         m[w] &= ~b
         for k in range(self._words):
             if m[k]:

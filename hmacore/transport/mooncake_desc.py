@@ -24,8 +24,9 @@ import numpy as np
 
 from ..errors import BlockTableError, HandshakeError, TransferError
 from ..runs import DescTable, desc_table, find_runs, span_ranges
-from .mooncake_te import (_KIND, MAX_SLICES_PER_CALL, TE_SLICE_BYTES, check_engine_args,
-                          open_engine, parse_endpoint, run_calls, split_calls)
+from .mooncake_te import (_KIND, MAX_SLICES_PER_CALL, TE_SLICE_BYTES, TeEngineLifetime,
+                          check_engine_args, open_engine, parse_endpoint, run_calls,
+                          split_calls)
 
 __all__ = ["TeDescAgent"]
 
@@ -39,7 +40,7 @@ class _Pair:
         self.ltable, self.rtable = ltable, rtable
 
 
-class TeDescAgent:
+class TeDescAgent(TeEngineLifetime):
     """A Mooncake TE (TCP, P2P handshake) over registered memory, with named descriptor pairs.
 
     Args:
@@ -225,29 +226,9 @@ class TeDescAgent:
         return [(str(n.name), str(n.msg).encode("latin-1")) for n in self._engine.get_notifies()]
 
     # -- lifetime ------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("the agent is closed")
-
-    def close(self) -> None:
-        """Wait for transfers in flight (each bounded by the engine's timeout), deregister
-        memory, drop the engine (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+    def _forget_peers(self) -> None:
         self._pairs.clear()
         self._remotes.clear()
-        self._pool.shutdown(wait=True)
-        try:
-            self._engine.batch_unregister_memory(self._reg)
-        finally:
-            self._engine = None
-
-    def __enter__(self) -> TeDescAgent:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"TeDescAgent({self.name!r}, session={self.session!r}, " \

@@ -174,7 +174,43 @@ class _Peer:
     local_table: DescTable | None = None
 
 
-class MooncakeTeAgent(TransferPosting):
+class TeEngineLifetime:
+    """Open / close of one Transfer Engine that owns a memory registration (both TE drivers):
+    ``close`` forgets the peers (``_forget_peers``), waits for the transfers in flight (each
+    bounded by the engine's timeout), deregisters the memory and drops the engine."""
+
+    _closed: bool
+    _pool: cf.ThreadPoolExecutor
+    _engine: Any
+    _reg: list
+
+    def _forget_peers(self) -> None:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("the agent is closed")
+
+    def close(self) -> None:
+        """Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._forget_peers()
+        self._pool.shutdown(wait=True)
+        try:
+            self._engine.batch_unregister_memory(self._reg)
+        finally:
+            self._engine = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
     """A Mooncake Transfer Engine (TCP, P2P handshake) over one TransferPlan's memory.
 
     Args:
@@ -483,25 +519,5 @@ class MooncakeTeAgent(TransferPosting):
             time.sleep(0.001)
 
     # -- lifetime ------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("the agent is closed")
-
-    def close(self) -> None:
-        """Wait for transfers in flight (each bounded by the engine's timeout), deregister
-        memory, drop the engine (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+    def _forget_peers(self) -> None:
         self._peers.clear()
-        self._pool.shutdown(wait=True)
-        try:
-            self._engine.batch_unregister_memory(self._reg)
-        finally:
-            self._engine = None
-
-    def __enter__(self) -> MooncakeTeAgent:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
