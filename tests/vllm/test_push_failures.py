@@ -75,8 +75,13 @@ def test_p_gone_after_some_layers_leaves_nothing_valid():
                       what="D's deadline")
         _recomputed(D, r)
         c = D.w.worker.counters._data
-        assert c.get("push_cancels_unacknowledged") == 1, c
         assert not c.get("push_cancels_acknowledged"), c
+        if PH.TRANSPORT:
+            # Mooncake TE refuses the send to the closed P at once: the push fails as a lost
+            # peer before its deadline, so there is no cancel to hold blocks for
+            assert c.get("transfer_failures") == 1 and not c.get("push_cancels_unacknowledged"), c
+        else:
+            assert c.get("push_cancels_unacknowledged") == 1, c
     finally:
         D.close()
 
@@ -245,8 +250,10 @@ def test_p_abort_fails_d_and_frees_p(when):
             PH.step_until(lambda: "pab" in P.conn.registered(), [P, D],
                           what="the registration reaches P's scheduler")
         P.s.finish_requests("p", H.RequestStatus.FINISHED_ABORTED)
-        PH.step_until(lambda: not P.s.requests and "d" in D.conn.failed_recving, [P, D],
-                      timeout=15, what="P frees and D fails")
+        # D is checked the step its load fails (stepped on, it recomputes at once), then P
+        # alone steps until it frees
+        PH.step_until(lambda: "d" in D.conn.failed_recving, [P, D], timeout=15, what="D fails")
+        PH.step_until(lambda: not P.s.requests, [P], timeout=15, what="P frees")
         H.assert_no_leak(P.s)
         assert any("prefill side reported" in e for e in D.w.worker.errors), D.w.worker.errors
         _recomputed(D, r, [P, D])     # P answers the cancel D still sends
