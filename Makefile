@@ -40,7 +40,7 @@ build: $(VENV)/.stamp-base $(VENV)/.stamp-install
 	$(PY) setup.py -q build_ext --inplace --parallel 2
 
 test: deps build
-	$(PY) -m pytest -q --durations=40
+	$(PY) -m pytest -q -m "not slow" --durations=40
 
 # Second lane: vLLM 0.33.0 in its own venv (lean recipe, CPU torch, vllm --no-deps): the
 # scheduler-level connector tests (tests/vllm, real NIXL included) and the differential hit
