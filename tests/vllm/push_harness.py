@@ -31,8 +31,8 @@ TRANSPORT = {"transport": os.environ["HMACORE_TEST_TRANSPORT"]} \
 
 
 class Engine:
-    def __init__(self, make_kcc, extra=None, mode="push", **vkw):
-        self.port = free_port()
+    def __init__(self, make_kcc, extra=None, mode="push", port=None, **vkw):
+        self.port = free_port() if port is None else port   # a restart reuses its port
         self.vc = H.vllm_config(extra={"side_channel_port": self.port, "kv_lease_duration": 30,
                                        "transfer_mode": mode, **TRANSPORT, **(extra or {})},
                              **vkw)
