@@ -66,7 +66,8 @@ class Engine:
             for rid, n in so.num_scheduled_tokens.items():
                 req = self.s.requests[rid]
                 end = min(req.num_computed_tokens, req.num_prompt_tokens)
-                start = end - n
+                # (a request resumed after preemption recomputes from 0, outputs included)
+                start = min(max(req.num_computed_tokens - n, 0), end)
                 if start >= end:
                     continue
                 table = self.s.kv_cache_manager.get_block_ids(rid)[g]

@@ -117,7 +117,7 @@ def scenario():
         rec = Ds["rec"]
         xs = [f"x{i}" for i in range(6)]          # more than the pool holds
         for i, x in enumerate(xs):
-            rec.s.add_request(H.make_request(x, _prompt(300 + 11 * i), 16, max_tokens=400))
+            rec.s.add_request(H.make_request(x, _prompt(300 + 11 * i), 16, max_tokens=3000))
         t = time.monotonic()
         _step_all([rec, Ds["fail"]], lambda: time.monotonic() - t > 4 * PEER_CHECK_INTERVAL_S,
                   "pings")
@@ -126,7 +126,8 @@ def scenario():
         out["others"] = {b for rid in xs if rid in rec.s.requests
                          for g in rec.s.kv_cache_manager.get_block_ids(rid) for b in g if b}
         out["free_while_held"] = H.free_blocks(rec.s)
-        out["starved"] = [x for x in xs if rec.s.requests[x].status != H.RequestStatus.RUNNING]
+        out["starved"] = [x for x in xs if x in rec.s.requests
+                          and rec.s.requests[x].status != H.RequestStatus.RUNNING]
         # -- 3. SIGKILL P: the stepped decode engines release at their next ping
         p1.proc.kill()
         p1.proc.wait(timeout=30)
