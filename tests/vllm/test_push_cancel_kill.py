@@ -214,6 +214,8 @@ def test_sigkilled_prefill_releases_the_hold(scenario):
     s = scenario
     assert s["p1_exit"] == -9
     assert s["released_after"] < 20
+    print(f"released {s['released_after']:.2f} s after the SIGKILL; requests failed "
+          f"{ {n: round(t, 1) for n, (t, _) in s['failed'].items()} } s after P stalled")
     for n in ("rec", "fail"):
         c = s["counters"][n]
         assert c.get("push_cancels_unacknowledged") == 1, c
