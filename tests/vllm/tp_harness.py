@@ -25,14 +25,15 @@ RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_rank.py")
 
 
 class RankProc:
-    """One tp_rank.py process; :meth:`call` sends a command and reads one JSON reply."""
+    """One tp_rank.py process (or another ``script`` speaking its protocol, e.g.
+    push_peer_proc.py); :meth:`call` sends a command and reads one JSON reply."""
 
-    def __init__(self, args: dict, timeout: float = 120.0):
+    def __init__(self, args: dict, timeout: float = 120.0, script: str = RANK):
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"tp-rank{args['rank']}-",
                                                suffix=".log", delete=False)
         env = dict(os.environ, NIXL_LOG_LEVEL="WARN", UCX_NET_DEVICES="lo",
                    PYTHONPATH=os.pathsep.join([os.path.dirname(RANK)] + sys.path))
-        self.proc = subprocess.Popen([sys.executable, RANK, json.dumps(args)],
+        self.proc = subprocess.Popen([sys.executable, script, json.dumps(args)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, env=env, text=True)
         self.timeout = timeout
