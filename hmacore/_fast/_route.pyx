@@ -45,18 +45,61 @@ cnp.import_array()
 cdef extern from *:
     """
     #if defined(__GNUC__) || defined(__clang__)
-    #define HMACORE_PREFETCH(p) __builtin_prefetch((p), 1, 1)
+    #define HMACORE_PREFETCH(p) __builtin_prefetch((p), 1, 3)
     #else
     #define HMACORE_PREFETCH(p) ((void)(p))
     #endif
     """
     void prefetch "HMACORE_PREFETCH"(const void* p) noexcept nogil
 
-cdef extern from "Python.h":
-    unsigned long long PyLong_AsUnsignedLongLong(object) noexcept
-    long PyLong_AsLong(object) noexcept
-    PyObject* PyErr_Occurred() noexcept
-    void PyErr_Clear() noexcept
+cdef extern from *:
+    """
+    /* An exact int's value without an exception: 0 and *out on success, -1 if it does not
+       fit (negative / past 2**64 - 1; past a long). CPython 3.11's (and earlier) digit
+       layout is read directly (PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray
+       there, half the cost of a batch); other versions call the API. */
+    #if PY_VERSION_HEX < 0x030C0000 && !defined(PYPY_VERSION) && PyLong_SHIFT == 30
+    static inline int hmacore_as_u64(PyObject* x, unsigned long long* out) {
+        Py_ssize_t size = Py_SIZE(x);
+        const digit* d = ((PyLongObject*)x)->ob_digit;
+        switch (size) {
+        case 0: *out = 0; return 0;
+        case 1: *out = d[0]; return 0;
+        case 2: *out = (unsigned long long)d[0] | ((unsigned long long)d[1] << 30); return 0;
+        case 3:
+            if (d[2] >> 4) return -1;
+            *out = (unsigned long long)d[0] | ((unsigned long long)d[1] << 30)
+                   | ((unsigned long long)d[2] << 60);
+            return 0;
+        default: return -1;
+        }
+    }
+    static inline int hmacore_as_long(PyObject* x, long* out) {
+        Py_ssize_t size = Py_SIZE(x);
+        const digit* d = ((PyLongObject*)x)->ob_digit;
+        if (size == 0) { *out = 0; return 0; }
+        if (size == 1) { *out = (long)d[0]; return 0; }
+        if (size == -1) { *out = -(long)d[0]; return 0; }
+        return -1;    /* |x| >= 2**30: no group id or op */
+    }
+    #else
+    static inline int hmacore_as_u64(PyObject* x, unsigned long long* out) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(x);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
+        *out = v;
+        return 0;
+    }
+    static inline int hmacore_as_long(PyObject* x, long* out) {
+        int overflow = 0;
+        long v = PyLong_AsLongAndOverflow(x, &overflow);
+        if (overflow || (v == -1 && PyErr_Occurred())) { PyErr_Clear(); return -1; }
+        *out = v;
+        return 0;
+    }
+    #endif
+    """
+    int as_u64 "hmacore_as_u64"(PyObject* x, unsigned long long* out) noexcept
+    int as_long "hmacore_as_long"(PyObject* x, long* out) noexcept
 
 cdef Py_ssize_t MIN_CAP = 16
 # 2**50 keys: every byte count below (slots x (24..48 + 8 x words)) stays below 2**63
@@ -65,8 +108,9 @@ cdef Py_ssize_t MAX_KEYS = 1 << 50
 MAX_ENGINES = 1 << 16
 cdef uint64_t ZERO_MASK[1024]
 memset(ZERO_MASK, 0, sizeof(ZERO_MASK))
-# rows ahead whose home slot an event batch prefetches
-cdef Py_ssize_t PREFETCH_AHEAD = 8
+# rows ahead whose home slot an event batch prefetches (a power of two: a ring of hashes)
+cdef enum:
+    PREFETCH_AHEAD = 16
 
 
 cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
@@ -129,7 +173,8 @@ cdef const uint64_t* _fill(void* state, group_id_t g, Py_ssize_t row) noexcept n
         memcpy(&tag, slot, 4)
         if tag == SLOT_EMPTY:
             return ZERO_MASK
-        if tag == g and memcmp(slot + 4, d, st.ds) == 0:
+        if tag == g and (memcmp(slot + 4, d, 8) == 0 if st.ds == 8
+                         else memcmp(slot + 4, d, st.ds) == 0):
             return <const uint64_t*>(slot - st.mask_bytes)
         j = (j + 1) & mask
 
@@ -182,6 +227,9 @@ cdef class SharedResidency:
     cdef inline Py_ssize_t _probe(self, group_id_t g, const uint8_t* d, uint64_t h,
                                   Py_ssize_t* insert_at) noexcept nogil:
         """Slot of key (g, d) (hash h) or -1 (``_slots.probe_slots``). Requires _cap > 0."""
+        if self.digest_size == 8:       # a constant size: the key compare is one load
+            return probe_slots(self._tags(), self._cap, self._slot_size, 8, g, d, h,
+                               insert_at)
         return probe_slots(self._tags(), self._cap, self._slot_size, self.digest_size, g, d,
                            h, insert_at)
 
@@ -252,10 +300,16 @@ cdef class SharedResidency:
         if self._tag(at) == SLOT_EMPTY:
             self._used += 1
         m = self._mask(at)
-        memset(m, 0, 8 * self._words)
-        m[w] = b
+        if self._words == 1:
+            m[0] = b
+        else:
+            memset(m, 0, 8 * self._words)
+            m[w] = b
         self._set_tag(at, g)
-        memcpy(self._tags() + at * self._slot_size + 4, d, self.digest_size)
+        if self.digest_size == 8:
+            memcpy(self._tags() + at * self._slot_size + 4, d, 8)
+        else:
+            memcpy(self._tags() + at * self._slot_size + 4, d, self.digest_size)
         self._size += 1
         return 1
 
@@ -368,7 +422,8 @@ cdef class SharedResidency:
         cdef int rc = 0, ds = self.digest_size
         cdef int8_t op
         cdef list dups = self._dups[bit]
-        cdef uint64_t* kh = NULL
+        cdef uint64_t ring[PREFETCH_AHEAD]     # key hashes of rows i .. i + AHEAD - 1
+        cdef uint64_t h
         cdef uint8_t buf[16]
         if groups.shape[0] != n or digests.shape[0] != n:
             raise ValueError("ops, groups and digests must have one row each")
@@ -380,20 +435,22 @@ cdef class SharedResidency:
             stores += ops[i] > 0
         if self._reserve(stores) < 0:
             raise MemoryError(f"KV events: no room for {stores} more keys (nothing applied)")
-        kh = <uint64_t*>malloc(n * sizeof(uint64_t))
-        if kh == NULL:
-            raise MemoryError("KV events: no memory for the batch's key hashes")
-        for i in range(n):
-            kh[i] = _key_hash(groups[i], &digests[i, 0], ds)
+        for i in range(min(n, PREFETCH_AHEAD)):
+            ring[i] = _key_hash(groups[i], &digests[i, 0], ds)
         try:
             for i in range(n):
+                h = ring[i & (PREFETCH_AHEAD - 1)]
                 ahead = i + PREFETCH_AHEAD
-                if ahead < n and self._cap > 0:
-                    prefetch(self._slots + <Py_ssize_t>(kh[ahead] & <uint64_t>(self._cap - 1))
-                             * self._slot_size)
+                if ahead < n:
+                    ring[ahead & (PREFETCH_AHEAD - 1)] = _key_hash(groups[ahead],
+                                                                   &digests[ahead, 0], ds)
+                    if self._cap > 0:
+                        prefetch(self._slots + <Py_ssize_t>(
+                            ring[ahead & (PREFETCH_AHEAD - 1)] & <uint64_t>(self._cap - 1))
+                            * self._slot_size)
                 op = ops[i]
                 if op > 0:
-                    rc = self._set(groups[i], &digests[i, 0], kh[i], w, b)
+                    rc = self._set(groups[i], &digests[i, 0], h, w, b)
                     if rc < 0:
                         raise MemoryError(f"KV event row {i}: out of memory ({i} rows applied)")
                     if rc == 1:
@@ -404,7 +461,7 @@ cdef class SharedResidency:
                     stored += 1
                 elif op < 0:
                     # one probe: the duplicate layers never move the table's slots
-                    j = self._probe(groups[i], &digests[i, 0], kh[i], NULL) if self._size else -1
+                    j = self._probe(groups[i], &digests[i, 0], h, NULL) if self._size else -1
                     if j < 0 or not (self._mask(j)[w] & b):
                         ignored += 1
                         continue
@@ -420,7 +477,6 @@ cdef class SharedResidency:
                     dups = self._dups[bit]
                     resident = 0
         finally:
-            free(kh)
             self._resident[bit] = resident
         return stored, removed, ignored, n
 
@@ -463,7 +519,13 @@ cdef class SharedResidency:
                 raise ValueError("kernel group ids must be < num_groups")
         if type(hashes) is list:
             n_rows = len(<list>hashes)
-            width = len((<list>hashes)[0]) if n_rows else ds
+            width = ds
+            if n_rows:
+                item = (<list>hashes)[0]
+                if type(item) is not bytes:
+                    raise ValueError(f"hashes[0] must be a digest (bytes), got "
+                                     f"{type(item).__name__}")
+                width = len(<bytes>item)
         elif cnp.PyArray_Check(hashes):
             arr = <cnp.ndarray>hashes
             if cnp.PyArray_TYPE(arr) != cnp.NPY_UINT8 or cnp.PyArray_NDIM(arr) != 2:
@@ -615,11 +677,7 @@ def pack_event_lists(list ops, list groups, list hashes, int num_groups):
         item = ops[i]
         if type(item) is not int:
             raise TypeError(f"ops[{i}] must be an int, got {type(item).__name__}")
-        op = PyLong_AsLong(item)
-        if op == -1 and PyErr_Occurred() != NULL:
-            PyErr_Clear()
-            op = 2
-        if op < -1 or op > 1:
+        if as_long(<PyObject*>item, &op) < 0 or op < -1 or op > 1:
             raise ValueError(f"ops[{i}] must be 1 (store), -1 (remove) or 0 (clear), "
                              f"got {item}")
         o[i] = <int8_t>op
@@ -627,11 +685,7 @@ def pack_event_lists(list ops, list groups, list hashes, int num_groups):
         if type(item) is not int:
             raise TypeError(f"groups[{i}] must be an int, got {type(item).__name__}")
         if op != 0:
-            g = PyLong_AsLong(item)
-            if g == -1 and PyErr_Occurred() != NULL:
-                PyErr_Clear()
-                g = -1
-            if g < 0 or g >= num_groups:
+            if as_long(<PyObject*>item, &g) < 0 or g < 0 or g >= num_groups:
                 raise ValueError(f"groups[{i}] must be a group id in [0, {num_groups}), "
                                  f"got {item}")
             gr[i] = <int32_t>g
@@ -641,9 +695,7 @@ def pack_event_lists(list ops, list groups, list hashes, int num_groups):
         if type(item) is not int:
             raise TypeError(f"hashes[{i}] must be an int (a 64-bit hash), got "
                             f"{type(item).__name__}")
-        v = PyLong_AsUnsignedLongLong(item)
-        if v == <unsigned long long>-1 and PyErr_Occurred() != NULL:
-            PyErr_Clear()
+        if as_u64(<PyObject*>item, &v) < 0:
             raise OverflowError(f"hashes[{i}] must be in [0, 2**64), got {item}")
         for b in range(8):
             k[i * 8 + 7 - b] = <uint8_t>(v >> (8 * b))
