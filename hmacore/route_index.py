@@ -245,8 +245,8 @@ class RoutingIndex:
         if self.int_hashes and type(ops) is list and type(groups) is list \
                 and type(hashes) is list:
             try:
-                ops_a, groups_a, keys = _route.pack_event_lists(ops, groups, hashes,
-                                                                self.num_groups)
+                ops_a, groups_a, keys, clears = _route.pack_event_lists(ops, groups, hashes,
+                                                                        self.num_groups)
             except OverflowError as e:
                 raise HashInputError(str(e)) from None
             except ValueError as e:
@@ -254,7 +254,7 @@ class RoutingIndex:
             except TypeError:
                 pass                 # not plain ints (numpy scalars, ...): the general path
             else:
-                return self._apply(key, ops_a, groups_a, keys, int((ops_a == OP_CLEAR).sum()))
+                return self._apply(key, ops_a, groups_a, keys, clears)
         ops_a = _int_array("ops", ops, np.int8)
         groups_a = _int_array("groups", groups, np.int32)
         if ops_a.size != groups_a.size:

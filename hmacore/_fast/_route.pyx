@@ -409,26 +409,34 @@ cdef class SharedResidency:
         return self._size
 
     # -- events --------------------------------------------------------------------------
-    def apply_rows(self, Py_ssize_t bit, const int8_t[::1] ops, const int32_t[::1] groups,
-                   const uint8_t[:, ::1] digests):
-        """Apply rows to engine ``bit``; returns ``(stored, removed, ignored, applied)``:
-        stores (every store counts), removes that lowered a count, removes of a key not
-        resident (no-ops), rows applied (== len(ops); if memory runs out MemoryError is
-        raised, naming the rows applied before it)."""
+    def apply_rows(self, Py_ssize_t bit, ops_a, groups_a, digests_a):
+        """Apply rows to engine ``bit``: ``ops_a`` int8 (N,), ``groups_a`` int32 (N,),
+        ``digests_a`` uint8 (N, digest_size), C-contiguous arrays. Returns ``(stored, removed,
+        ignored, applied)``: stores (every store counts), removes that lowered a count, removes
+        of a key not resident (no-ops), rows applied (== N; if memory runs out MemoryError is
+        raised, naming the rows applied before it). Raw pointers, not memoryviews: a small
+        batch (one engine step) pays no buffer acquisition."""
         self._check(bit)
-        cdef Py_ssize_t n = ops.shape[0], i, j, stores = 0, w = bit >> 6, ahead
+        cdef int ds = self.digest_size
+        _check_array(ops_a, cnp.NPY_INT8, 1, 1, "ops", "int8")
+        _check_array(groups_a, cnp.NPY_INT32, 1, 1, "groups", "int32")
+        _check_array(digests_a, cnp.NPY_UINT8, 2, ds, "digests", "uint8")
+        cdef Py_ssize_t n = cnp.PyArray_DIM(<cnp.ndarray>ops_a, 0)
+        cdef const int8_t* ops = <const int8_t*>cnp.PyArray_DATA(<cnp.ndarray>ops_a)
+        cdef const int32_t* groups = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>groups_a)
+        cdef const uint8_t* digests = <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>digests_a)
+        cdef Py_ssize_t i, j, stores = 0, w = bit >> 6, ahead
         cdef uint64_t b = (<uint64_t>1) << (bit & 63)
         cdef int64_t stored = 0, removed = 0, ignored = 0, resident = self._resident[bit]
-        cdef int rc = 0, ds = self.digest_size
+        cdef int rc = 0
         cdef int8_t op
         cdef list dups = self._dups[bit]
         cdef uint64_t ring[PREFETCH_AHEAD]     # key hashes of rows i .. i + AHEAD - 1
         cdef uint64_t h
         cdef uint8_t buf[16]
-        if groups.shape[0] != n or digests.shape[0] != n:
+        if cnp.PyArray_DIM(<cnp.ndarray>groups_a, 0) != n \
+                or cnp.PyArray_DIM(<cnp.ndarray>digests_a, 0) != n:
             raise ValueError("ops, groups and digests must have one row each")
-        if n and digests.shape[1] != ds:
-            raise ValueError(f"digests must be {ds} bytes wide")
         if n == 0:
             return 0, 0, 0, 0
         for i in range(n):
@@ -436,38 +444,38 @@ cdef class SharedResidency:
         if self._reserve(stores) < 0:
             raise MemoryError(f"KV events: no room for {stores} more keys (nothing applied)")
         for i in range(min(n, PREFETCH_AHEAD)):
-            ring[i] = _key_hash(groups[i], &digests[i, 0], ds)
+            ring[i] = _key_hash(groups[i], digests + i * ds, ds)
         try:
             for i in range(n):
                 h = ring[i & (PREFETCH_AHEAD - 1)]
                 ahead = i + PREFETCH_AHEAD
                 if ahead < n:
                     ring[ahead & (PREFETCH_AHEAD - 1)] = _key_hash(groups[ahead],
-                                                                   &digests[ahead, 0], ds)
+                                                                   digests + ahead * ds, ds)
                     if self._cap > 0:
                         prefetch(self._slots + <Py_ssize_t>(
                             ring[ahead & (PREFETCH_AHEAD - 1)] & <uint64_t>(self._cap - 1))
                             * self._slot_size)
                 op = ops[i]
                 if op > 0:
-                    rc = self._set(groups[i], &digests[i, 0], h, w, b)
+                    rc = self._set(groups[i], digests + i * ds, h, w, b)
                     if rc < 0:
                         raise MemoryError(f"KV event row {i}: out of memory ({i} rows applied)")
                     if rc == 1:
                         resident += 1
                     elif _store_duplicate(dups, ds, groups[i],
-                                          _dup_key(ds, &digests[i, 0], buf)) < 0:
+                                          _dup_key(ds, digests + i * ds, buf)) < 0:
                         raise MemoryError(f"KV event row {i}: out of memory ({i} rows applied)")
                     stored += 1
                 elif op < 0:
                     # one probe: the duplicate layers never move the table's slots
-                    j = self._probe(groups[i], &digests[i, 0], h, NULL) if self._size else -1
+                    j = self._probe(groups[i], digests + i * ds, h, NULL) if self._size else -1
                     if j < 0 or not (self._mask(j)[w] & b):
                         ignored += 1
                         continue
                     removed += 1
                     if dups and _remove_duplicate(dups, groups[i],
-                                                  _dup_key(ds, &digests[i, 0], buf)):
+                                                  _dup_key(ds, digests + i * ds, buf)):
                         continue
                     self._unset_slot(j, w, b)
                     resident -= 1
@@ -603,6 +611,19 @@ cdef class SharedResidency:
         return hits, best, holders
 
 
+cdef int _check_array(object a, int npy_type, int ndim, Py_ssize_t width,
+                      str name, str dtype) except -1:
+    """``a`` is an exact C-contiguous ndarray of that type and rank (rank 2: ``width``
+    columns), read through a raw pointer."""
+    if not (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == npy_type
+            and cnp.PyArray_NDIM(<cnp.ndarray>a) == ndim
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a)
+            and (ndim == 1 or cnp.PyArray_DIM(<cnp.ndarray>a, 1) == width)):
+        raise ValueError(f"{name} must be a C-contiguous {dtype} array of rank {ndim}"
+                         + (f", {width} bytes wide" if ndim == 2 else ""))
+    return 0
+
+
 cdef int _store_duplicate(list dups, int ds, int32_t g, const uint8_t* d) except -2:
     """One more insertion of a key the engine already holds: put it in the first duplicate
     layer that lacks it (a new layer if all hold it). -1 if out of memory."""
@@ -657,9 +678,9 @@ def apply_rows(SharedResidency residency, Py_ssize_t bit, ops, groups, digests):
 
 def pack_event_lists(list ops, list groups, list hashes, int num_groups):
     """Event rows as Python lists (as msgspec decodes a batch) -> (ops int8, groups int32,
-    (N, 8) uint8 keys: the 64-bit hash big-endian), in one typed pass.
+    (N, 8) uint8 keys: the 64-bit hash big-endian, the number of clears), in one typed pass.
     Raises ValueError / TypeError / OverflowError naming the first bad row."""
-    cdef Py_ssize_t n = len(ops), i, b
+    cdef Py_ssize_t n = len(ops), i, b, clears = 0
     cdef long op, g
     cdef unsigned long long v
     cdef object item
@@ -681,6 +702,7 @@ def pack_event_lists(list ops, list groups, list hashes, int num_groups):
             raise ValueError(f"ops[{i}] must be 1 (store), -1 (remove) or 0 (clear), "
                              f"got {item}")
         o[i] = <int8_t>op
+        clears += op == 0
         item = groups[i]
         if type(item) is not int:
             raise TypeError(f"groups[{i}] must be an int, got {type(item).__name__}")
@@ -699,4 +721,4 @@ def pack_event_lists(list ops, list groups, list hashes, int num_groups):
             raise OverflowError(f"hashes[{i}] must be in [0, 2**64), got {item}")
         for b in range(8):
             k[i * 8 + 7 - b] = <uint8_t>(v >> (8 * b))
-    return ops_a, groups_a, keys
+    return ops_a, groups_a, keys, clears
