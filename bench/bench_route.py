@@ -6,9 +6,11 @@ transcription of vLLM's hit rule), in one run, on the same events and queries.
 
 Reports (every hmacore answer is checked equal to the Python index's before timing):
 - events applied per second: one vLLM-like event stream (every group's blocks of 16 prompts
-  stored, then half of them evicted) flattened to rows; hmacore takes Python lists (ops, groups
-  and the 64-bit int hashes vLLM publishes, as decoded; converting them is timed), the Python
-  index the same lists with pre-folded 8-byte keys (its conversion is not timed);
+  stored, then half of them evicted) flattened to rows, as the KV event subscriber passes a
+  decoded batch to ``RoutingIndex.apply``: hmacore takes Python lists (ops, groups and the
+  64-bit int hashes vLLM publishes, as msgspec decodes them; converting them is timed), the
+  Python index the same lists with pre-folded 8-byte keys (its conversion is not timed);
+  each run starts from an emptied engine (``reset_engine`` / a new dict, timed);
 - query time for 4k / 32k / 128k-token prompts over N engines, engine i holding the first
   (i+1)/N of the prompt in every group, or engine 0 all of it and the others none: hash
   computation (vLLM's sha256 chain, the same
@@ -39,14 +41,16 @@ SIZES = (4096, 32768, 131072)
 
 
 def timed(fn, repeat):
-    """Fastest of ``repeat`` calls (after one warm-up call; the least disturbed by other load
-    on a shared machine, for both implementations alike) and the last result."""
+    """Fastest of ``repeat`` calls (after one warm-up call) and the last result. Timed in this
+    thread's CPU time (``time.thread_time``), not wall time: on a shared, loaded machine a
+    long call (the Python index's) is descheduled far more often than a short one, which
+    inflated wall-clock ratios (a 166x "events" ratio at load 20 for a 10x kernel)."""
     out = fn()
     ts = []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = time.thread_time()
         out = fn()
-        ts.append(time.perf_counter() - t)
+        ts.append(time.thread_time() - t)
     return min(ts), out
 
 

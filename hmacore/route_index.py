@@ -19,8 +19,9 @@ once for every engine. Odd input never corrupts the index:
 Hashes: block i of group g is named by hash row ``(i+1)*bs_g/h - 1`` (vLLM >= 0.32), which is
 what vLLM's events carry, so one ``(group, row hash)`` key space serves every group whatever
 its block size. With ``int_hashes=True`` (vLLM's default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)
-events carry the low 64 bits of each digest (big-endian) and queries fold their digests the
-same way; with False they carry the digest bytes.
+events carry the low 64 bits of each digest (big-endian), the index keeps those 8 bytes, and
+queries read the last 8 bytes of their digests in place; with False events carry the digest
+bytes.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from .spec import KVLayout
 __all__ = ["RoutingIndex", "RouteResult", "ApplyStats", "OP_STORE", "OP_REMOVE", "OP_CLEAR"]
 
 OP_STORE, OP_REMOVE, OP_CLEAR = 1, -1, 0
-_INT_WIDTH = 16     # an int hash is kept as 8 zero bytes + its 8 big-endian bytes
+_INT_WIDTH = 8      # an int hash is kept as its 8 big-endian bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +196,7 @@ class RoutingIndex:
                     raise HashInputError(f"hashes must be ints in [0, 2**64): {e}") from None
                 if values.ndim != 1:
                     raise HashInputError("hashes must be a flat sequence of ints")
-            out = np.zeros((values.size, 2), dtype=">u8")   # 8 zero bytes + big-endian int
-            out[:, 1] = values
-            return out.view(np.uint8).reshape(-1, _INT_WIDTH)
+            return values.astype(">u8").view(np.uint8).reshape(-1, _INT_WIDTH)
         ds = self.digest_size
         if isinstance(hashes, np.ndarray):
             if hashes.dtype != np.uint8 or hashes.ndim != 2 or hashes.shape[1] != ds:
@@ -227,9 +226,7 @@ class RoutingIndex:
             if hashes.shape[1] != self.digest_size:
                 raise HashInputError(f"hashes must be {self.digest_size}-byte digests")
             return np.ascontiguousarray(hashes)
-        out = np.zeros((hashes.shape[0], _INT_WIDTH), dtype=np.uint8)
-        out[:, 8:] = hashes[:, -8:]
-        return out
+        return np.ascontiguousarray(hashes[:, -_INT_WIDTH:])
 
     def apply(self, key: Hashable, ops: Any, groups: Any, hashes: Any) -> ApplyStats:
         """Apply one engine's events in order, flattened to one row per block hash.
@@ -248,8 +245,8 @@ class RoutingIndex:
         if self.int_hashes and type(ops) is list and type(groups) is list \
                 and type(hashes) is list:
             try:
-                ops_a, groups_a, keys = _route.pack_event_lists(ops, groups, hashes,
-                                                                self.num_groups)
+                ops_a, groups_a, keys, clears = _route.pack_event_lists(ops, groups, hashes,
+                                                                        self.num_groups)
             except OverflowError as e:
                 raise HashInputError(str(e)) from None
             except ValueError as e:
@@ -257,7 +254,7 @@ class RoutingIndex:
             except TypeError:
                 pass                 # not plain ints (numpy scalars, ...): the general path
             else:
-                return self._apply(key, ops_a, groups_a, keys, int((ops_a == OP_CLEAR).sum()))
+                return self._apply(key, ops_a, groups_a, keys, clears)
         ops_a = _int_array("ops", ops, np.int8)
         groups_a = _int_array("groups", groups, np.int32)
         if ops_a.size != groups_a.size:
@@ -321,19 +318,20 @@ class RoutingIndex:
         ``hashes`` (digests: vLLM's ``Request.block_hashes`` or :meth:`block_hashes`). The hit
         is capped at ``num_tokens - 1`` as vLLM's scheduler caps it (the last token is always
         recomputed)."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) \
-                or num_tokens < 0:
+        if type(num_tokens) is not int and (isinstance(num_tokens, bool) or not isinstance(
+                num_tokens, (int, np.integer))) or num_tokens < 0:
             raise ArgumentValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        keys = self.fold(hashes)
-        max_length = max(int(num_tokens) - 1, 0)
-        with self._lock:
-            names = self._keys
-            found = self._residency.hits(self._kernel, self.num_groups, keys, max_length,
-                                         self._bits)
-        best = int(found.max()) if found.size else 0
-        best_engines = tuple(names[i] for i in np.flatnonzero(found == best)) if best else ()
-        return RouteResult(dict(zip(names, found.tolist())), best, best_engines,
-                           int(num_tokens))
+        num_tokens = int(num_tokens)
+        if type(hashes) is not list and not isinstance(hashes, np.ndarray):
+            hashes = list(hashes)
+        try:
+            with self._lock:     # one compiled call: digests read in place, result built
+                hits, best, best_engines = self._residency.route(
+                    self._kernel, self.num_groups, hashes, max(num_tokens - 1, 0),
+                    self._keys, self._bits)
+        except (TypeError, ValueError) as e:
+            raise HashInputError(str(e)) from None
+        return RouteResult(hits, best, best_engines, num_tokens)
 
 
 def _int_array(name: str, values: Any, dtype: Any) -> np.ndarray:

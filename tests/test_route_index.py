@@ -63,6 +63,22 @@ def scenarios(draw):
     return layout, int_hashes, prompts, engines, batches
 
 
+def query_form(digests: list[bytes], form: int):
+    """The digests as a query takes them: a list of bytes (0), an (N, 32) array (1), a strided
+    view of a wider array (2, copied by the kernel), a tuple (3, the general path)."""
+    if form == 0:
+        return list(digests)
+    if form == 3:
+        return tuple(digests)
+    arr = (np.frombuffer(b"".join(digests), np.uint8).reshape(-1, 32) if digests
+           else np.zeros((0, 32), np.uint8))
+    if form == 2:
+        wide = np.zeros((arr.shape[0], 40), np.uint8)
+        wide[:, 4:36] = arr
+        return wide[:, 4:36]
+    return arr
+
+
 @settings(max_examples=min(400, int(os.environ.get("HMACORE_EXAMPLES", "2000"))), deadline=None)
 @given(scenarios(), st.data())
 def test_index_matches_oracle(sc, data):
@@ -85,7 +101,8 @@ def test_index_matches_oracle(sc, data):
         prompt = data.draw(st.sampled_from(prompts))
         n = data.draw(st.integers(0, len(prompt)))
         num_tokens = n * h + data.draw(st.integers(0, h))
-        got = index.query_hashes(prompt[:n], num_tokens)
+        got = index.query_hashes(query_form(prompt[:n], data.draw(st.integers(0, 3))),
+                                 num_tokens)
         want = oracle.hits(prompt[:n], num_tokens)
         assert got.hits == want
         assert got.best == max(want.values(), default=0)
@@ -245,6 +262,71 @@ def test_bad_batch_is_refused_whole(index):
         RoutingIndex(get_preset("gpt-oss"), hash_algo="md5")
     with pytest.raises(ArgumentValueError, match="engine_id"):
         index.add_engine("")
+
+
+@settings(max_examples=min(60, int(os.environ.get("HMACORE_EXAMPLES", "2000"))), deadline=None)
+@given(st.integers(1, 3), st.integers(0, 2**32), st.integers(1, 6))
+def test_table_churn_matches_oracle(n_engines, seed, rounds):
+    """Store / remove / clear cycles over one key space (the table's deletions, emptied runs
+    of tombstones, the clear with and without other holders): residency and hits equal the
+    oracle's after every round, and the table does not grow from churn alone."""
+    layout = get_preset("gpt-oss")
+    index, oracle = RoutingIndex(layout), OracleRoute(layout)
+    rng = np.random.default_rng(seed)
+    prompt = chain(40, seed)
+    keys = [index.add_engine(f"e{i}") for i in range(n_engines)]
+    for key in keys:
+        oracle.add_engine(key)
+    sizes = []
+    assert layout.num_groups == 2
+    for _ in range(rounds):
+        for key in keys:
+            rows = rng.permutation(40)[:rng.integers(1, 41)]
+            ops = rng.choice([OP_STORE, OP_STORE, OP_REMOVE], rows.size).tolist()
+            if rng.integers(0, 5) == 0:
+                ops[rng.integers(0, rows.size)] = OP_CLEAR
+            groups = rng.integers(0, layout.num_groups, rows.size).tolist()
+            raw = [prompt[i] for i in rows]
+            index.apply(key, ops, groups, ints(raw))
+            oracle.apply(key, ops, groups, [fold(d, True) for d in raw])
+        for key in keys:
+            assert index.resident_blocks(key) == len(oracle.engines[key])
+        n = int(rng.integers(0, 41))
+        assert index.query_hashes(prompt[:n], n * 16).hits == oracle.hits(prompt[:n], n * 16)
+        sizes.append(index._residency.nbytes)
+    # at most 80 keys (40 rows x 2 groups) and 40 stores a batch: churn never grows the
+    # table past 256 slots of 24 bytes (mask word, tag, 8-byte key)
+    assert index._residency.num_keys <= 80 and max(sizes) <= 256 * 24
+    for key in keys:
+        index.clear(key)
+    assert index._residency.num_keys == 0
+
+
+def test_event_lists_refused_with_their_row(index):
+    """The compiled list path names the bad row and applies nothing."""
+    key = ("a", 0)
+    hs = ints(index.block_hashes(list(range(64))))
+    cases = [([1, 2**40], [1, 1], hs[:2], ArgumentValueError, "ops\\[1\\]"),
+             ([1, -1], [1, 2**70], hs[:2], ArgumentValueError, "groups\\[1\\]"),
+             ([1, 1], [1, -1], hs[:2], ArgumentValueError, "groups\\[1\\]"),
+             ([1, 1], [1, 1], [hs[0], 2**64], HashInputError, "hashes\\[1\\]"),
+             ([1, 1], [1, 1], [hs[0], -5], HashInputError, "hashes\\[1\\]"),
+             ([1, 1], [1, 1], [hs[0], -2**70], HashInputError, "hashes\\[1\\]")]
+    for ops, groups, hashes, err, match in cases:
+        with pytest.raises(err, match=match):
+            index.apply(key, ops, groups, hashes)
+        assert index.resident_blocks(key) == 0
+    index.apply(key, [1, 0, 1], [1, 2**70, 1], [hs[0], 0, 2**64 - 1])   # a clear's group: unread
+    assert index.resident_blocks(key) == 1
+    assert index.query_hashes([], 0).hits == {key: 0}
+    with pytest.raises(HashInputError, match="hashes"):
+        index.query_hashes([b"x" * 32, b"y" * 31], 64)
+    with pytest.raises(HashInputError, match="hashes"):
+        index.query_hashes([7], 64)
+    with pytest.raises(HashInputError, match="hashes"):
+        index.query_hashes(np.zeros((2, 4), np.uint8), 64)
+    with pytest.raises(HashInputError, match="hashes"):
+        index.query_hashes(np.zeros((2, 32), np.int8), 64)
 
 
 def test_apply_and_query_from_threads(index):

@@ -1,7 +1,5 @@
 """Engines' counted residency in one shared (group, hash) -> engine-mask table, and the
 routing query (see _route.pyx)."""
-from collections.abc import Sequence
-
 import numpy as np
 import numpy.typing as npt
 from typing_extensions import disjoint_base
@@ -26,13 +24,14 @@ class SharedResidency:
     def num_keys(self) -> int: ...
     def apply_rows(self, bit: int, ops: npt.NDArray[np.int8], groups: npt.NDArray[np.int32],
                    digests: npt.NDArray[np.uint8]) -> tuple[int, int, int, int]: ...
-    def hits(self, kernel: HitKernel, num_groups: int, hashes: npt.NDArray[np.uint8],
-             max_length: int, bits: npt.NDArray[np.int64] | Sequence[int]
-             ) -> npt.NDArray[np.int64]: ...
+    def route(self, kernel: HitKernel, num_groups: int,
+              hashes: list[bytes] | npt.NDArray[np.uint8], max_length: int,
+              names: tuple[object, ...], bits: npt.NDArray[np.int64]
+              ) -> tuple[dict[object, int], int, tuple[object, ...]]: ...
 
 def apply_rows(residency: SharedResidency, bit: int, ops: npt.NDArray[np.int8],
                groups: npt.NDArray[np.int32],
                digests: npt.NDArray[np.uint8]) -> tuple[int, int, int, int]: ...
 def pack_event_lists(ops: list[int], groups: list[int], hashes: list[int], num_groups: int
                      ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.int32],
-                                npt.NDArray[np.uint8]]: ...
+                                npt.NDArray[np.uint8], int]: ...

@@ -5,25 +5,34 @@ the same block before either is cached both insert it), and emits one ``BlockSto
 per insertion and one ``BlockRemoved`` hash per removal. A key is resident on an engine while
 its count there is positive.
 
-``SharedResidency`` keeps every engine's residency in one open-addressing table: a slot is a
-4-byte tag (group id, -1 empty, -2 deleted) + the digest, and beside it the key's engine mask
-(``words`` uint64 words, bit b = engine b holds the key at count >= 1). A slot lives while
-some engine holds the key. Counts above 1 are rare; per engine they are nested layers of
-``ExistenceSet`` (a key of count c is in duplicate layers 0..c-2).
+``SharedResidency`` keeps every engine's residency in one open-addressing table. A slot is
+the key's engine mask (``words`` uint64 words, bit b = engine b holds the key at count >= 1),
+then a 4-byte tag (group id, -1 empty, -2 deleted) and the key (8 bytes: a 64-bit event hash,
+big-endian; or a 16/32-byte digest), padded to 8 bytes: one probe reads tag, key and mask
+from the same cache line. The tags and keys are probed by ``_slots.probe_slots`` (shared with
+ExistenceSet) from the base ``slots + 8 * words``. A slot lives while some engine holds the
+key; a deleted slot followed by an empty one becomes empty (with the tombstones before it),
+so remove-heavy streams do not fill the table with tombstones. Counts above 1 are rare; per
+engine they are nested layers of ``ExistenceSet`` (a key of count c is in duplicate layers
+0..c-2; 8-byte keys are kept there as 16 bytes, 8 zero bytes first).
 
-A query probes the table once per (group, hash row) its rule reaches, for all engines at
-once: the probes are memoised per query (``hit_over_masks`` in _hits.pyx runs vLLM's rule for
-each engine over the memo), so an engine whose hit covers rows another engine already probed
-costs a bit test per row.
+Events: a batch's key hashes are computed first, then the rows are applied in order with
+the home slot of a row a few rows ahead prefetched (the table is far larger than the cache
+for a fleet's residency). A query probes the table once per (group, hash row) its rule
+reaches, for all engines at once: the probes are memoised per query (``hit_over_masks`` in
+_hits.pyx runs vLLM's rule for each engine over the memo); ``route`` reads the query's
+digests in place (the last 8 bytes for 8-byte keys) and builds the per-engine result.
 
 Rows are applied in order: op 1 stores (count + 1), op -1 removes (count - 1, a no-op at 0),
 op 0 clears the engine (``AllBlocksCleared``). The caller validated ops, groups and digests.
 Not thread-safe by itself: RoutingIndex serialises every call with its lock.
 """
+from cpython.ref cimport PyObject
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
+cimport numpy as cnp
 import numpy as np
 
 from hmacore._fast._hits cimport (ExistenceSet, KernelTables, hit_over_masks, kernel_tables,
@@ -31,13 +40,77 @@ from hmacore._fast._hits cimport (ExistenceSet, KernelTables, hit_over_masks, ke
 from hmacore._fast._slots cimport SLOT_DELETED, SLOT_EMPTY, probe_slots
 from hmacore._fast._types cimport group_id_t, token_t
 
+cnp.import_array()
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define HMACORE_PREFETCH(p) __builtin_prefetch((p), 1, 3)
+    #else
+    #define HMACORE_PREFETCH(p) ((void)(p))
+    #endif
+    """
+    void prefetch "HMACORE_PREFETCH"(const void* p) noexcept nogil
+
+cdef extern from *:
+    """
+    /* An exact int's value without an exception: 0 and *out on success, -1 if it does not
+       fit (negative / past 2**64 - 1; past a long). CPython 3.11's (and earlier) digit
+       layout is read directly (PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray
+       there, half the cost of a batch); other versions call the API. */
+    #if PY_VERSION_HEX < 0x030C0000 && !defined(PYPY_VERSION) && PyLong_SHIFT == 30
+    static inline int hmacore_as_u64(PyObject* x, unsigned long long* out) {
+        Py_ssize_t size = Py_SIZE(x);
+        const digit* d = ((PyLongObject*)x)->ob_digit;
+        switch (size) {
+        case 0: *out = 0; return 0;
+        case 1: *out = d[0]; return 0;
+        case 2: *out = (unsigned long long)d[0] | ((unsigned long long)d[1] << 30); return 0;
+        case 3:
+            if (d[2] >> 4) return -1;
+            *out = (unsigned long long)d[0] | ((unsigned long long)d[1] << 30)
+                   | ((unsigned long long)d[2] << 60);
+            return 0;
+        default: return -1;
+        }
+    }
+    static inline int hmacore_as_long(PyObject* x, long* out) {
+        Py_ssize_t size = Py_SIZE(x);
+        const digit* d = ((PyLongObject*)x)->ob_digit;
+        if (size == 0) { *out = 0; return 0; }
+        if (size == 1) { *out = (long)d[0]; return 0; }
+        if (size == -1) { *out = -(long)d[0]; return 0; }
+        return -1;    /* |x| >= 2**30: no group id or op */
+    }
+    #else
+    static inline int hmacore_as_u64(PyObject* x, unsigned long long* out) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(x);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
+        *out = v;
+        return 0;
+    }
+    static inline int hmacore_as_long(PyObject* x, long* out) {
+        int overflow = 0;
+        long v = PyLong_AsLongAndOverflow(x, &overflow);
+        if (overflow || (v == -1 && PyErr_Occurred())) { PyErr_Clear(); return -1; }
+        *out = v;
+        return 0;
+    }
+    #endif
+    """
+    int as_u64 "hmacore_as_u64"(PyObject* x, unsigned long long* out) noexcept
+    int as_long "hmacore_as_long"(PyObject* x, long* out) noexcept
+
 cdef Py_ssize_t MIN_CAP = 16
-# 2**50 keys: every byte count below (slots x (20..36 + 8 x words)) stays below 2**63
+# 2**50 keys: every byte count below (slots x (24..48 + 8 x words)) stays below 2**63
 cdef Py_ssize_t MAX_KEYS = 1 << 50
 # engine bits: 2**16 engines (1024 mask words) at most
 MAX_ENGINES = 1 << 16
 cdef uint64_t ZERO_MASK[1024]
 memset(ZERO_MASK, 0, sizeof(ZERO_MASK))
+# rows ahead whose home slot an event batch prefetches (a power of two: a ring of hashes)
+cdef enum:
+    PREFETCH_AHEAD = 16
 
 
 cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
@@ -51,26 +124,43 @@ cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
 
 
 cdef inline uint64_t _key_hash(group_id_t g, const uint8_t* d, int ds) noexcept nogil:
-    """Hash of (group, digest): the last 16 digest bytes (an int hash's 8 bytes are the last
-    8) mixed with the group id."""
-    cdef uint64_t w0, w1
-    memcpy(&w0, d + ds - 16, 8)
-    memcpy(&w1, d + ds - 8, 8)
+    """Hash of (group, key): an 8-byte key whole, else the last 16 digest bytes, mixed with
+    the group id."""
+    cdef uint64_t w0 = 0, w1
+    if ds == 8:
+        memcpy(&w1, d, 8)
+    else:
+        memcpy(&w0, d + ds - 16, 8)
+        memcpy(&w1, d + ds - 8, 8)
     return _mix(w1 ^ _mix(w0 ^ (<uint64_t><uint32_t>g) * 0x9e3779b97f4a7c15ULL))
 
 
+cdef inline Py_ssize_t _slot_bytes(Py_ssize_t words, int ds) noexcept nogil:
+    """Bytes of one slot: mask words, tag, key, padded to 8 (the masks stay aligned)."""
+    return (8 * words + 4 + ds + 7) & ~(<Py_ssize_t>7)
+
+
+cdef inline const uint8_t* _dup_key(int ds, const uint8_t* d, uint8_t* buf) noexcept nogil:
+    """The key as the duplicate layers (ExistenceSet: 16 or 32 bytes) hold it."""
+    if ds != 8:
+        return d
+    memset(buf, 0, 8)
+    memcpy(buf + 8, d, 8)
+    return buf
+
+
 cdef struct FillState:
-    const uint8_t* slots
-    const uint64_t* masks
-    const uint8_t* hashes     # the query's (n_rows, ds) rows
-    Py_ssize_t cap, slot_size, words, size
+    const uint8_t* tags        # the table's tag base (slots + 8 * words)
+    const uint8_t* hashes      # the query's key bytes of row 0
+    Py_ssize_t stride          # bytes from one query row's key to the next
+    Py_ssize_t cap, slot_size, mask_bytes, size
     int ds
 
 
 cdef const uint64_t* _fill(void* state, group_id_t g, Py_ssize_t row) noexcept nogil:
     """The engine mask of key (g, query row ``row``), or a zero mask if no engine holds it."""
     cdef FillState* st = <FillState*>state
-    cdef const uint8_t* d = st.hashes + row * st.ds
+    cdef const uint8_t* d = st.hashes + row * st.stride
     cdef Py_ssize_t mask, j
     cdef group_id_t tag
     cdef const uint8_t* slot
@@ -79,86 +169,102 @@ cdef const uint64_t* _fill(void* state, group_id_t g, Py_ssize_t row) noexcept n
     mask = st.cap - 1
     j = <Py_ssize_t>(_key_hash(g, d, st.ds) & <uint64_t>mask)
     while True:
-        slot = st.slots + j * st.slot_size
+        slot = st.tags + j * st.slot_size
         memcpy(&tag, slot, 4)
         if tag == SLOT_EMPTY:
             return ZERO_MASK
-        if tag == g and memcmp(slot + 4, d, st.ds) == 0:
-            return st.masks + j * st.words
+        if tag == g and (memcmp(slot + 4, d, 8) == 0 if st.ds == 8
+                         else memcmp(slot + 4, d, st.ds) == 0):
+            return <const uint64_t*>(slot - st.mask_bytes)
         j = (j + 1) & mask
 
 
 cdef class SharedResidency:
     """Every engine's counted (group, hash) residency: one key table with an engine mask per
-    key (see the module docstring). Engines are mask bits from :meth:`add_engine`."""
+    key (see the module docstring). Engines are mask bits from :meth:`add_engine`.
+    ``digest_size``: 8 (64-bit event hashes, big-endian), 16 or 32 (digests)."""
     cdef readonly int digest_size
-    cdef uint8_t* _slots           # _cap * _slot_size
-    cdef uint64_t* _masks          # _cap * _words
+    cdef uint8_t* _slots           # _cap * _slot_size: [mask words][tag][key][pad]
     cdef Py_ssize_t _cap, _size, _used, _slot_size, _words
     cdef list _resident            # per bit: distinct keys held (count >= 1)
     cdef list _dups                # per bit: list of ExistenceSet (count >= 2, >= 3, ...)
     cdef list _live                # per bit: in use
 
     def __cinit__(self, int digest_size=16):
-        if digest_size not in (16, 32):
-            raise ValueError(f"digest_size must be 16 or 32 bytes, got {digest_size}")
+        if digest_size not in (8, 16, 32):
+            raise ValueError(f"digest_size must be 8, 16 or 32 bytes, got {digest_size}")
         self.digest_size = digest_size
-        self._slot_size = 4 + digest_size
-        self._slots = NULL
-        self._masks = NULL
-        self._cap = self._size = self._used = 0
         self._words = 1
+        self._slot_size = _slot_bytes(1, digest_size)
+        self._slots = NULL
+        self._cap = self._size = self._used = 0
         self._resident = []
         self._dups = []
         self._live = []
 
     def __dealloc__(self):
         free(self._slots)
-        free(self._masks)
 
     def __reduce__(self):
         raise TypeError("SharedResidency cannot be pickled (a raw table owned by one "
                         "RoutingIndex); rebuild the index from the engines' event streams")
 
     # -- table ---------------------------------------------------------------------------
-    cdef inline Py_ssize_t _probe(self, group_id_t g, const uint8_t* d,
+    cdef inline uint8_t* _tags(self) noexcept nogil:
+        return self._slots + 8 * self._words
+
+    cdef inline uint64_t* _mask(self, Py_ssize_t j) noexcept nogil:
+        return <uint64_t*>(self._slots + j * self._slot_size)
+
+    cdef inline group_id_t _tag(self, Py_ssize_t j) noexcept nogil:
+        cdef group_id_t tag
+        memcpy(&tag, self._slots + j * self._slot_size + 8 * self._words, 4)
+        return tag
+
+    cdef inline void _set_tag(self, Py_ssize_t j, group_id_t tag) noexcept nogil:
+        memcpy(self._slots + j * self._slot_size + 8 * self._words, &tag, 4)
+
+    cdef inline Py_ssize_t _probe(self, group_id_t g, const uint8_t* d, uint64_t h,
                                   Py_ssize_t* insert_at) noexcept nogil:
-        """Slot of key (g, d) or -1 (``_slots.probe_slots``). Requires _cap > 0."""
-        return probe_slots(self._slots, self._cap, self._slot_size, self.digest_size, g, d,
-                           _key_hash(g, d, self.digest_size), insert_at)
+        """Slot of key (g, d) (hash h) or -1 (``_slots.probe_slots``). Requires _cap > 0."""
+        if self.digest_size == 8:       # a constant size: the key compare is one load
+            return probe_slots(self._tags(), self._cap, self._slot_size, 8, g, d, h,
+                               insert_at)
+        return probe_slots(self._tags(), self._cap, self._slot_size, self.digest_size, g, d,
+                           h, insert_at)
 
     cdef int _rehash(self, Py_ssize_t cap, Py_ssize_t words) noexcept nogil:
         """Rebuild with ``cap`` slots and ``words`` mask words (>= the current); -1 if out of
         memory (the table is then unchanged)."""
-        cdef uint8_t* slots = <uint8_t*>malloc(cap * self._slot_size)
-        cdef uint64_t* masks = <uint64_t*>calloc(cap * words, 8)
-        cdef Py_ssize_t i, j, m = cap - 1
+        cdef Py_ssize_t ss = _slot_bytes(words, self.digest_size)
+        cdef uint8_t* slots = <uint8_t*>malloc(cap * ss)
+        cdef Py_ssize_t i, j, m = cap - 1, old_mb = 8 * self._words, mb = 8 * words
         cdef group_id_t tag
         cdef uint8_t* src
-        if slots == NULL or masks == NULL:
-            free(slots)
-            free(masks)
+        cdef uint8_t* dst
+        if slots == NULL:
             return -1
-        memset(slots, 0xFF, cap * self._slot_size)
+        memset(slots, 0xFF, cap * ss)
         for i in range(self._cap):
             src = self._slots + i * self._slot_size
-            memcpy(&tag, src, 4)
+            memcpy(&tag, src + old_mb, 4)
             if tag < 0:
                 continue
-            j = <Py_ssize_t>(_key_hash(tag, src + 4, self.digest_size) & <uint64_t>m)
+            j = <Py_ssize_t>(_key_hash(tag, src + old_mb + 4, self.digest_size) & <uint64_t>m)
             while True:
-                memcpy(&tag, slots + j * self._slot_size, 4)
+                memcpy(&tag, slots + j * ss + mb, 4)
                 if tag == SLOT_EMPTY:
                     break
                 j = (j + 1) & m
-            memcpy(slots + j * self._slot_size, src, self._slot_size)
-            memcpy(masks + j * words, self._masks + i * self._words, self._words * 8)
+            dst = slots + j * ss
+            memcpy(dst, src, old_mb)
+            memset(dst + old_mb, 0, mb - old_mb)
+            memcpy(dst + mb, src + old_mb, 4 + self.digest_size)
         free(self._slots)
-        free(self._masks)
         self._slots = slots
-        self._masks = masks
         self._cap = cap
         self._words = words
+        self._slot_size = ss
         self._used = self._size
         return 0
 
@@ -176,41 +282,58 @@ cdef class SharedResidency:
             cap = self._cap          # only tombstones to clear
         return self._rehash(cap, self._words)
 
-    cdef int _set(self, group_id_t g, const uint8_t* d, Py_ssize_t w, uint64_t b) noexcept nogil:
-        """Set the engine bit of key (g, d): 1 if newly set, 0 if it was set, -1 no memory."""
+    cdef int _set(self, group_id_t g, const uint8_t* d, uint64_t h, Py_ssize_t w,
+                  uint64_t b) noexcept nogil:
+        """Set the engine bit of key (g, d) (hash h): 1 if newly set, 0 if it was set, -1 no
+        memory."""
         cdef Py_ssize_t at = -1, j
-        cdef group_id_t tag
-        cdef uint8_t* slot
+        cdef uint64_t* m
         if self._reserve(1) < 0:
             return -1
-        j = self._probe(g, d, &at)
+        j = self._probe(g, d, h, &at)
         if j >= 0:
-            if self._masks[j * self._words + w] & b:
+            m = self._mask(j)
+            if m[w] & b:
                 return 0
-            self._masks[j * self._words + w] |= b
+            m[w] |= b
             return 1
-        slot = self._slots + at * self._slot_size
-        memcpy(&tag, slot, 4)
-        if tag == SLOT_EMPTY:
+        if self._tag(at) == SLOT_EMPTY:
             self._used += 1
-        memcpy(slot, &g, 4)
-        memcpy(slot + 4, d, self.digest_size)
-        memset(self._masks + at * self._words, 0, self._words * 8)
-        self._masks[at * self._words + w] = b
+        m = self._mask(at)
+        if self._words == 1:
+            m[0] = b
+        else:
+            memset(m, 0, 8 * self._words)
+            m[w] = b
+        self._set_tag(at, g)
+        if self.digest_size == 8:
+            memcpy(self._tags() + at * self._slot_size + 4, d, 8)
+        else:
+            memcpy(self._tags() + at * self._slot_size + 4, d, self.digest_size)
         self._size += 1
         return 1
 
     cdef void _unset_slot(self, Py_ssize_t j, Py_ssize_t w, uint64_t b) noexcept nogil:
-        """Clear the engine bit of slot j; a slot no engine holds any more is deleted."""
-        cdef Py_ssize_t k
-        cdef uint64_t* m = self._masks + j * self._words
-        cdef group_id_t tag = SLOT_DELETED
-        m[w] &= ~b
+        """Clear the engine bit of slot j; a slot no engine holds any more is deleted: made
+        empty (with the tombstones just before it) when the next slot is empty, since no
+        probe passes through it then, else a tombstone."""
+        cdef Py_ssize_t k, m = self._cap - 1
+        cdef uint64_t* mask = self._mask(j)
+        mask[w] &= ~b
         for k in range(self._words):
-            if m[k]:
+            if mask[k]:
                 return
-        memcpy(self._slots + j * self._slot_size, &tag, 4)
         self._size -= 1
+        if self._tag((j + 1) & m) != SLOT_EMPTY:
+            self._set_tag(j, SLOT_DELETED)
+            return
+        self._set_tag(j, SLOT_EMPTY)
+        self._used -= 1
+        k = (j - 1) & m
+        while self._tag(k) == SLOT_DELETED:      # stops at j at the latest (now empty)
+            self._set_tag(k, SLOT_EMPTY)
+            self._used -= 1
+            k = (k - 1) & m
 
     # -- engines -------------------------------------------------------------------------
     def add_engine(self):
@@ -247,14 +370,20 @@ cdef class SharedResidency:
             raise ValueError(f"engine bit {bit} is not in use")
 
     cdef _clear(self, Py_ssize_t bit):
-        cdef Py_ssize_t j, w = bit >> 6
+        cdef Py_ssize_t j, w = bit >> 6, others = 0, e
         cdef uint64_t b = (<uint64_t>1) << (bit & 63)
-        cdef group_id_t tag
         if self._resident[bit]:
-            for j in range(self._cap):
-                memcpy(&tag, self._slots + j * self._slot_size, 4)
-                if tag >= 0 and self._masks[j * self._words + w] & b:
-                    self._unset_slot(j, w, b)
+            for e in range(len(self._resident)):
+                if e != bit:
+                    others += <Py_ssize_t>self._resident[e]
+            if others == 0:
+                # no other engine holds a key: every slot goes, no scan
+                memset(self._slots, 0xFF, self._cap * self._slot_size)
+                self._size = self._used = 0
+            else:
+                for j in range(self._cap):
+                    if self._tag(j) >= 0 and self._mask(j)[w] & b:
+                        self._unset_slot(j, w, b)
         self._resident[bit] = 0
         self._dups[bit] = []
 
@@ -270,8 +399,9 @@ cdef class SharedResidency:
 
     @property
     def nbytes(self):
-        """Bytes of the shared table (slots and masks; duplicate layers not included)."""
-        return self._cap * (self._slot_size + 8 * self._words)
+        """Bytes of the shared table (slots with their masks; duplicate layers not
+        included)."""
+        return self._cap * self._slot_size
 
     @property
     def num_keys(self):
@@ -279,48 +409,73 @@ cdef class SharedResidency:
         return self._size
 
     # -- events --------------------------------------------------------------------------
-    def apply_rows(self, Py_ssize_t bit, const int8_t[::1] ops, const int32_t[::1] groups,
-                   const uint8_t[:, ::1] digests):
-        """Apply rows to engine ``bit``; returns ``(stored, removed, ignored, applied)``:
-        stores (every store counts), removes that lowered a count, removes of a key not
-        resident (no-ops), rows applied (== len(ops); if memory runs out MemoryError is
-        raised, naming the rows applied before it)."""
+    def apply_rows(self, Py_ssize_t bit, ops_a, groups_a, digests_a):
+        """Apply rows to engine ``bit``: ``ops_a`` int8 (N,), ``groups_a`` int32 (N,),
+        ``digests_a`` uint8 (N, digest_size), C-contiguous arrays. Returns ``(stored, removed,
+        ignored, applied)``: stores (every store counts), removes that lowered a count, removes
+        of a key not resident (no-ops), rows applied (== N; if memory runs out MemoryError is
+        raised, naming the rows applied before it). Raw pointers, not memoryviews: a small
+        batch (one engine step) pays no buffer acquisition."""
         self._check(bit)
-        cdef Py_ssize_t n = ops.shape[0], i, j, stores = 0, w = bit >> 6
+        cdef int ds = self.digest_size
+        _check_array(ops_a, cnp.NPY_INT8, 1, 1, "ops", "int8")
+        _check_array(groups_a, cnp.NPY_INT32, 1, 1, "groups", "int32")
+        _check_array(digests_a, cnp.NPY_UINT8, 2, ds, "digests", "uint8")
+        cdef Py_ssize_t n = cnp.PyArray_DIM(<cnp.ndarray>ops_a, 0)
+        cdef const int8_t* ops = <const int8_t*>cnp.PyArray_DATA(<cnp.ndarray>ops_a)
+        cdef const int32_t* groups = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>groups_a)
+        cdef const uint8_t* digests = <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>digests_a)
+        cdef Py_ssize_t i, j, stores = 0, w = bit >> 6, ahead
         cdef uint64_t b = (<uint64_t>1) << (bit & 63)
         cdef int64_t stored = 0, removed = 0, ignored = 0, resident = self._resident[bit]
         cdef int rc = 0
         cdef int8_t op
         cdef list dups = self._dups[bit]
-        if groups.shape[0] != n or digests.shape[0] != n:
+        cdef uint64_t ring[PREFETCH_AHEAD]     # key hashes of rows i .. i + AHEAD - 1
+        cdef uint64_t h
+        cdef uint8_t buf[16]
+        if cnp.PyArray_DIM(<cnp.ndarray>groups_a, 0) != n \
+                or cnp.PyArray_DIM(<cnp.ndarray>digests_a, 0) != n:
             raise ValueError("ops, groups and digests must have one row each")
-        if n and digests.shape[1] != self.digest_size:
-            raise ValueError(f"digests must be {self.digest_size} bytes wide")
+        if n == 0:
+            return 0, 0, 0, 0
         for i in range(n):
             stores += ops[i] > 0
         if self._reserve(stores) < 0:
             raise MemoryError(f"KV events: no room for {stores} more keys (nothing applied)")
+        for i in range(min(n, PREFETCH_AHEAD)):
+            ring[i] = _key_hash(groups[i], digests + i * ds, ds)
         try:
             for i in range(n):
+                h = ring[i & (PREFETCH_AHEAD - 1)]
+                ahead = i + PREFETCH_AHEAD
+                if ahead < n:
+                    ring[ahead & (PREFETCH_AHEAD - 1)] = _key_hash(groups[ahead],
+                                                                   digests + ahead * ds, ds)
+                    if self._cap > 0:
+                        prefetch(self._slots + <Py_ssize_t>(
+                            ring[ahead & (PREFETCH_AHEAD - 1)] & <uint64_t>(self._cap - 1))
+                            * self._slot_size)
                 op = ops[i]
                 if op > 0:
-                    rc = self._set(groups[i], &digests[i, 0], w, b)
+                    rc = self._set(groups[i], digests + i * ds, h, w, b)
                     if rc < 0:
                         raise MemoryError(f"KV event row {i}: out of memory ({i} rows applied)")
                     if rc == 1:
                         resident += 1
-                    elif _store_duplicate(dups, self.digest_size, groups[i],
-                                          &digests[i, 0]) < 0:
+                    elif _store_duplicate(dups, ds, groups[i],
+                                          _dup_key(ds, digests + i * ds, buf)) < 0:
                         raise MemoryError(f"KV event row {i}: out of memory ({i} rows applied)")
                     stored += 1
                 elif op < 0:
                     # one probe: the duplicate layers never move the table's slots
-                    j = self._probe(groups[i], &digests[i, 0], NULL) if self._size else -1
-                    if j < 0 or not (self._masks[j * self._words + w] & b):
+                    j = self._probe(groups[i], digests + i * ds, h, NULL) if self._size else -1
+                    if j < 0 or not (self._mask(j)[w] & b):
                         ignored += 1
                         continue
                     removed += 1
-                    if dups and _remove_duplicate(dups, groups[i], &digests[i, 0]):
+                    if dups and _remove_duplicate(dups, groups[i],
+                                                  _dup_key(ds, digests + i * ds, buf)):
                         continue
                     self._unset_slot(j, w, b)
                     resident -= 1
@@ -334,55 +489,139 @@ cdef class SharedResidency:
         return stored, removed, ignored, n
 
     # -- queries -------------------------------------------------------------------------
-    def hits(self, kernel, int num_groups, const uint8_t[:, ::1] hashes, token_t max_length,
-             bits):
-        """Per engine bit of ``bits`` (a sequence), its hit in tokens by ``kernel``'s rule (a
-        HitKernel; group ids < ``num_groups``) for the query rows ``hashes`` capped at
-        ``max_length``: an int64 array in the order of ``bits``."""
+    def route(self, kernel, int num_groups, hashes, token_t max_length, tuple names, bits):
+        """Every engine's hit for the query rows ``hashes`` by ``kernel``'s rule (a HitKernel;
+        group ids < ``num_groups``), capped at ``max_length``: ``(hits, best, best_engines)``
+        with ``hits`` a dict ``names[e] -> tokens`` for the engine bits ``bits`` (an int64
+        array, one per name), ``best`` the longest and ``best_engines`` the names holding it
+        (empty when ``best`` is 0).
+
+        ``hashes``: the rows' digests, an (N, D) uint8 array or a list of N ``bytes`` of one
+        length D; D must be ``digest_size``, or >= 8 when the keys are 8 bytes (the last 8
+        digest bytes are the key: vLLM's int hash of a digest). Read in place. Raises
+        ValueError / TypeError naming the bad argument."""
         cdef KernelTables kt
         kernel_tables(kernel, &kt)          # pointers valid while `kernel` is referenced
-        cdef Py_ssize_t n_rows = hashes.shape[0], e, nb = len(bits), bit, k
-        cdef const int64_t[::1] bit_a = np.asarray(bits, dtype=np.int64)
+        cdef int ds = self.digest_size
+        cdef Py_ssize_t n_rows, width, e, nb, k, i
+        cdef int64_t bit
+        cdef const int64_t* bit_p
+        cdef cnp.ndarray arr
+        cdef const uint8_t* base = NULL
+        cdef uint8_t* packed = NULL
+        cdef object item
+        if not (cnp.PyArray_CheckExact(bits) and cnp.PyArray_NDIM(<cnp.ndarray>bits) == 1
+                and cnp.PyArray_TYPE(<cnp.ndarray>bits) == cnp.NPY_INT64
+                and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>bits)):
+            raise TypeError("bits must be a 1-D C-contiguous int64 array")
+        nb = cnp.PyArray_DIM(<cnp.ndarray>bits, 0)
+        if nb != len(names):
+            raise ValueError(f"names and bits must have one entry per engine: {len(names)} "
+                             f"names, {nb} bits")
+        bit_p = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>bits)
         for e in range(nb):
-            bit = bit_a[e]
-            if not 0 <= bit < len(self._live) or not self._live[bit]:
-                self._check(bit)
+            if not 0 <= bit_p[e] < len(self._live):
+                raise ValueError(f"engine bit {bit_p[e]} is not in use")
         for k in range(kt.num_members):
             if not 0 <= kt.members[k] < num_groups:
                 raise ValueError("kernel group ids must be < num_groups")
-        if n_rows and hashes.shape[1] != self.digest_size:
-            raise ValueError(f"hashes must be {self.digest_size} bytes wide")
-        out = np.zeros(nb, np.int64)
-        cdef int64_t[::1] o = out
+        if type(hashes) is list:
+            n_rows = len(<list>hashes)
+            width = ds
+            if n_rows:
+                item = (<list>hashes)[0]
+                if type(item) is not bytes:
+                    raise ValueError(f"hashes[0] must be a digest (bytes), got "
+                                     f"{type(item).__name__}")
+                width = len(<bytes>item)
+        elif cnp.PyArray_Check(hashes):
+            arr = <cnp.ndarray>hashes
+            if cnp.PyArray_TYPE(arr) != cnp.NPY_UINT8 or cnp.PyArray_NDIM(arr) != 2:
+                raise ValueError("hashes must be an (N, digest) uint8 array")
+            if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+                arr = np.ascontiguousarray(arr)
+            n_rows = cnp.PyArray_DIM(arr, 0)
+            width = cnp.PyArray_DIM(arr, 1)
+        else:
+            raise TypeError(f"hashes must be a list of digests (bytes) or an (N, digest) "
+                            f"uint8 array, got {type(hashes).__name__}")
+        if (width < 8) if ds == 8 else (width != ds):
+            raise ValueError(f"hashes must be {'>= 8' if ds == 8 else ds}-byte digests, got "
+                             f"{width} bytes")
+        if type(hashes) is list:
+            if n_rows:
+                packed = <uint8_t*>malloc(n_rows * ds)
+                if packed == NULL:
+                    raise MemoryError("routing query: no memory for the query's keys")
+            for i in range(n_rows):
+                item = (<list>hashes)[i]
+                if type(item) is not bytes or len(<bytes>item) != width:
+                    free(packed)
+                    raise ValueError(f"hashes[{i}] must be {width} bytes (the digests of "
+                                     f"one hash algorithm)")
+                memcpy(packed + i * ds, <const char*>(<bytes>item) + width - ds, ds)
+            base = packed
+            width = ds
+        elif n_rows:
+            base = <const uint8_t*>cnp.PyArray_DATA(arr) + width - ds
+        hits = {}
         if n_rows == 0 or nb == 0 or kt.S == 0:
-            return out
+            free(packed)
+            for e in range(nb):
+                hits[names[e]] = 0
+            return hits, 0, ()
         cdef const uint64_t** memo = <const uint64_t**>calloc(num_groups * n_rows,
                                                                 sizeof(uint64_t*))
         cdef int64_t* spans = <int64_t*>malloc(kt.S * 2 * sizeof(int64_t))
+        cdef int64_t* found = <int64_t*>malloc(nb * sizeof(int64_t))
+        cdef int64_t best = 0
         cdef FillState st
-        if memo == NULL or spans == NULL:
+        if memo == NULL or spans == NULL or found == NULL:
             free(memo)
             free(spans)
+            free(found)
+            free(packed)
             raise MemoryError("routing query: no memory for the probe memo")
-        st.slots = self._slots
-        st.masks = self._masks
-        st.hashes = &hashes[0, 0]
+        st.tags = self._tags()
+        st.hashes = base
+        st.stride = width
         st.cap = self._cap
         st.slot_size = self._slot_size
-        st.words = self._words
+        st.mask_bytes = 8 * self._words
         st.size = self._size
-        st.ds = self.digest_size
+        st.ds = ds
         try:
-            # the GIL stays held: the memo points into this table's arrays, which only a
-            # call on this object (serialised by the GIL, and by RoutingIndex's lock) changes
+            # the GIL stays held: the memo points into this table, which only a call on this
+            # object (serialised by the GIL, and by RoutingIndex's lock) changes; `arr` /
+            # `hashes` are referenced for the whole call
             for e in range(nb):
-                bit = bit_a[e]
-                o[e] = hit_over_masks(&kt, n_rows, max_length, memo, _fill, &st,
-                                      bit >> 6, (<uint64_t>1) << (bit & 63), spans)
+                bit = bit_p[e]
+                found[e] = hit_over_masks(&kt, n_rows, max_length, memo, _fill, &st,
+                                          bit >> 6, (<uint64_t>1) << (bit & 63), spans)
+                if found[e] > best:
+                    best = found[e]
+            for e in range(nb):
+                hits[names[e]] = found[e]
+            holders = tuple([names[e] for e in range(nb) if found[e] == best]) if best else ()
         finally:
             free(memo)
             free(spans)
-        return out
+            free(found)
+            free(packed)
+        return hits, best, holders
+
+
+cdef int _check_array(object a, int npy_type, int ndim, Py_ssize_t width,
+                      str name, str dtype) except -1:
+    """``a`` is an exact C-contiguous ndarray of that type and rank (rank 2: ``width``
+    columns), read through a raw pointer."""
+    if not (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == npy_type
+            and cnp.PyArray_NDIM(<cnp.ndarray>a) == ndim
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a)
+            and (ndim == 1 or cnp.PyArray_DIM(<cnp.ndarray>a, 1) == width)):
+        raise ValueError(f"{name} must be a C-contiguous {dtype} array of rank {ndim}"
+                         + (f", {width} bytes wide" if ndim == 2 else ""))
+    return 0
 
 
 cdef int _store_duplicate(list dups, int ds, int32_t g, const uint8_t* d) except -2:
@@ -397,7 +636,7 @@ cdef int _store_duplicate(list dups, int ds, int32_t g, const uint8_t* d) except
         layer.unlock()
         if rc != 0:
             return -1 if rc < 0 else 0
-    layer = ExistenceSet(ds)
+    layer = ExistenceSet(16 if ds == 8 else ds)
     dups.append(layer)
     layer.lock()
     rc = layer.put(g, d)
@@ -439,41 +678,47 @@ def apply_rows(SharedResidency residency, Py_ssize_t bit, ops, groups, digests):
 
 def pack_event_lists(list ops, list groups, list hashes, int num_groups):
     """Event rows as Python lists (as msgspec decodes a batch) -> (ops int8, groups int32,
-    (N, 16) uint8 keys: 8 zero bytes + the 64-bit hash big-endian), in one typed pass.
+    (N, 8) uint8 keys: the 64-bit hash big-endian, the number of clears), in one typed pass.
     Raises ValueError / TypeError / OverflowError naming the first bad row."""
-    cdef Py_ssize_t n = len(ops), i, b
+    cdef Py_ssize_t n = len(ops), i, b, clears = 0
     cdef long op, g
     cdef unsigned long long v
+    cdef object item
     if len(groups) != n or len(hashes) != n:
         raise ValueError(f"ops, groups and hashes must have one entry per row: "
                          f"{n} ops, {len(groups)} groups, {len(hashes)} hashes")
     ops_a = np.empty(n, np.int8)
     groups_a = np.empty(n, np.int32)
-    keys = np.zeros((n, 16), np.uint8)
-    cdef int8_t[::1] o = ops_a
-    cdef int32_t[::1] gr = groups_a
-    cdef uint8_t[:, ::1] k = keys
+    keys = np.empty((n, 8), np.uint8)
+    cdef int8_t* o = <int8_t*>cnp.PyArray_DATA(ops_a)
+    cdef int32_t* gr = <int32_t*>cnp.PyArray_DATA(groups_a)
+    cdef uint8_t* k = <uint8_t*>cnp.PyArray_DATA(keys)
+    # no user code runs in this loop (exact ints only), so the lists cannot change under it
     for i in range(n):
         item = ops[i]
         if type(item) is not int:
             raise TypeError(f"ops[{i}] must be an int, got {type(item).__name__}")
-        op = item
-        if op < -1 or op > 1:
-            raise ValueError(f"ops[{i}] must be 1 (store), -1 (remove) or 0 (clear), got {op}")
+        if as_long(<PyObject*>item, &op) < 0 or op < -1 or op > 1:
+            raise ValueError(f"ops[{i}] must be 1 (store), -1 (remove) or 0 (clear), "
+                             f"got {item}")
         o[i] = <int8_t>op
+        clears += op == 0
         item = groups[i]
         if type(item) is not int:
             raise TypeError(f"groups[{i}] must be an int, got {type(item).__name__}")
-        g = item
-        if op != 0 and (g < 0 or g >= num_groups):
-            raise ValueError(f"groups[{i}] must be a group id in [0, {num_groups}), got {g}")
-        gr[i] = <int32_t>(g if op != 0 else 0)
+        if op != 0:
+            if as_long(<PyObject*>item, &g) < 0 or g < 0 or g >= num_groups:
+                raise ValueError(f"groups[{i}] must be a group id in [0, {num_groups}), "
+                                 f"got {item}")
+            gr[i] = <int32_t>g
+        else:
+            gr[i] = 0
         item = hashes[i]
         if type(item) is not int:
-            raise TypeError(f"hashes[{i}] must be an int (a 64-bit hash), got {type(item).__name__}")
-        if item < 0:
+            raise TypeError(f"hashes[{i}] must be an int (a 64-bit hash), got "
+                            f"{type(item).__name__}")
+        if as_u64(<PyObject*>item, &v) < 0:
             raise OverflowError(f"hashes[{i}] must be in [0, 2**64), got {item}")
-        v = item                     # OverflowError past 2**64 - 1
         for b in range(8):
-            k[i, 15 - b] = <uint8_t>(v >> (8 * b))
-    return ops_a, groups_a, keys
+            k[i * 8 + 7 - b] = <uint8_t>(v >> (8 * b))
+    return ops_a, groups_a, keys, clears
