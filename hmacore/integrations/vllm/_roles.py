@@ -208,10 +208,10 @@ class TableFollower:
     def _follow_entries(self, scheduler_output: Any) -> tuple[list[str], list[Any]]:
         """The first part of a step's follow: pending requests added from their full table
         (or, ``first_table_as_appends``, with an empty one, the full table then being their
-        entry of the returned ids), preemptions applied, new and resumed requests' full tables merged. Returns the
-        tracked scheduled ids and, aligned with them, the ids each still has to append
-        (vLLM's ``new_block_ids`` entry; None when there is nothing to append): the caller
-        appends them in one C call (:meth:`TrackerSet.apply_step_lists` or
+        entry of the returned ids), preemptions applied, new and resumed requests' full
+        tables merged. Returns the tracked scheduled ids and, aligned with them, the ids
+        each still has to append (vLLM's ``new_block_ids`` entry; None when there is
+        nothing to append): the caller appends them in one C call (:meth:`TrackerSet.apply_step_lists` or
         :meth:`TrackerSet.step_pairs`) and marks every scheduled request RUNNING."""
         trackers = self.trackers
         fresh = self.__dict__.pop("_fresh", None) or ()
