@@ -704,6 +704,7 @@ def summarize(cell: Cell, samples: dict[str, Samples], na: dict[str, str], varia
                # difference of two whole steps): mean over the timed steps
                "hook_mean_ms": sum(s.hook) / len(s.hook) / 1e6,
                "hook_median_ms": percentile([x / 1e6 for x in s.hook], 50),
+               "hook_p90_ms": percentile([x / 1e6 for x in s.hook], 90),
                "sched_mismatch_steps": s.sched_mismatch}
         if v.name != "none" and base:
             row["overhead_ms"] = med - base_med

@@ -145,9 +145,10 @@ def alloc_table(records: list[dict], order: list[str] | None = None) -> list[str
 
 def hook_table(records: list[dict], order: list[str] | None = None) -> list[str]:
     """Thread CPU ms per step inside the connector's own scheduler-side hooks (mean over the
-    timed steps; median in brackets): the connector's work measured directly."""
+    timed steps; median and p90 in brackets): the connector's work measured directly."""
     return _per_variant_table(records, order, lambda row: (
-        f"{row['hook_mean_ms']:.3f} ({row['hook_median_ms']:.3f})"
+        f"{row['hook_mean_ms']:.3f} ({row['hook_median_ms']:.3f}"
+        + (f" / {row['hook_p90_ms']:.3f})" if "hook_p90_ms" in row else ")")
         if "hook_mean_ms" in row else "n/a"))
 
 
@@ -210,7 +211,7 @@ def render(doc: dict) -> str:
         ("hmacore vs vLLM connector of the same kind (median step ratio; < 1: hmacore faster)",
          ratio_table(records, order)),
         ("Connector hooks: thread CPU ms per step inside the connector's scheduler-side hooks, "
-         "mean (median)", hook_table(records, order)),
+         "mean (median / p90)", hook_table(records, order)),
         ("Targets on hook time (HmaNixl: <= vLLM NixlConnector + 2% of the no-connector step; "
          "store: <= 0.5x OffloadingConnector)", target_rows(records)),
         ("Wall-clock median ms per step (shared machine: noisy)", wall_table(records, order)),

@@ -43,12 +43,13 @@ def test_step_pairs_matches_per_request_pairing_and_oracle(data, li, nreq, steps
     G, sizes = layout.num_groups, layout.block_sizes
     ids = st.lists(st.integers(0, NB - 1), max_size=6)
     batched, per_request = TrackerSet(layout), TrackerSet(layout)
-    tables = {}
+    tables, sparse = {}, {}
     for r in range(nreq):
         table = [data.draw(ids) for _ in range(G)]
         for ts in (batched, per_request):
             ts.add(f"r{r}", table)
         tables[f"r{r}"] = [list(x) for x in table]
+        sparse[f"r{r}"] = [list(x) for x in table]
     for _ in range(steps):
         rids = data.draw(st.lists(st.sampled_from(sorted(tables) or ["-"]), unique=True)
                          .filter(lambda x: "-" not in x))
@@ -76,6 +77,11 @@ def test_step_pairs_matches_per_request_pairing_and_oracle(data, li, nreq, steps
             if new[i] is not None:
                 for g in range(G):
                     tables[r][g].extend(new[i][g])
+                    # sparse appends: a pushing request keeps an id only where the
+                    # consumer's table holds a block
+                    t = None if spans[i] is None else list(theirs[i][g])
+                    sparse[r][g].extend(x if t is None or (p < len(t) and t[p]) else 0
+                                        for p, x in enumerate(new[i][g], len(sparse[r][g])))
             got = split(local, remote, offsets, i, G)
             if spans[i] is None:
                 assert got == [[]] * G
@@ -87,7 +93,7 @@ def test_step_pairs_matches_per_request_pairing_and_oracle(data, li, nreq, steps
             assert got == oracle_pairs(tables[r], [list(t) for t in theirs[i]], sizes,
                                        *spans[i])
             assert batched.state(r) == RequestState.RUNNING
-        assert {r: t for r, (t, _) in snapshot(batched).items()} == tables
+        assert {r: t for r, (t, _) in snapshot(batched).items()} == sparse
         assert {r: t for r, (t, _) in snapshot(per_request).items()} == tables
 
 
@@ -120,6 +126,41 @@ def test_step_pairs_leaves_earlier_views_alone_and_reserve_keeps_the_table():
         ts.reserve("a", [1])
     with pytest.raises(TrackerStateError, match="not tracked"):
         ts.reserve("zz", [1, 1])
+
+
+def test_step_pairs_reads_new_ids_only_where_the_consumer_holds_a_block():
+    """A pushing request's appended ids are read (and checked) only at positions the
+    consumer's table holds a block; the others hold 0 and are never paired, so the pairs
+    equal those of the full table."""
+    layout = LAYOUTS[0]
+    ts, full = TrackerSet(layout), TrackerSet(layout)
+    ts.add("a", [[], []])
+    full.add("a", [[], []])
+    theirs = (np.array([7, 8, 9, 10], np.int32), np.array([0, 0, 0, 11], np.int32))
+    # group 1's positions 0-2 are outside the consumer's window: not read, even a non-int
+    new = [[[1, 2, 3, 4], ["not read", object(), 5.5, 6]]]
+    local, remote, offsets = ts.step_pairs(["a"], new, [theirs], [(0, 64)], (16, 16))
+    assert [x.tolist() for x in ts.block_ids("a")] == [[1, 2, 3, 4], [0, 0, 0, 6]]
+    assert local.tolist() == [1, 2, 3, 4, 6] and remote.tolist() == [7, 8, 9, 10, 11]
+    assert offsets.tolist() == [0, 4, 5]
+    lf, rf, of = full.step_pairs(["a"], [[[1, 2, 3, 4], [1, 2, 3, 6]]], [theirs], [(0, 64)],
+                                 (16, 16))
+    assert (lf.tolist(), rf.tolist(), of.tolist()) == (local.tolist(), remote.tolist(),
+                                                       offsets.tolist())
+    # a later step: a position past the consumer's table is not read; one it holds a block
+    # at is read and checked, naming the entry
+    local, _, _ = ts.step_pairs(["a"], [[[], ["x"]]], [theirs], [(64, 80)], (16, 16))
+    assert [x.tolist() for x in ts.block_ids("a")] == [[1, 2, 3, 4], [0, 0, 0, 6, 0]]
+    before = snapshot(ts)
+    ts2 = TrackerSet(layout)
+    ts2.add("a", [[], [1, 2, 3]])
+    with pytest.raises(BlockTableError, match=r"new_block_ids\[0\]\[1\]\[0\] must be an int"):
+        ts2.step_pairs(["a"], [[[], ["x"]]], [theirs], [(64, 80)], (16, 16))
+    assert [x.tolist() for x in ts2.block_ids("a")] == [[], [1, 2, 3]]
+    # follow-only steps (no span) read every id
+    with pytest.raises(BlockTableError, match=r"new_block_ids\[0\]\[1\]\[0\] must be an int"):
+        ts.step_pairs(["a"], [[[], ["x"]]], [None], [None], (16, 16))
+    assert snapshot(ts) == before
 
 
 BAD = [

@@ -325,12 +325,19 @@ def flatten_step(object new_block_ids, int num_groups):
     The first pass collects the R*G per-group lists into a private list, so the second pass
     (after the allocations, which may run finalizers) never re-reads the caller's outer
     lists; each inner list is re-measured element by element (seq_to_ids)."""
-    return _flatten(new_block_ids, num_groups)
+    return _flatten(new_block_ids, num_groups, None, NULL)
 
 
-cdef tuple _flatten(object new_block_ids, int num_groups):
-    # flatten_step's work (also the first part of TableStore.step_pairs).
-    cdef Py_ssize_t R, r, g, m, total = 0, k = 0, bad = -1
+cdef tuple _flatten(object new_block_ids, int num_groups, object masks,
+                    const long long* bases):
+    # flatten_step's work (also the first part of TableStore.step_pairs). ``masks``: None
+    # (read every id) or R*G entries, each None (read every id of that list) or a contiguous
+    # int32 array T: then id j of list r*G+g, at table position p = bases[r*G+g] + j, is read
+    # only where p < len(T) and T[p] != 0, and 0 is written elsewhere (those ids are neither
+    # read nor checked).
+    cdef Py_ssize_t R, r, g, m, total = 0, k = 0, bad = -1, j, e, tl
+    cdef long long base
+    cdef const block_id_t* tp
     cdef int status
     if not is_list_or_tuple(new_block_ids):
         return None, None, f"new_block_ids must be a list, got {type(new_block_ids).__name__}"
@@ -366,8 +373,30 @@ cdef tuple _flatten(object new_block_ids, int num_groups):
             m = PySequence_Fast_GET_SIZE(seq)
             if k + m > total:       # a list grew between the passes
                 return None, None, "new_block_ids changed while being read"
-            status = read_ids_ahead(seq, 0, m, 0, <long long>BLOCK_ID_MAX + 1, True, dst + k,
-                                    &bad)
+            mask = None if masks is None else masks[r]
+            if mask is None:
+                status = read_ids_ahead(seq, 0, m, 0, <long long>BLOCK_ID_MAX + 1, True,
+                                        dst + k, &bad)
+            else:
+                # runs of positions the mask keeps are read; the others hold 0
+                tp = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>mask)
+                tl = cnp.PyArray_DIM(<cnp.ndarray>mask, 0)
+                base = bases[r]
+                status = ID_OK
+                j = 0
+                while j < m and status == ID_OK:
+                    if base + j < tl and tp[base + j] != 0:
+                        e = j + 1
+                        while e < m and base + e < tl and tp[base + e] != 0:
+                            e += 1
+                        status = read_ids_ahead(seq, j, e, 0, <long long>BLOCK_ID_MAX + 1,
+                                                True, dst + k + j, &bad)
+                        j = e
+                    else:
+                        dst[k + j] = 0
+                        j += 1
+                if status == ID_OK and PySequence_Fast_GET_SIZE(seq) != m:
+                    status = ID_CHANGED
             if status == ID_CHANGED:
                 return None, None, "new_block_ids changed while being read"
             if status != ID_OK:
@@ -892,6 +921,12 @@ cdef class TableStore:
         cdiv(end, bs) - 1`` of the appended table and of ``theirs[r][g]``, positions past
         either not paired, a position where either holds the null block 0 skipped.
 
+        Sparse appends: a request with a span gets its new ids read (and checked) only at
+        the positions where ``theirs[r]`` holds a block (non-zero, inside its length); its
+        other appended positions hold 0. Its table is then vLLM's at every position the
+        consumer can receive (every position ever paired) and 0 elsewhere: reading a window
+        group's ids that left the consumer's window, or a consumer's local hit, costs nothing.
+
         Returns ``(local, remote, offsets, None)``: the pairs as two int32 arrays, request by
         request and group by group, and ``offsets`` (int64, R*G + 1 entries): request r's
         group g pairs are ``[offsets[r*G + g], offsets[r*G + g + 1])``. Or ``(None, None,
@@ -977,7 +1012,20 @@ cdef class TableStore:
                 theirs[r] = tt
                 start[r] = a
                 end[r] = b
-            ids, offs, msg = _flatten(new_block_ids, <int>G)
+            # a pushing request's new ids are read only at the positions the consumer's
+            # table holds a block (the only ones ever paired); each list's first position is
+            # its group's length now (re-checked below, after every allocation)
+            bad = self._resolve(req_ids)
+            if bad >= 0:
+                return _step_fail(STEP_UNKNOWN, bad)
+            masks = [None] * (R * G)
+            for r in range(R):
+                slot[r] = self._scratch[r]
+                for g in range(G):
+                    old[r * G + g] = self._gb[slot[r] * G + g].len
+                    if start[r] >= 0:
+                        masks[r * G + g] = <object>PySequence_Fast_GET_ITEM(theirs[r], g)
+            ids, offs, msg = _flatten(new_block_ids, <int>G, masks, old)
             if msg is not None:
                 return _step_fail(STEP_TABLE, msg)
             idp = <const block_id_t*>cnp.PyArray_DATA(<cnp.ndarray>ids)
@@ -990,10 +1038,10 @@ cdef class TableStore:
                 return _step_fail(STEP_TABLE, f"new ids: block id {idp[i]} is >= num_blocks "
                                               f"({num_blocks})")
             bad = self._resolve(req_ids)
-            if bad >= 0:
-                return _step_fail(STEP_UNKNOWN, bad)
             for r in range(R):
-                slot[r] = self._scratch[r]
+                if bad >= 0 or self._scratch[r] != slot[r]:
+                    return _step_fail(STEP_TABLE, "the tracked requests changed while the "
+                                                  "step was prepared")
             err = self._check_batch(R, slot, off, preempted_state)
             if err is not None:
                 return None, None, None, err
@@ -1001,7 +1049,9 @@ cdef class TableStore:
             for r in range(R):
                 for g in range(G):
                     kk = slot[r] * G + g
-                    old[r * G + g] = self._gb[kk].len
+                    if self._gb[kk].len != old[r * G + g]:
+                        return _step_fail(STEP_TABLE, "the tracked requests changed while the "
+                                                      "step was prepared")
                 if start[r] < 0:
                     continue
                 tt = theirs[r]

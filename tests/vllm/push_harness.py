@@ -88,8 +88,8 @@ class Engine:
         trk, mgr = getattr(self.conn, "trackers", None), self.s.kv_cache_manager
         for rid in so.num_scheduled_tokens:
             if trk is not None and rid in trk:
-                H.assert_mirror(trk.block_ids(rid), mgr.get_block_ids(rid), self.kcc,
-                                (rid, len(self.metas)))
+                assert_push_mirror(self.conn, rid, trk.block_ids(rid), mgr.get_block_ids(rid),
+                                   self.kcc, (rid, len(self.metas)))
                 self.mirror_checks += 1
         self._check_push_saves(so)
         self.w.bind_connector_metadata(so.kv_connector_metadata)
@@ -129,6 +129,27 @@ class Engine:
 
     def close(self):
         self.w.shutdown()
+
+
+def assert_push_mirror(conn, rid, tracked, table, kcc, where) -> None:
+    """P's followed table of a push request against vLLM's own: equal at every position
+    D's registration holds a block (every position ever paired); elsewhere vLLM's id or 0
+    (sparse appends: step_pairs does not read those ids). Without a registration (not
+    pushing) the plain mirror rule."""
+    entry = conn._push_reqs.get(rid)
+    reg = None if entry is None else conn._registered.get(entry[1])
+    if reg is None or rid in conn._unpushed:
+        H.assert_mirror(tracked, table, kcc, where)
+        return
+    assert len(tracked) == len(table) == len(reg), where
+    for g, (mine, vllm_ids, d_ids) in enumerate(zip(tracked, table, reg)):
+        mine, vllm_ids = [int(x) for x in mine], [int(x) for x in vllm_ids]
+        assert len(mine) == len(vllm_ids), (where, g, len(mine), len(vllm_ids))
+        for p, (a, b) in enumerate(zip(mine, vllm_ids)):
+            if p < len(d_ids) and d_ids[p]:
+                assert a == b != 0, (where, g, p, a, b)
+            else:
+                assert a in (0, b), (where, g, p, a, b)
 
 
 def push_params(push_id: str, p_port: int | None = None) -> tuple[dict, dict]:

@@ -148,11 +148,16 @@ class TableFollower:
     superseded Mamba states): those positions lie before the tokens any later step computes,
     so every position a connector reads for the current step (its new blocks) equals vLLM's.
     ``tests/vllm/test_follow_mirror.py`` checks exactly this in vLLM's real Scheduler.
+    (A push producer's mirror is sparser still: see ``HmaPushScheduler``.)
     A request is followed from the moment the connector tracks it (``_track_full``) until it
     stops tracking it (``trackers.finish``); untracked requests cost one dict lookup.
     """
 
     trackers: TrackerSet
+    #: a request followed from the scheduler output starts with an empty table and its first
+    #: full table goes through the step's one append call (push: ``TrackerSet.step_pairs``,
+    #: which reads only the ids the consumer can receive) instead of ``TrackerSet.add``
+    first_table_as_appends = False
     # requests whose full table update_state_after_alloc gave in this scheduling pass: the
     # same pass's scheduler output repeats that table (vLLM builds both from one allocation),
     # so _follow_step skips re-reading it
@@ -201,22 +206,29 @@ class TableFollower:
             yield rid
 
     def _follow_entries(self, scheduler_output: Any) -> tuple[list[str], list[Any]]:
-        """The first part of a step's follow: pending requests added from their full table,
-        preemptions applied, new and resumed requests' full tables merged. Returns the
-        tracked scheduled ids and, aligned with them, the ids each still has to append
-        (vLLM's ``new_block_ids`` entry; None when there is nothing to append): the caller
-        appends them in one C call (:meth:`TrackerSet.apply_step_lists` or
+        """The first part of a step's follow: pending requests added from their full table
+        (or, ``first_table_as_appends``, with an empty one, the full table then being their
+        entry of the returned ids), preemptions applied, new and resumed requests' full
+        tables merged. Returns the tracked scheduled ids and, aligned with them, the ids
+        each still has to append (vLLM's ``new_block_ids`` entry; None when there is
+        nothing to append): the caller appends them in one C call (:meth:`TrackerSet.apply_step_lists` or
         :meth:`TrackerSet.step_pairs`) and marks every scheduled request RUNNING."""
         trackers = self.trackers
         fresh = self.__dict__.pop("_fresh", None) or ()
         pending: dict[str, int] = self.__dict__.get("_pending") or {}
+        first: dict[str, Any] = {}
         if pending:
             for rid, ids, full in C.scheduled_entries(scheduler_output, list(pending)):
                 if full:
                     prompt = pending.pop(rid)
-                    trackers.add(rid, ids, num_prompt_tokens=prompt)
+                    if self.first_table_as_appends:
+                        trackers.add(rid, [[] for _ in range(trackers.num_groups)],
+                                     num_prompt_tokens=prompt)
+                        first[rid] = ids
+                    else:
+                        trackers.add(rid, ids, num_prompt_tokens=prompt)
+                        fresh = {*fresh, rid}
                     self._on_followed(rid, prompt)
-                    fresh = {*fresh, rid}
         if not len(trackers):
             return [], []
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -234,6 +246,9 @@ class TableFollower:
         for rid, ids, full in entries:
             scheduled.append(rid)
             if full:
+                if rid in first:
+                    new_ids.append(ids)
+                    continue
                 if rid not in fresh:
                     self._track_full(rid, ids, trackers.num_prompt_tokens(rid))
                 new_ids.append(None)

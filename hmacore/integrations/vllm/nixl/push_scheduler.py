@@ -78,7 +78,14 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
     Refused (ValueError): ``sync_load`` true; Mamba groups with TP > 1. Mamba groups register
     one state slot (the block holding the state after the loaded tokens; P computes the prompt
     less the backoff token).
+
+    P's followed tables are sparse (``TrackerSet.step_pairs``): a pushing request's table
+    holds vLLM's id at every position where D's registration holds a block, the only
+    positions ever paired, and 0 at the others (out of D's window, D's local hits), which
+    are never read from vLLM's lists.
     """
+
+    first_table_as_appends = True
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *,
                  clock: Callable[[], float] = time.perf_counter) -> None:
