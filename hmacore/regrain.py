@@ -407,7 +407,8 @@ class RegrainPlan:
         so, do = sp.offsets(), dp.offsets()
         out = []
         for key, (doff, drow) in do.items():
-            head = key[1] if isinstance(key, tuple) and len(key) == 2 else None
+            # the global head is a key's second field (HND, LBHNC, CPU_VEC's K and V chunks)
+            head = key[1] if isinstance(key, tuple) and len(key) >= 2 else None
             if heads is not None and isinstance(head, int) and head not in heads:
                 continue
             if key not in so:
