@@ -366,6 +366,7 @@ class RegrainPlan:
                     pairs.append(RegionPair(g, sr, dr, sp, dp, chunks))
         self.pairs = tuple(pairs)
         self.num_groups = G
+        self._group_layers = tuple(frozenset(s.layer_names) for s in src_layout.groups)
         self._state = tuple(state)
         self._src_nb = self._pool(G, "src")
         self._dst_nb = self._pool(G, "dst")
@@ -422,6 +423,22 @@ class RegrainPlan:
                                   "token row and cannot be head-sliced)")
             out.append((soff, doff, drow))
         return tuple(out)
+
+    def pair_layers(self, layers: Sequence[str]) -> np.ndarray:
+        """Per region pair, the index in ``layers`` of the layer whose pages it moves (a
+        region shared by several groups holds one layer of each: the pair's group picks it).
+        Layer-wise push splits a request's runs by it (:func:`hmacore.layerwise.runs_by_layer`).
+        LayoutError when a pair's source region holds none or several layers of its group."""
+        index = {name: k for k, name in enumerate(layers)}
+        out = np.empty(len(self.pairs), dtype=np.int64)
+        for i, p in enumerate(self.pairs):
+            mine = [n for n in p.src.layers if n in self._group_layers[p.group]]
+            if len(mine) != 1 or mine[0] not in index:
+                raise LayoutError(f"region pair {i} (group {p.group}): its source region holds "
+                                  f"layers {list(p.src.layers)}, not exactly one listed layer "
+                                  f"of group {p.group}")
+            out[i] = index[mine[0]]
+        return out
 
     def _pool(self, G: int, side: str) -> tuple[int, ...]:
         nb = [2**31 - 1] * G

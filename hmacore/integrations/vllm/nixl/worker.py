@@ -50,7 +50,7 @@ from ....errors import ConfigError, HandshakeError, HmacoreError, TransferError
 from ....grain import cdiv
 from ....plan import TransferPlan
 from ....recovery import UNKNOWN, VllmReport, plan_vllm_report
-from ....regrain import RegrainPlan, plan_pages, token_ranges
+from ....regrain import RegrainPlan, token_ranges
 from ....spec import GroupKind
 from ....tp import TpMapping
 from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
@@ -60,6 +60,7 @@ from ....transport.nixl import NixlAgent, Transfer
 from ....transport.tp_peer import tp_pair_plans
 from ....windows import trim_remote_to_local
 from .._metrics import StatsCounter
+from ._regrain import payload_pages, regrain_plan, worker_pages
 from ._tp import WorkerTp, check_rank_peer
 from .metadata import HmaNixlConnectorMetadata, HmaNixlWorkerMeta, RemotePeer
 from .push_metadata import PUSH_AGENT_SUFFIX
@@ -309,13 +310,7 @@ class HmaNixlWorker:
                                 local_rank=self.rank, remote_tp=remote_tp,
                                 page_layout=self.tp.page_layout)
             sources = {r: (mapping, r) for r in mapping.remote_ranks}
-        # the page model of each side's kernel (vLLM CPU: K transposed, C.regrain_page_layout)
-        bs = [s.block_size for s in self.layout.groups if s.kind != GroupKind.MAMBA]
-        lname = C.regrain_page_layout(self.tp.page_layout, self.tp.kv_dtype, self.tp.head_dim,
-                                      max(bs, default=1))
-        lpages = plan_pages(self.layout, self.agent.plan, page_layout=lname,
-                            shardings=self.tp.shardings, tp_size=self.tp.size,
-                            tp_rank=self.rank, head_dim=self.tp.head_dim)
+        lpages = worker_pages(self.layout, self.agent.plan, self.tp)
         readers: dict[int, str] = {}
         plans: dict[int, RegrainPlan] = {}
         for r, tp in sources.items():
@@ -323,20 +318,8 @@ class HmaNixlWorker:
             name, rplan = self.agent.add_regrain_peer(p)
             readers[r] = name
             assert p.tp is not None
-            rlayout = p.tp.kv_layout()
-            rbs = [s.block_size for s in rlayout.groups if s.kind != GroupKind.MAMBA]
-            rname = C.regrain_page_layout(p.tp.page_layout, p.tp.kv_dtype, p.tp.head_dim,
-                                          max(rbs, default=1))
-            rpages = plan_pages(rlayout, rplan, page_layout=rname,
-                                shardings=p.tp.shardings, tp_size=p.tp.tp_size,
-                                tp_rank=p.tp.tp_rank, head_dim=p.tp.head_dim)
-            plans[r] = RegrainPlan(rlayout, self.layout, rplan, self.agent.plan, rpages,
-                                   lpages, tp=tp)
-            logger.info("block-size remap with %s (rank %d of TP %d): P %s, D %s tokens per "
-                        "block; pages P %s, D %s", name, r, remote_tp, list(rlayout.block_sizes),
-                        list(self.layout.block_sizes),
-                        [(x.layout, x.kernel_block_size, len(x.chunks)) for x in rpages if x],
-                        [(x.layout, x.kernel_block_size, len(x.chunks)) for x in lpages if x])
+            plans[r] = regrain_plan(p.tp.kv_layout(), self.layout, rplan, self.agent.plan,
+                                    payload_pages(p, rplan), lpages, tp=tp)
         peers = tuple(readers[r] if r in readers else self.agent.add_notify_peer(got[r])
                       for r in range(remote_tp))
         return _Source(tuple(readers[r] for r in sorted(readers)), peers,
