@@ -8,7 +8,9 @@ Pull mode over :class:`hmacore.transport.nixl.NixlAgent`, one worker per TP rank
   :class:`~hmacore.transport.handshake.HandshakeServer` on ``side_channel_host:port + rank``
   (the scheduler side advertises ``port`` and its TP size in ``kv_transfer_params``).
 * D side, each step (``start_load_kv``): for every ``RecvRequest`` connect once per remote
-  engine (address, TP size): handshake with every rank of P. Same TP size and block sizes:
+  engine (address, TP size): handshake with every rank of P. Other block sizes (any TP
+  sizes, ``block_size_remap``): one READ of byte runs per source rank through a
+  :class:`hmacore.regrain.RegrainPlan` (:meth:`_connect_regrain`). Same TP size and block sizes:
   this rank reads whole pages from the same rank of P. Other TP size: the pair plans of
   :func:`hmacore.transport.tp_peer.tp_pair_plans` say which P ranks hold this rank's heads
   (MLA: one rank) and which byte ranges of each block; one READ per source rank, ids paired
@@ -302,6 +304,11 @@ class HmaNixlWorker:
         P, every chunk; other TP size: the ranks :class:`hmacore.tp.TpMapping` names, each
         plan pairing only the chunks of the heads read from that rank (MLA: one rank)."""
         assert self.tp is not None and self.agent is not None
+        if not hasattr(self.agent, "add_regrain_peer"):
+            raise HandshakeError(f"block sizes {list(got[0].block_sizes)} differ from this "
+                                 f"engine's {list(self.layout.block_sizes)}: a block-size remap "
+                                 f"needs transport 'nixl' (this engine runs {self.transport!r}); "
+                                 "use equal --block-size on both engines")
         remote_tp = len(got)
         if remote_tp == self.tp_size:
             sources: dict[int, Any] = {self.rank: None}
