@@ -579,9 +579,13 @@ def token_ranges(layout: KVLayout, num_tokens: int, trim_tokens: int = 0
                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(lo, hi)`` per group: the tokens of a ``num_tokens``-token prompt the destination
     needs, past its own ``trim_tokens``-token prefix hit. Full attention ``[trim, n)``; sliding
-    window: the last ``window - 1 + extra_retained_tokens`` tokens (what the next token
-    attends to); chunked-local: from the start of the last chunk; Mamba ``(0, 0)`` (state
-    blocks map by state). Both in tokens, so each side clips in its own block grain."""
+    window: the last ``window + extra_retained_tokens`` tokens; chunked-local: from the start
+    of the chunk of token ``n - 1``; Mamba ``(0, 0)`` (state blocks map by state). Both in
+    tokens, so each side clips in its own block grain. Why token ``n - 1``'s context and not
+    only token ``n``'s: when a load covers the whole prompt, vLLM recomputes the last prompt
+    token (``num_computed_tokens = num_tokens - 1``), which attends to
+    ``[n - window - extra, n - 1)``, one token more than the next token's window (whole-block
+    transfers get it from the clip's extra block; a token-range remap must name it)."""
     n = _int("num_tokens", num_tokens, 0, _MAX_TOKENS - 1)
     trim = _int("trim_tokens", trim_tokens, 0, n)
     los, his = [], []
@@ -592,10 +596,10 @@ def token_ranges(layout: KVLayout, num_tokens: int, trim_tokens: int = 0
             continue
         lo = trim
         if spec.kind == GroupKind.SLIDING_WINDOW:
-            lo = max(lo, n - (int(spec.sliding_window or 0) - 1 + spec.extra_retained_tokens))
+            lo = max(lo, n - (int(spec.sliding_window or 0) + spec.extra_retained_tokens))
         elif spec.kind == GroupKind.CHUNKED_LOCAL:
             c = int(spec.chunk_size or 1)
-            lo = max(lo, (n // c) * c)
+            lo = max(lo, (max(n - 1, 0) // c) * c)
         los.append(min(lo, n))
         his.append(n)
     return tuple(los), tuple(his)
