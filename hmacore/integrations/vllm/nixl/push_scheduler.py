@@ -18,7 +18,10 @@ registered). Once registered, every step's metadata carries a :class:`PushSave` 
 push request: P's and D's ids of the block positions whose tokens become computed in this step
 (all positions up to the step's end in the first pushed step, so a local prefix hit on P is
 pushed too). ``request_finished`` keeps the blocks (returns True) until the worker reports the
-push ended (``finished_sending``), or the lease (``kv_lease_duration`` s) expires.
+push ended (``finished_sending``), or the lease (``kv_lease_duration`` s) expires. A decode
+engine of other block sizes (its worker reports D's block sizes, first token and token count:
+``HmaPushWorkerMeta.regrain``) gets its steps planned in token ranges instead of block pairs
+(:meth:`_regrain_saves`, ``PushSave.regrain``).
 
 Units: tokens, blocks of each group (positional tables), seconds of ``clock``.
 """
