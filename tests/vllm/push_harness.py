@@ -31,8 +31,8 @@ TRANSPORT = {"transport": os.environ["HMACORE_TEST_TRANSPORT"]} \
 
 
 class Engine:
-    def __init__(self, make_kcc, extra=None, mode="push", page_bytes=64, **vkw):
-        self.port = free_port()
+    def __init__(self, make_kcc, extra=None, mode="push", port=None, page_bytes=64, **vkw):
+        self.port = free_port() if port is None else port   # a restart reuses its port
         self.vc = H.vllm_config(extra={"side_channel_port": self.port, "kv_lease_duration": 30,
                                        "transfer_mode": mode, **TRANSPORT, **(extra or {})},
                              **vkw)
@@ -67,7 +67,8 @@ class Engine:
             for rid, n in so.num_scheduled_tokens.items():
                 req = self.s.requests[rid]
                 end = min(req.num_computed_tokens, req.num_prompt_tokens)
-                start = end - n
+                # (a request resumed after preemption recomputes from 0, outputs included)
+                start = min(max(req.num_computed_tokens - n, 0), end)
                 if start >= end:
                     continue
                 table = self.s.kv_cache_manager.get_block_ids(rid)[g]

@@ -24,15 +24,19 @@ RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_rank.py")
 
 
 
-class RankProc:
-    """One tp_rank.py process; :meth:`call` sends a command and reads one JSON reply."""
+STARTUP_TIMEOUT_S = 600.0   # a rank's first reply (vLLM import + connector registration)
 
-    def __init__(self, args: dict, timeout: float = 120.0):
+
+class RankProc:
+    """One tp_rank.py process (or another ``script`` speaking its protocol, e.g.
+    push_peer_proc.py); :meth:`call` sends a command and reads one JSON reply."""
+
+    def __init__(self, args: dict, timeout: float = 120.0, script: str = RANK):
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"tp-rank{args['rank']}-",
                                                suffix=".log", delete=False)
         env = dict(os.environ, NIXL_LOG_LEVEL="WARN", UCX_NET_DEVICES="lo",
                    PYTHONPATH=os.pathsep.join([os.path.dirname(RANK)] + sys.path))
-        self.proc = subprocess.Popen([sys.executable, RANK, json.dumps(args)],
+        self.proc = subprocess.Popen([sys.executable, script, json.dumps(args)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, env=env, text=True)
         self.timeout = timeout
@@ -106,7 +110,9 @@ class TpEngine:
         """Wait for every rank's connector to be registered (start several engines first,
         then wait: the ranks import vLLM concurrently)."""
         try:
-            ready = [r.read(timeout=240) for r in self.ranks]
+            # Start-up is the slowest reply: every rank imports vLLM, several engines at once.
+            # At load 40-50 on 2 cores five ranks took over 240 s; the bound stays finite.
+            ready = [r.read(timeout=STARTUP_TIMEOUT_S) for r in self.ranks]
             self.names = [m["ready"] for m in ready]
             # the driver each rank's connector built is the configured transport's
             te = os.environ.get("HMACORE_TEST_TRANSPORT") == "mooncake"
