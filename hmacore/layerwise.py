@@ -33,7 +33,7 @@ from .errors import BlockTableError, LayoutError, TrackerStateError, TransferErr
 from .plan import TransferPlan, layer_sort_key
 
 __all__ = ["LayerMeta", "LayerPlan", "LayerwisePusher", "LayerwiseReceiver", "PushState",
-           "layer_metadata"]
+           "layer_metadata", "runs_by_layer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +135,29 @@ class _PushReq:
     state: PushState = PushState.PUSHING
     error: str | None = None
     last_write_done: float = 0.0
+    runs: dict[str, tuple[np.ndarray, np.ndarray]] | None = None   # byte runs per layer
+
+
+def runs_by_layer(src: np.ndarray, dst: np.ndarray, pair_layer: np.ndarray,
+                  pairs: np.ndarray, layers: Sequence[str]
+                  ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Split a request's paired byte runs (``src``/``dst`` M x 3 rows, ``pairs[i]`` the
+    region pair of run i, e.g. a :class:`hmacore.regrain.RegrainRuns`) by layer:
+    ``layers[pair_layer[pair]]`` -> ``(src rows, dst rows)`` in run order; layers without a
+    run are left out. One stable sort, no Python object per run."""
+    if src.shape[0] == 0:
+        return {}
+    lk = np.asarray(pair_layer, dtype=np.int64)[np.asarray(pairs, dtype=np.int64)]
+    order = np.argsort(lk, kind="stable")
+    lk = lk[order]
+    cuts = np.flatnonzero(np.diff(lk)) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [lk.shape[0]]))
+    out = {}
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        sel = order[a:b]
+        out[layers[int(lk[a])]] = (src[sel], dst[sel])
+    return out
 
 
 def _table(name: str, ids: Sequence[Any], G: int) -> tuple[np.ndarray, ...]:
@@ -172,6 +195,7 @@ class LayerwisePusher:
         self.release_cb = release
         self._reqs: dict[str, _PushReq] = {}
         self._local_of: dict[str, LayerPlan] = {}   # peer -> its pair's local LayerPlan
+        self._runs_peers: set[str] = set()          # peers written by byte runs
 
     def add_peer(self, peer: str, remote_layers: LayerPlan,
                  local_layers: LayerPlan | None = None) -> None:
@@ -221,6 +245,36 @@ class LayerwisePusher:
         self._reqs[request_id] = _PushReq(peer, tag, lids, rids, time.monotonic() + lease_s,
                                           {}, set())
 
+    def add_runs_peer(self, peer: str) -> None:
+        """Register a decode peer written by byte runs (:meth:`start_runs`): a block-size
+        remap, whose runs come per request (the transport needs ``post_runs``)."""
+        if not hasattr(self.transport, "post_runs"):
+            raise TransferError(f"peer {peer!r}: this transport cannot post byte runs (a "
+                                "block-size remap needs transport 'nixl')")
+        self._runs_peers.add(peer)
+
+    def start_runs(self, request_id: str, peer: str,
+                   layer_runs: dict[str, tuple[np.ndarray, np.ndarray]], *,
+                   lease_s: float = 30.0, tag: str | None = None) -> None:
+        """Begin pushing a request as byte runs per layer (``layer -> (local rows, remote
+        rows)``, :func:`runs_by_layer`); every layer of this side still gets its
+        notification (a layer without runs: the notification alone)."""
+        if request_id in self._reqs:
+            raise TrackerStateError(f"request {request_id!r} is already being pushed")
+        if peer not in self._runs_peers:
+            raise TransferError(f"peer {peer!r} takes no byte runs (add_runs_peer first)",
+                                request_id=request_id)
+        unknown = set(layer_runs) - set(self.local.layers)
+        if unknown:
+            raise LayoutError(f"runs name layers this side does not have: {sorted(unknown)}")
+        if not (isinstance(lease_s, (int, float)) and lease_s > 0):
+            raise TrackerStateError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
+        tag = request_id if tag is None else str(tag)
+        if ":" in tag:
+            raise TrackerStateError(f"notification tag must not contain ':' (got {tag!r})")
+        self._reqs[request_id] = _PushReq(peer, tag, (), (), time.monotonic() + lease_s, {},
+                                          set(), runs=dict(layer_runs))
+
     def save_layer(self, request_id: str, layer: str) -> None:
         """The forward pass computed ``layer``: post its WRITE (notification ``<req>:L<k>``)."""
         req = self._req(request_id)
@@ -233,6 +287,19 @@ class LayerwisePusher:
             raise LayoutError(f"layer {layer!r} is not in the plan "
                               f"(known: {len(self.local.meta)} layers)")
         k = self.local.layers.index(layer)
+        if req.runs is not None:              # a byte-run peer (block-size remap)
+            req.saved.add(layer)
+            notif = f"{req.tag}:L{k}".encode()
+            rows = req.runs.get(layer)
+            try:
+                if rows is None:
+                    self.transport.send_notif(req.peer, notif)
+                else:
+                    req.pending[layer] = self.transport.post_runs("WRITE", req.peer, rows[0],
+                                                                  rows[1], notif)
+            except Exception as e:  # noqa: BLE001 - transport errors fail the request
+                self._fail(request_id, req, f"layer {layer!r} WRITE could not be posted: {e}")
+            return
         if layer in local.meta:
             lids = local.desc_ids(layer, req.local_ids)
             rids = self.remote[req.peer].desc_ids(layer, req.remote_ids)

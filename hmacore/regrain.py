@@ -366,6 +366,7 @@ class RegrainPlan:
                     pairs.append(RegionPair(g, sr, dr, sp, dp, chunks))
         self.pairs = tuple(pairs)
         self.num_groups = G
+        self._group_layers = tuple(frozenset(s.layer_names) for s in src_layout.groups)
         self._state = tuple(state)
         self._src_nb = self._pool(G, "src")
         self._dst_nb = self._pool(G, "dst")
@@ -407,7 +408,8 @@ class RegrainPlan:
         so, do = sp.offsets(), dp.offsets()
         out = []
         for key, (doff, drow) in do.items():
-            head = key[1] if isinstance(key, tuple) and len(key) == 2 else None
+            # the global head is a key's second field (HND, LBHNC, CPU_VEC's K and V chunks)
+            head = key[1] if isinstance(key, tuple) and len(key) >= 2 else None
             if heads is not None and isinstance(head, int) and head not in heads:
                 continue
             if key not in so:
@@ -421,6 +423,22 @@ class RegrainPlan:
                                   "token row and cannot be head-sliced)")
             out.append((soff, doff, drow))
         return tuple(out)
+
+    def pair_layers(self, layers: Sequence[str]) -> np.ndarray:
+        """Per region pair, the index in ``layers`` of the layer whose pages it moves (a
+        region shared by several groups holds one layer of each: the pair's group picks it).
+        Layer-wise push splits a request's runs by it (:func:`hmacore.layerwise.runs_by_layer`).
+        LayoutError when a pair's source region holds none or several layers of its group."""
+        index = {name: k for k, name in enumerate(layers)}
+        out = np.empty(len(self.pairs), dtype=np.int64)
+        for i, p in enumerate(self.pairs):
+            mine = [n for n in p.src.layers if n in self._group_layers[p.group]]
+            if len(mine) != 1 or mine[0] not in index:
+                raise LayoutError(f"region pair {i} (group {p.group}): its source region holds "
+                                  f"layers {list(p.src.layers)}, not exactly one listed layer "
+                                  f"of group {p.group}")
+            out[i] = index[mine[0]]
+        return out
 
     def _pool(self, G: int, side: str) -> tuple[int, ...]:
         nb = [2**31 - 1] * G
@@ -561,9 +579,13 @@ def token_ranges(layout: KVLayout, num_tokens: int, trim_tokens: int = 0
                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(lo, hi)`` per group: the tokens of a ``num_tokens``-token prompt the destination
     needs, past its own ``trim_tokens``-token prefix hit. Full attention ``[trim, n)``; sliding
-    window: the last ``window - 1 + extra_retained_tokens`` tokens (what the next token
-    attends to); chunked-local: from the start of the last chunk; Mamba ``(0, 0)`` (state
-    blocks map by state). Both in tokens, so each side clips in its own block grain."""
+    window: the last ``window + extra_retained_tokens`` tokens; chunked-local: from the start
+    of the chunk of token ``n - 1``; Mamba ``(0, 0)`` (state blocks map by state). Both in
+    tokens, so each side clips in its own block grain. Why token ``n - 1``'s context and not
+    only token ``n``'s: when a load covers the whole prompt, vLLM recomputes the last prompt
+    token (``num_computed_tokens = num_tokens - 1``), which attends to
+    ``[n - window - extra, n - 1)``, one token more than the next token's window (whole-block
+    transfers get it from the clip's extra block; a token-range remap must name it)."""
     n = _int("num_tokens", num_tokens, 0, _MAX_TOKENS - 1)
     trim = _int("trim_tokens", trim_tokens, 0, n)
     los, his = [], []
@@ -574,10 +596,10 @@ def token_ranges(layout: KVLayout, num_tokens: int, trim_tokens: int = 0
             continue
         lo = trim
         if spec.kind == GroupKind.SLIDING_WINDOW:
-            lo = max(lo, n - (int(spec.sliding_window or 0) - 1 + spec.extra_retained_tokens))
+            lo = max(lo, n - (int(spec.sliding_window or 0) + spec.extra_retained_tokens))
         elif spec.kind == GroupKind.CHUNKED_LOCAL:
             c = int(spec.chunk_size or 1)
-            lo = max(lo, (n // c) * c)
+            lo = max(lo, (max(n - 1, 0) // c) * c)
         los.append(min(lo, n))
         his.append(n)
     return tuple(los), tuple(his)

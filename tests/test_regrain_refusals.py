@@ -130,8 +130,14 @@ def test_token_ranges():
     lay = KVLayout(groups=(GroupSpec(GroupKind.FULL, 16, ("a",)),
                            GroupSpec(GroupKind.SLIDING_WINDOW, 16, ("b",), sliding_window=32),
                            GroupSpec(GroupKind.MAMBA, 16, ("c",))))
-    assert token_ranges(lay, 100, 20) == ((20, 69, 0), (100, 100, 0))
+    # sliding window: the 32 tokens before the last (vLLM recomputes token 99 after a
+    # whole-prompt load; it attends to tokens 68..98)
+    assert token_ranges(lay, 100, 20) == ((20, 68, 0), (100, 100, 0))
     assert token_ranges(lay, 10, 0) == ((0, 0, 0), (10, 10, 0))
+    chunked = KVLayout(groups=(GroupSpec(GroupKind.CHUNKED_LOCAL, 16, ("a",), chunk_size=32),))
+    # token 63 lies in the chunk [32, 64): its chunk is needed even though 64 starts a new one
+    assert token_ranges(chunked, 64, 0) == ((32,), (64,))
+    assert token_ranges(chunked, 65, 0) == ((64,), (65,))
     with pytest.raises(LayoutError):
         token_ranges(lay, 10, 11)
 

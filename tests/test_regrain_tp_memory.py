@@ -78,3 +78,60 @@ def test_tp_and_block_sizes_every_byte(bp, bd, tp_p, tp_d, d):
                 want[b, h - dh0, t % bd] = tag(name, t, h, 2 * HB)
         assert np.array_equal(dkv[name], want), f"{name}: {(dkv[name] != want).sum()} bytes"
     assert len(sources) == len(mapping.remote_ranks) >= 1
+
+
+@pytest.mark.parametrize("tp_p, tp_d, d", [(2, 1, 0), (4, 2, 1), (1, 2, 1)])
+def test_tp_and_block_sizes_cpu_vec_pages(tp_p, tp_d, d):
+    """vLLM CPU's vec-kernel pages (CPU_VEC: per head K transposed ``[head_bytes, tokens]``,
+    then V ``[tokens, head_bytes]``; 1-byte elements here), P 16 / D 32 tokens per block:
+    each source rank's plan pairs only the chunks of its own heads (keys ``("k", head, d)``
+    and ``("v", head)``), and after every source rank's runs each D head's K column and V row
+    of every token in ``[lo, hi)`` holds P's bytes, every other byte untouched."""
+    bp, bd, n, trim = 16, 32, 101, 16
+    rng = np.random.default_rng(tp_p * 10 + tp_d)
+
+    def side(bs, tp, rank):
+        h0, h1 = kv_heads_of_rank(H, tp, rank)
+        kv = {x: np.zeros((NB, h1 - h0, 2 * HB * bs), np.uint8) for x in LAYERS}
+        lay = layout(bs)
+        plan = TransferPlan.from_kv_caches(lay, kv, num_blocks=NB)
+        page = token_page("CPU_VEC", block_size=bs, heads=h1 - h0, head_start=h0,
+                          head_bytes=HB, kv=2, head_dim=HB)
+        return lay, kv, plan, [page, page], (h0, h1)
+
+    def k_at(arr, b, h, t, bs):       # K column of token t (HB bytes, bs apart) and V row
+        head = arr[b, h]
+        return head[:HB * bs].reshape(HB, bs)[:, t], head[HB * bs:].reshape(bs, HB)[t]
+
+    dlay, dkv, dplan, dpg, (dh0, dh1) = side(bd, tp_d, d)
+    for a in dkv.values():
+        a[...] = rng.integers(0, 256, a.shape, dtype=np.uint8)
+    want = {k: v.copy() for k, v in dkv.items()}
+    lo, hi = token_ranges(dlay, n, trim)
+    d_first = [x // bd for x in lo]
+    d_ids = [list(rng.permutation(np.arange(1, NB))[:-(-hi[g] // bd) - d_first[g]])
+             for g in range(2)]
+    shard = [GroupSharding(num_heads=H, chunks=1)] * 2
+    mapping = TpMapping(dlay, shard, local_tp=tp_d, local_rank=d, remote_tp=tp_p,
+                        page_layout="LBHNC")
+    for p in mapping.remote_ranks:
+        slay, skv, splan, spg, (sh0, sh1) = side(bp, tp_p, p)
+        s_ids = [list(rng.permutation(np.arange(1, NB))[:-(-n // bp)]) for _ in range(2)]
+        for a in skv.values():
+            a[...] = rng.integers(0, 256, a.shape, dtype=np.uint8)
+        plan = RegrainPlan(slay, dlay, splan, dplan, spg, dpg, tp=(mapping, p))
+        mine = set(range(max(sh0, dh0), min(sh1, dh1)))
+        assert {len(pr.chunks) for pr in plan.pairs} == {len(mine) * (HB + 1)}
+        runs = plan.runs(s_ids, d_ids, lo, hi, dst_first=d_first)
+        for (sa, ln, _), (da, _, _) in zip(runs.src.tolist(), runs.dst.tolist()):
+            ctypes.memmove(da, sa, ln)
+        for g, name in enumerate(LAYERS):
+            for t in range(lo[g], hi[g]):
+                sb, db = s_ids[g][t // bp], d_ids[g][t // bd - d_first[g]]
+                for h in mine:
+                    sk, sv = k_at(skv[name], sb, h - sh0, t % bp, bp)
+                    dk, dv = k_at(want[name], db, h - dh0, t % bd, bd)
+                    dk[...], dv[...] = sk, sv
+    for name in LAYERS:
+        assert np.array_equal(dkv[name], want[name]), \
+            f"{name}: {(dkv[name] != want[name]).sum()} bytes"

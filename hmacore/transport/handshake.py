@@ -292,7 +292,9 @@ class HandshakePayload:
                 if a.block_size != b.block_size:
                     raise HandshakeError(f"{who} disagrees on block sizes: state group {g} has "
                                          f"{a.block_size} locally, {b.block_size} remotely "
-                                         "(state blocks must be equal)")
+                                         "(state blocks must be equal: a state block holds the "
+                                         "state after the tokens up to its position, so other "
+                                         "sizes hold states at other positions)")
                 ratios.add(fractions.Fraction(1))
                 continue
             big, small = max(a.block_size, b.block_size), min(a.block_size, b.block_size)

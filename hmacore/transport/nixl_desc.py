@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BlockTableError, TransferError
+from ..errors import BlockTableError, HmacoreError, TransferError
 from ..runs import desc_table, span_ranges
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 from .nixl_post import check_posting, post_xfer
@@ -58,6 +58,7 @@ class DescAgent:
         #: per posted transfer: (descriptors given to NIXL, per-block descriptors, runs)
         self.last_post: tuple[int, int, int] = (0, 0, 0)
         self._remotes: set[str] = set()
+        self._run_ranges: dict[str, list[tuple[int, int, int]]] = {}   # byte-run peers
         self._closed = False
 
     def metadata(self) -> bytes:
@@ -90,6 +91,56 @@ class DescAgent:
         ld = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, self.mem_type)
         rd = self._agent.prep_xfer_dlist(remote, rrows, self.mem_type)
         self._pairs[key] = (remote, ld, rd, len(local_descs), len(remote_descs))
+
+    def add_runs_peer(self, remote: str, remote_ranges: Sequence[tuple[int, int, int]]) -> None:
+        """Allow byte-run transfers (:meth:`post_runs`) with ``remote`` inside its registered
+        memory ``remote_ranges`` (``(addr, bytes, dev)``, e.g. its plan's
+        ``registration_ranges()``): a block-size remap has no per-block dlist to prepare."""
+        if remote not in self._remotes:
+            raise TransferError(f"unknown remote agent {remote!r} (add_remote first)")
+        self._run_ranges[remote] = [(int(a), int(n), int(d)) for a, n, d in remote_ranges]
+
+    def post_runs(self, op: str, remote: str, local_rows: np.ndarray, remote_rows: np.ndarray,
+                  notif: bytes = b"") -> Any:
+        """Post a READ/WRITE of byte runs: row i of ``local_rows`` pairs with row i of
+        ``remote_rows`` (M x 3 uint64 ``(addr, bytes, dev)``, equal lengths per row), every row
+        inside this agent's registered memory and the peer's (:meth:`add_runs_peer`); the
+        descriptor lists are built for this transfer. Returns a handle for :meth:`state`.
+        Raises TransferError (nothing posted) for an unknown peer or a row out of range."""
+        if op not in ("READ", "WRITE"):
+            raise TransferError(f"op must be 'READ' or 'WRITE', got {op!r}")
+        ranges = self._run_ranges.get(remote)
+        if ranges is None:
+            raise TransferError(f"remote agent {remote!r} takes no byte runs (add_runs_peer)")
+        loc = np.ascontiguousarray(local_rows, dtype=np.uint64).reshape(-1, 3)
+        rem = np.ascontiguousarray(remote_rows, dtype=np.uint64).reshape(-1, 3)
+        if loc.shape != rem.shape or not loc.shape[0] \
+                or not np.array_equal(loc[:, 1], rem[:, 1]):
+            raise TransferError("runs: local and remote rows must pair up (equal lengths, at "
+                                "least one row)")
+        try:
+            desc_table(loc, self._ranges)
+            desc_table(rem, ranges)
+        except HmacoreError as e:
+            raise TransferError(f"{op} to {remote!r}: runs outside registered memory: {e}") \
+                from None
+        agent = self._agent
+        try:
+            h = agent.initialize_xfer(op, agent.get_xfer_descs(loc, self.mem_type),
+                                      agent.get_xfer_descs(rem, self.mem_type), remote,
+                                      bytes(notif))
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
+            raise TransferError(f"{op} to {remote!r} could not be created: {e}") from None
+        self.last_post = (int(loc.shape[0]), int(loc.shape[0]), int(loc.shape[0]))
+        try:
+            state = agent.transfer(h)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
+            self.release(h)
+            raise TransferError(f"{op} to {remote!r} could not be posted: {e}") from None
+        if state == "ERR":
+            self.release(h)
+            raise TransferError(f"{op} to {remote!r} failed when posted")
+        return h
 
     def post(self, op: str, key: str, local_ids: np.ndarray, remote_ids: np.ndarray,
              notif: bytes = b"") -> Any:
@@ -171,6 +222,7 @@ class DescAgent:
         if name not in self._remotes:
             return
         self._remotes.discard(name)
+        self._run_ranges.pop(name, None)
         try:
             self._agent.remove_remote_agent(name)
         except Exception:  # noqa: BLE001 - a dead peer may already be gone from UCX

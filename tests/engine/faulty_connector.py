@@ -164,7 +164,11 @@ class FaultyNixlConnector(HmaNixlConnector):
                 g = int(FAULT["drop_group"])
                 local, remote = list(save.local_block_ids), list(save.remote_block_ids)
                 local[g], remote[g] = [], []
-                save = dataclasses.replace(save, local_block_ids=local, remote_block_ids=remote)
+                rg = save.regrain
+                if rg is not None:         # a block-size remap step: no tokens of group g
+                    rg = tuple([0 if k == g else x for k, x in enumerate(v)] for v in rg)
+                save = dataclasses.replace(save, local_block_ids=local, remote_block_ids=remote,
+                                           regrain=rg)
             return start_sub(save)
 
         w._start_sub = _start_sub

@@ -31,7 +31,7 @@ TRANSPORT = {"transport": os.environ["HMACORE_TEST_TRANSPORT"]} \
 
 
 class Engine:
-    def __init__(self, make_kcc, extra=None, mode="push", port=None, **vkw):
+    def __init__(self, make_kcc, extra=None, mode="push", port=None, page_bytes=64, **vkw):
         self.port = free_port() if port is None else port   # a restart reuses its port
         self.vc = H.vllm_config(extra={"side_channel_port": self.port, "kv_lease_duration": 30,
                                        "transfer_mode": mode, **TRANSPORT, **(extra or {})},
@@ -40,7 +40,8 @@ class Engine:
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
         self.layout = self.w.layout
-        self.paged = allocate_paged_kv(self.layout, self.kcc.num_blocks, page_bytes=64)
+        # page_bytes None: the specs' own page sizes (rows of equal bytes at any block size)
+        self.paged = allocate_paged_kv(self.layout, self.kcc.num_blocks, page_bytes=page_bytes)
         for arr in self.paged.kv_caches.values():
             for part in (arr if isinstance(arr, (tuple, list)) else [arr]):
                 part[...] = JUNK

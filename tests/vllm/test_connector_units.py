@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
 from hmacore import GroupKind, GroupSpec, KVLayout
+from hmacore.errors import BlockTableError
 from hmacore.integrations.vllm._clip import clip_table
 from hmacore.integrations.vllm.nixl.metadata import HmaNixlWorkerMeta
 from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
@@ -233,9 +234,10 @@ def test_push_worker_meta_aggregates_registering_ranks():
     from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
     ids = [[1, 2], [3]]
     a = HmaPushWorkerMeta(registered={"x": ids}, registered_by={"x": [0]})
-    b = HmaPushWorkerMeta(registered={"x": ids, "y": ids}, registered_by={"x": [1], "y": [1]})
+    b = HmaPushWorkerMeta(registered={"x": ids, "y": ids}, registered_by={"x": [1], "y": [1]},
+                          regrain={"y": (0, 100, [32, 32])})
     m = a.aggregate(b).aggregate(None)
-    assert m.registered == {"x": ids, "y": ids}
+    assert m.registered == {"x": ids, "y": ids} and m.regrain == {"y": (0, 100, [32, 32])}
     assert m.registered_by == {"x": [0, 1], "y": [1]}
     assert pickle.loads(pickle.dumps(m)).registered_by == m.registered_by
 
@@ -327,3 +329,68 @@ def test_push_scheduler_step_report_fast_path_keeps_lease_expiry_and_stats():
     stats = conn.get_kv_connector_stats()
     assert stats is not None and stats.data == {"lease_expiries": 1}
     assert conn.get_kv_connector_stats() is None
+
+
+def test_mamba_groups_of_other_block_sizes_refused_with_the_rule(caplog):
+    """D (pull): P's Mamba group of another block size is refused, naming the group and why
+    (a state block is a state, not token rows); D computes the prompt itself."""
+    vc = H.vllm_config(block_size=64, mamba_cache_mode="align")
+    s = H.make_scheduler(vc, H.qwen3_next_like(num_blocks=64))
+    params = {**H.remote_params("a", s.kv_cache_config, 100), "remote_block_sizes": [32, 32],
+              "hma_regrain_fingerprint": s.connector.scheduler.layout.regrain_fingerprint()}
+    r = H.make_request("a", list(range(1, 101)), 64, params=params)
+    assert s.connector.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert "group 1 (Mamba): P's block size 32 differs from ours 64; a Mamba block holds one " \
+           "state" in caplog.text
+    assert "maps attention groups only" in caplog.text
+
+
+def _push_worker(**kw):
+    from hmacore.integrations.vllm.nixl._tp import WorkerTp
+    from hmacore.integrations.vllm.nixl.push_worker import HmaPushWorker
+    from hmacore.tp import GroupSharding
+    lay = KVLayout(groups=(GroupSpec(GroupKind.FULL, 16, ("a.0",)),
+                           GroupSpec(GroupKind.SLIDING_WINDOW, 16, ("a.1",), sliding_window=64)))
+    tp = WorkerTp(0, 2, (GroupSharding(2, 1, False),) * 2, "torch.float16", 64, "LBHNC")
+    return HmaPushWorker(lay, 64, "e", "127.0.0.1", 5999, tp=tp, **kw)
+
+
+def test_push_remap_refusals_name_the_key_and_the_rule():
+    """Push mode: a decode rank of other block sizes pairs through a remap at equal TP sizes
+    only (pull remaps across TP sizes), and not when block_size_remap is false."""
+    from hmacore.errors import HandshakeError
+    w = _push_worker()
+    w._check_remap([32, 32], 2)                 # equal TP: remapped
+    with pytest.raises(HandshakeError, match=r"the TP sizes differ too \(1 vs 2\): "
+                       r"transfer_mode='push' remaps block sizes between equal TP sizes only; "
+                       r"use transfer_mode='pull'"):
+        w._check_remap([32, 32], 1)
+    with pytest.raises(HandshakeError, match=r"block sizes \[32, 32\] differ from this engine's "
+                       r"\[16, 16\] and kv_connector_extra_config.block_size_remap is false"):
+        _push_worker(block_size_remap=False)._check_remap([32, 32], 2)
+
+
+def test_push_remap_step_that_cannot_be_planned_ends_the_push():
+    """P: a remap step whose tokens D registered no block for (a null id where D needs a
+    token) is refused naming the group and the blocks; the push ends (D is told)."""
+    from types import SimpleNamespace
+
+    from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
+    vc = H.vllm_config(extra={"transfer_mode": "push"})
+    sched = HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.gemma_like()).scheduler
+    theirs = [[1, 0, 3, 4, 5], [0, 0, 3, 4, 5]]            # D 32-token blocks, 150 tokens
+    sched.update_connector_output(SimpleNamespace(
+        finished_recving=None, failed_recving=None, finished_sending=None,
+        kv_connector_worker_meta=HmaPushWorkerMeta(registered={"x": theirs},
+                                                   regrain={"x": (0, 150, [32, 32])})))
+    assert sched.registered() == {"x"} and sched._regrain["x"] == (0, 150, [32, 32])
+    req = SimpleNamespace(request_id="r", kv_transfer_params={"do_remote_decode": True,
+                                                                "transfer_mode": "push",
+                                                                "push_id": "x"})
+    assert sched._is_push_producer(req) == "x"
+    sched.trackers.add("r", [np.arange(1, 11, dtype=np.int32)] * 2)
+    with pytest.raises(BlockTableError, match=r"group 0: tokens \[0, 150\) need D's blocks "
+                       r"0..4; .* null"):
+        sched._regrain_save("r", "x", 0, True, 0, 150)
+    saves = sched._regrain_saves([("r", "x", 0, True, 0, 150)], {})
+    assert saves == {} and "x" in sched._aborts and "r" in sched._unpushed

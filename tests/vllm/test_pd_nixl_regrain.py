@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import harness as H
+import push_harness as PH
 from ports import free_port
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -173,6 +174,116 @@ def test_remap_off_refuses_other_block_sizes(caplog):
                "config.block_size_remap is false" in caplog.text
         D.d.run()
         H.assert_no_leak(D.s)
+    finally:
+        P.close()
+        D.close()
+
+
+class PushEngine(PH.Engine):
+    """A push-mode engine (tests/vllm/push_harness.py) whose "forward pass" writes, per layer,
+    the tag of (group, layer, token) into the token row of every token that becomes computed
+    this step (rows: the spec's page bytes / block size, equal at any block size)."""
+
+    def __init__(self, make_kcc, **vkw):
+        super().__init__(make_kcc, page_bytes=None, **vkw)
+        self.remap_saves = 0
+
+    def _forward(self, so) -> None:
+        for layer in self.layers:
+            g = self.layout.layer_to_group[layer]
+            spec = self.layout.groups[g]
+            bs, row = rows(self.layout, g, self.paged.page_bytes[g])
+            j = spec.layer_names.index(layer)
+            arr = self.paged.kv_caches[layer].reshape(self.kcc.num_blocks, bs, row)
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self.s.requests[rid]
+                end = min(req.num_computed_tokens, req.num_prompt_tokens)
+                table = self.s.kv_cache_manager.get_block_ids(rid)[g]
+                for t in range(max(0, end - n), end):
+                    if t // bs < len(table) and table[t // bs]:
+                        arr[table[t // bs], t % bs] = tag(g, j, t, row)
+            self.w.save_kv_layer(layer, None, None)
+
+    def _check_push_saves(self, so) -> None:
+        # remap steps carry token ranges and each side's blocks (checked by D's bytes)
+        saves = getattr(so.kv_connector_metadata, "push_saves", None) or {}
+        self.remap_saves += sum(s.regrain is not None for s in saves.values())
+
+
+PUSH_CASES = {   # name: (P kwargs, P config, D kwargs, D config, prompt, P's budget per step)
+    "gemma_p16_d32_chunk40": (dict(block_size=16), lambda: H.gemma_like(num_blocks=64, bs=16),
+                              dict(block_size=32), lambda: H.gemma_like(num_blocks=64, bs=32),
+                              [150], 40),
+    "gemma_p32_d8": (dict(block_size=32), lambda: H.gemma_like(num_blocks=64, bs=32),
+                     dict(block_size=8), lambda: H.gemma_like(num_blocks=160, bs=8), [150], 256),
+    "dsv4_p1x_dhalf_chunk200": (dict(), lambda: H.dsv4_like(num_blocks=600), dict(),
+                                lambda: H.dsv4_like(num_blocks=1000, sizes=(128, 32, 32, 2, 4)),
+                                [600], 200),
+    # the two-engine test's batch: four prompts sharing P's 64-token steps
+    "gemma_p64_d32_batch": (dict(block_size=64), lambda: H.gemma_like(num_blocks=64, bs=64),
+                            dict(block_size=32), lambda: H.gemma_like(num_blocks=128, bs=32),
+                            [10, 100, 150, 37], 64),
+}
+
+
+@pytest.mark.parametrize("case", list(PUSH_CASES))
+def test_pd_push_other_block_sizes_every_byte(case):
+    """Push mode (decode first) into a decode engine of other block sizes: P's worker WRITEs
+    every layer of every step as byte runs of the tokens D needs (chunked prefill: several
+    steps, several requests per step). Every byte of D's memory is checked: per group the
+    token rows of the tokens D needs hold P's tags, every other byte still holds D's junk."""
+    pkw, pk, dkw, dk, lengths, budget = PUSH_CASES[case]
+    P = PushEngine(pk, max_num_batched_tokens=budget, **pkw)
+    D = PushEngine(dk, max_num_batched_tokens=max(budget, 1024 if "dsv4" in case else 256),
+                   **dkw)
+    try:
+        assert P.layout.block_sizes != D.layout.block_sizes
+        before = [s.copy() for s in D.paged.storages]
+        dh = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+        ph = H.C.resolve_kv_cache_block_sizes(P.kcc, P.vc)[1]
+        reqs = []
+        for k, n in enumerate(lengths):
+            prompt = [1 + (i * 7 + 31 * k) % 900 for i in range(n)]
+            d_params, p_params = PH.push_params(f"push-remap-{k}", P.port)
+            reqs.append((H.make_request(f"d-{k}", prompt, dh, params=d_params, max_tokens=3),
+                         H.make_request(f"p-{k}", prompt, ph, params=p_params, max_tokens=1)))
+        for d_req, _ in reqs:
+            D.s.add_request(d_req)
+        D.step()
+        for _, p_req in reqs:
+            P.s.add_request(p_req)
+        PH.step_until(lambda: not D.conn.awaiting(), [P, D], what="the pushes complete")
+        assert not D.conn.failed_recving
+        for k in range(len(lengths)):
+            steps = [m.push_saves[f"p-{k}"] for m in P.metas if m and f"p-{k}" in m.push_saves]
+            assert steps and all(s.regrain is not None for s in steps) and steps[-1].final
+        assert P.remap_saves > (len(lengths) if budget < sum(lengths) else 0)
+        lay = D.layout
+        _, geo, _ = layer_geometry(lay, D.kcc.num_blocks, page_bytes=D.paged.page_bytes)
+        want = [b.copy() for b in before]
+        moved = 0
+        for k in range(len(lengths)):
+            reg = PH.registration(D, f"d-{k}")
+            lo, hi = token_ranges(lay, reg.num_tokens, reg.start_tokens)
+            for g, spec in enumerate(lay.groups):
+                bs, row = rows(lay, g, D.paged.page_bytes[g])
+                for j, name in enumerate(spec.layer_names):
+                    (s, off, stride, _), = geo[name]
+                    for t in range(lo[g], hi[g]):
+                        b = reg.block_ids[g][t // bs]
+                        assert b, f"group {g}: D registered no block for token {t}"
+                        a = off + b * stride + (t % bs) * row
+                        want[s][a:a + row] = tag(g, j, t, row)
+                        moved += row
+        for k, (a, w) in enumerate(zip(D.paged.storages, want)):
+            bad = np.flatnonzero(a != w)
+            assert bad.size == 0, f"{case}: storage {k}: {bad.size} bytes differ"
+        assert moved > 0
+        PH.step_until(lambda: not D.s.requests, [D], what="D finishes")
+        H.assert_no_leak(D.s)
+        PH.step_until(lambda: not P.s.requests, [P], what="P frees its blocks")
+        H.assert_no_leak(P.s)
+        assert P.conn.leases() == {} and P.conn.registered() == set()
     finally:
         P.close()
         D.close()

@@ -7,13 +7,15 @@ Real NIXL (UCX, loopback). P's ranks write a pattern of (layer, token, global he
 the load, every byte of every block D loaded is compared on every D rank, and nothing else
 was written. P frees only once every D rank said done; neither engine leaks a block.
 """
+import os
 import time
 
 import pytest
 
 import harness as H
-from tp_harness import PAIRS, engine_pool
+from tp_harness import PAIRS, TpEngine, engine_pool
 
+from hmacore.regrain import token_ranges
 from hmacore.windows import trim_remote_to_local
 
 pytestmark = pytest.mark.nixl
@@ -77,5 +79,64 @@ def test_mixed_tp_pull_every_byte(engines, case, tp_p, tp_d):
     D.run_out()
     H.assert_no_leak(D.s)
     P.run_out()            # P frees once every D rank's done reached every P rank
+    H.assert_no_leak(P.s)
+    assert P.s.connector.scheduler.leases() == {}
+
+
+@pytest.fixture(scope="module")
+def remap_engines():
+    """Two engines of other block sizes AND other TP sizes (each plays P and D): TP 2 with
+    32-token blocks, TP 1 with 64-token blocks; vLLM CPU vec-kernel pages (CPU_VEC)."""
+    started = []
+    try:
+        for case, tp in (("gemma-vec32", 2), ("gemma-vec64", 1)):
+            started.append(TpEngine(case, tp, f"remap-{case}"))
+        yield [e.wait_ready() for e in started]
+    finally:
+        for e in started:
+            e.close()
+
+
+@pytest.mark.parametrize("p_first", [True, False], ids=["p_tp2_b32-d_tp1_b64",
+                                                       "p_tp1_b64-d_tp2_b32"])
+def test_mixed_tp_and_block_sizes_pull_every_byte(remap_engines, p_first):
+    """Pull with a block-size remap across TP sizes: each D rank reads, from every P rank
+    holding some of its heads, the token rows of those heads (one READ per source rank, runs
+    in each side's grain). Every byte of every D rank is compared: the rows of the tokens D
+    needed (per group: window, prefix) hold P's pattern for that rank's heads, all else zero;
+    rank 0's bytes checked as rank 1's heads differ (negative control)."""
+    P, D = remap_engines if p_first else remap_engines[::-1]
+    for eng in (P, D):
+        eng.call_all("zero")
+    tag = "a" if p_first else "b"
+    n = P.case.prompt_tokens
+    prompt = [1 + (i * 7 + (3 if p_first else 5)) % 900 for i in range(n)]
+    params = _prefill(P, prompt, rid=f"p-{tag}")
+    assert params["remote_block_sizes"] != list(D.layout.block_sizes)
+    assert params["tp_size"] == P.tp != D.tp
+    req, rr = _decode_until_loaded(D, prompt, params, rid=f"d-{tag}", P=P)
+    if os.environ.get("HMACORE_TEST_TRANSPORT") == "mooncake":
+        # tests/mooncake/test_te_connector.py (HMACORE_TE_TP_ALL=1): Mooncake TE posts no
+        # byte runs, so the decode ranks refuse the remap at the handshake and the load
+        # fails under the engine's "fail" policy; nothing leaks
+        assert req.status == H.RequestStatus.FINISHED_ERROR
+        D.run_out()
+        H.assert_no_leak(D.s)
+        P.run_out(timeout=90)          # P frees at its lease end (nobody read)
+        H.assert_no_leak(P.s)
+        return
+    assert req.status != H.RequestStatus.FINISHED_ERROR
+    assert req.num_computed_tokens >= n - 1, "D recomputed instead of loading"
+    end = rr.load_start + rr.num_external_tokens
+    lo, hi = token_ranges(D.layout, end, rr.load_start)
+    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(f"d-{tag}")]
+    for r, got in enumerate(D.call_all("check_tokens", table=table, lo=list(lo), hi=list(hi))):
+        assert got["bad"] == 0 and got["stray"] == 0 and got["checked"] > 0, (r, got)
+    if D.tp == 2:
+        ctl = D.ranks[0].call("check_tokens", table=table, lo=list(lo), hi=list(hi), as_rank=1)
+        assert ctl["bad"] > 0
+    D.run_out()
+    H.assert_no_leak(D.s)
+    P.run_out()
     H.assert_no_leak(P.s)
     assert P.s.connector.scheduler.leases() == {}

@@ -21,6 +21,9 @@ class Case:
     make: Callable[[int], Any]        # TP size -> the worker's KVCacheConfig (per-rank heads)
     vkw: dict
     prompt_tokens: int
+    #: pages as vLLM CPU's "vec" attention kernel writes them (per head K transposed, then V):
+    #: a block-size remap moves token rows, so the pattern must sit where the kernel puts it
+    vec: bool = False
 
     def kcc(self, tp: int):
         return self.make(tp)
@@ -33,6 +36,14 @@ CASES = {
     "gemma-chunk": Case("gemma-chunk", lambda tp: H.gemma_like(num_blocks=64,
                                                                heads=max(1, TOTAL_HEADS // tp)),
                         dict(max_num_batched_tokens=64), 150),
+    # block-size remap with other TP sizes (test_pd_nixl_tp.py): head size 64 and >= 32-token
+    # blocks, which vLLM CPU serves with its "vec" kernel (the one a remap models, CPU_VEC)
+    "gemma-vec32": Case("gemma-vec32", lambda tp: H.gemma_like(
+        num_blocks=48, bs=32, heads=max(1, TOTAL_HEADS // tp), head=64), dict(block_size=32),
+        150, vec=True),
+    "gemma-vec64": Case("gemma-vec64", lambda tp: H.gemma_like(
+        num_blocks=24, bs=64, heads=max(1, TOTAL_HEADS // tp), head=64), dict(block_size=64),
+        150, vec=True),
     "dsv4": Case("dsv4", lambda tp: H.dsv4_like(num_blocks=600),
                  dict(max_num_batched_tokens=1024), 600),
 }
@@ -92,6 +103,29 @@ def block_pattern(layer: int, position: int, spec, heads) -> torch.Tensor:
     return v.to(spec.dtype)
 
 
+def _vec(v: torch.Tensor, spec) -> torch.Tensor:
+    """A ``[heads, tokens, 2*head_size]`` block as vLLM CPU's vec kernel stores it: per head
+    K transposed (``[head_size, tokens]``) then V (``[tokens, head_size]``), same shape."""
+    hs = spec.head_size
+    k = v[:, :, :hs].transpose(1, 2).reshape(v.shape[0], -1)
+    return torch.cat([k, v[:, :, hs:].reshape(v.shape[0], -1)], dim=1).view(v.shape)
+
+
+def _page(case: Case, layer: int, position: int, spec, heads, lo: int = 0,
+          hi: int | None = None) -> torch.Tensor:
+    """The bytes of a block at table position ``position``: the pattern of its tokens in
+    ``[lo, hi)`` (all by default), zeros elsewhere; in the vec kernel's order for vec cases."""
+    v = block_pattern(layer, position, spec, heads)
+    if lo or hi is not None:
+        tok = torch.arange(position * spec.block_size, (position + 1) * spec.block_size)
+        out = (tok < lo) | (tok >= (hi if hi is not None else tok[-1] + 1))
+        if heads is None:
+            v[out] = 0
+        else:
+            v[:, out] = 0
+    return _vec(v, spec) if case.vec and heads is not None else v
+
+
 def _layers(kcc) -> dict[str, int]:
     return {n: i for i, n in enumerate(sorted(n for _, n in _specs(kcc)))}
 
@@ -107,7 +141,7 @@ def fill(case: Case, kcc, caches, table, tp: int, rank: int, layers=None) -> Non
                 for name in grp.layer_names:
                     if layers is not None and name not in layers:
                         continue
-                    caches[name][b] = block_pattern(idx[name], j, spec, _heads(spec, tp, rank))
+                    caches[name][b] = _page(case, idx[name], j, spec, _heads(spec, tp, rank))
 
 
 def check(case: Case, kcc, caches, table, loaded, tp: int, rank: int) -> dict:
@@ -127,6 +161,30 @@ def check(case: Case, kcc, caches, table, loaded, tp: int, rank: int) -> dict:
                     bad += int((got != block_pattern(idx[name], j, spec,
                                                      _heads(spec, tp, rank))).sum())
                     checked += got.numel() * got.element_size()
+    others = torch.tensor(sorted(set(range(kcc.num_blocks)) - touched), dtype=torch.long)
+    for name, t in caches.items():
+        stray += int((t[others] != 0).sum())
+    return {"bad": bad, "checked": checked, "stray": stray}
+
+
+def check_tokens(case: Case, kcc, caches, table, lo, hi, tp: int, rank: int) -> dict:
+    """D after a block-size remap: per group g, every block of ``table[g]`` holds the pattern
+    of its tokens in ``[lo[g], hi[g])`` for this rank's heads and zeros elsewhere; every block
+    outside the table is zero (every byte of every layer compared)."""
+    idx = _layers(kcc)
+    bad = checked = stray = 0
+    touched: set[int] = set()
+    for g, grp in enumerate(kcc.kv_cache_groups):
+        spec = grp.kv_cache_spec
+        for j, b in enumerate(table[g]):
+            if not b:
+                continue
+            touched.add(b)
+            for name in grp.layer_names:
+                got = caches[name][b]
+                want = _page(case, idx[name], j, spec, _heads(spec, tp, rank), lo[g], hi[g])
+                bad += int((got != want).sum())
+                checked += int((want != 0).sum())
     others = torch.tensor(sorted(set(range(kcc.num_blocks)) - touched), dtype=torch.long)
     for name, t in caches.items():
         stray += int((t[others] != 0).sum())

@@ -10,7 +10,8 @@ runs in between: per layer, in layer order, the pattern of the ``fill`` tables' 
 written, then ``save_kv_layer``, as push mode needs), ``drop_regs`` (fault injection: this
 rank's push registrations are never sent; ``undrop`` ends it), ``push_state`` (push
 worker internals), ``check`` (D: compare loaded blocks
-with the pattern of this rank's heads; count non-zero bytes elsewhere), ``zero``, ``quit``.
+with the pattern of this rank's heads; count non-zero bytes elsewhere), ``check_tokens``
+(the same per token range, after a block-size remap), ``zero``, ``quit``.
 Usage: python tp_rank.py '<json args>' (spawned by the harness; bounded by it).
 """
 import base64
@@ -83,6 +84,9 @@ def main() -> None:
         elif op == "check":
             out = tp_cases.check(case, kcc, caches, cmd["table"], cmd["loaded"], tp,
                                  cmd.get("as_rank", rank))
+        elif op == "check_tokens":
+            out = tp_cases.check_tokens(case, kcc, caches, cmd["table"], cmd["lo"], cmd["hi"],
+                                        tp, cmd.get("as_rank", rank))
         elif op == "drop_regs":      # fault injection: this rank's registrations are lost
             send = conn.worker.agent.send_notif
             conn.worker.agent.send_notif = lambda peer, msg: (

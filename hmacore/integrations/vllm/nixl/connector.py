@@ -87,7 +87,8 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                                             lease_s=sched.lease_s, tp=tp,
                                             progress_delay_us=sched.progress_delay_us,
                                             posting=sched.posting,
-                                            transport=self.transport)
+                                            transport=self.transport,
+                                            block_size_remap=sched.block_size_remap)
             else:
                 from .worker import HmaNixlWorker  # imports the NIXL driver lazily
                 self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),

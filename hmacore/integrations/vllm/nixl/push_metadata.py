@@ -55,6 +55,7 @@ class PushRegistration:
     block_ids: list[list[int]]
     num_tokens: int
     awaiting: bool = True
+    start_tokens: int = 0     # D's local hit: the first token P writes (a block-size remap)
 
 
 @dataclasses.dataclass
@@ -74,6 +75,11 @@ class PushSave:
     local_block_ids: list[Any]
     remote_block_ids: list[Any]
     final: bool
+    #: a block-size remap (D's blocks of another size): ``(lo, hi, local_first, remote_first)``
+    #: per group; the ids are then each side's blocks holding tokens ``[lo, hi)`` (entry i
+    #: is that side's block ``first + i``), Mamba groups paired state blocks
+    #: (:meth:`hmacore.regrain.RegrainPlan.runs`)
+    regrain: tuple[list[int], list[int], list[int], list[int]] | None = None
 
 
 @dataclasses.dataclass
@@ -103,6 +109,9 @@ class HmaPushWorkerMeta(HmaNixlWorkerMeta):
     #: prefill side acknowledges; ``released``: ranks whose hold ended (pinned blocks free)
     holding: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     released: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    #: P: push id -> ``(D's first token, D's token count, D's block sizes)`` of a
+    #: registration from a decode engine of other block sizes (a block-size remap)
+    regrain: dict[str, tuple[int, int, list[int]]] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: Any) -> HmaPushWorkerMeta:
         def unite(name: str) -> dict[str, list[int]]:
@@ -114,4 +123,6 @@ class HmaPushWorkerMeta(HmaNixlWorkerMeta):
                                  registered={**self.registered,
                                              **(getattr(other, "registered", None) or {})},
                                  registered_by=unite("registered_by"),
-                                 holding=unite("holding"), released=unite("released"))
+                                 holding=unite("holding"), released=unite("released"),
+                                 regrain={**self.regrain,
+                                          **(getattr(other, "regrain", None) or {})})

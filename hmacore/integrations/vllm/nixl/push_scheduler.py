@@ -18,7 +18,10 @@ registered). Once registered, every step's metadata carries a :class:`PushSave` 
 push request: P's and D's ids of the block positions whose tokens become computed in this step
 (all positions up to the step's end in the first pushed step, so a local prefix hit on P is
 pushed too). ``request_finished`` keeps the blocks (returns True) until the worker reports the
-push ended (``finished_sending``), or the lease (``kv_lease_duration`` s) expires.
+push ended (``finished_sending``), or the lease (``kv_lease_duration`` s) expires. A decode
+engine of other block sizes (its worker reports D's block sizes, first token and token count:
+``HmaPushWorkerMeta.regrain``) gets its steps planned in token ranges instead of block pairs
+(:meth:`_regrain_saves`, ``PushSave.regrain``).
 
 Units: tokens, blocks of each group (positional tables), seconds of ``clock``.
 """
@@ -30,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ....errors import ConfigError, HmacoreError
+from ....errors import BlockTableError, ConfigError, HmacoreError
+from ....regrain import token_ranges
 from ....tables import TrackerSet, from_wire, pair_block_spans
 from ....spec import GroupKind
 from .._config import number
@@ -117,6 +121,9 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         self._push_reqs: dict[str, tuple[Any, str]] = {}   # rid -> (Request, push id)
         self._hold_since: dict[str, float] = {}
         self._registered: dict[str, list[list[int]]] = {}  # push id -> D's positional table
+        # push id -> (D's first token, D's token count, D's block sizes): a decode engine of
+        # other block sizes (its steps are planned by _regrain_saves)
+        self._regrain: dict[str, tuple[int, int, list[int]]] = {}
         self._claimed: set[str] = set()                    # push ids of this engine's requests
         # complete registrations no request claimed yet: push id -> arrival (clock s), in
         # arrival order (the stale sweep stops at the first fresh one)
@@ -230,7 +237,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
                 [[] for _ in self.layout.groups]
             self._regs_pending[rid] = PushRegistration(
                 request_id=rid, push_id=pp["push_id"], host=pp["host"], port=pp["port"],
-                block_ids=ids, num_tokens=end, awaiting=awaiting)
+                block_ids=ids, num_tokens=end, awaiting=awaiting, start_tokens=start)
             if awaiting:
                 self._awaiting[rid] = ("", pp["push_id"])
                 self._reg_blocks[rid] = [int(b) for g in ids for b in g if b]
@@ -274,6 +281,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         theirs: list[Any] = [None] * n
         spans: list[tuple[int, int] | None] = [None] * n
         plans: list[tuple[str, int, bool] | None] = [None] * n
+        remaps: list[tuple[str, str, int, bool, int, int]] = []   # block-size remap pushes
         # what each pushes this step: tokens [start, end) (every position up to the step's
         # end in its first pushed step, so a local prefix hit on P is pushed too)
         num_sched = scheduler_output.num_scheduled_tokens
@@ -295,6 +303,9 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             end = min(computed + count, total)
             if start >= end:
                 continue
+            if pid in self._regrain:      # followed in the batch, planned in token ranges
+                remaps.append((rid, pid, step, end >= total, start, end))
+                continue
             theirs[r] = remote
             spans[r] = (start, end)
             plans[r] = (pid, step, end >= total)
@@ -302,7 +313,8 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             local, rem, offsets = self.trackers.step_pairs(scheduled, new_ids, theirs, spans,
                                                            self._block_sizes)
         except HmacoreError as e:       # e.g. D registered ids P cannot pair: nothing applied
-            return self._push_plan_each(scheduled, new_ids, theirs, spans, plans, e)
+            saves = self._push_plan_each(scheduled, new_ids, theirs, spans, plans, e)
+            return self._regrain_saves(remaps, saves) if remaps else saves
         saves: dict[str, PushSave] = {}
         G = len(self._block_sizes)
         off = offsets.tolist()
@@ -321,7 +333,63 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
                 request_id=rid, push_id=pid, step=step,
                 local_block_ids=[local[a:b] for a, b in pairs],
                 remote_block_ids=[rem[a:b] for a, b in pairs], final=final)
+        return self._regrain_saves(remaps, saves) if remaps else saves
+
+    def _regrain_saves(self, remaps, saves: dict[str, PushSave]) -> dict[str, PushSave]:
+        """P: the steps of pushes into a decode engine of other block sizes: per group the
+        step's tokens that D needs (:func:`hmacore.regrain.token_ranges` from D's first token
+        and token count, intersected with the step's ``[start, end)``) and each side's blocks
+        holding them; Mamba groups pair state blocks by position as usual. The worker turns
+        them into byte runs (RegrainPlan). A step that cannot be planned ends the push."""
+        for rid, pid, step, final, start, end in remaps:
+            try:
+                saves[rid] = self._regrain_save(rid, pid, step, final, start, end)
+            except HmacoreError as e:
+                self._give_up_push(rid, e)
+                continue
+            self._push_steps[rid] = step + 1
+            if final:
+                self.trackers.finish(rid)
         return saves
+
+    def _regrain_save(self, rid: str, pid: str, step: int, final: bool, start: int,
+                      end: int) -> PushSave:
+        d_start, n, d_sizes = self._regrain[pid]
+        if final and end < n:
+            raise BlockTableError(f"the decode engine expects {n} tokens, this prompt has {end}")
+        mine, theirs = self.trackers.block_ids(rid, copy=False), self._registered[pid]
+        lo, hi = token_ranges(self.layout, n, d_start)
+        state = None
+        src, dst, los, his, sf, df = [], [], [], [], [], []
+        empty = np.empty(0, dtype=np.int32)
+        for g, spec in enumerate(self.layout.groups):
+            a, b = max(lo[g], start), min(hi[g], end)
+            if spec.kind == GroupKind.MAMBA:
+                if state is None:
+                    state = pair_block_spans(mine, theirs, self._block_sizes, start, end)
+                pair, a, b = (state[0][g], state[1][g]), 0, 0
+            elif a >= b or not spec.transfer:
+                pair, a, b = (empty, empty), 0, 0
+            else:
+                ends = []
+                for side, table, bs in (("P", mine[g], spec.block_size),
+                                        ("D", theirs[g], d_sizes[g])):
+                    ids = np.asarray(table[a // bs:(b - 1) // bs + 1], dtype=np.int32)
+                    if ids.shape[0] != (b - 1) // bs - a // bs + 1 or not ids.all():
+                        raise BlockTableError(
+                            f"group {g}: tokens [{a}, {b}) need {side}'s blocks {a // bs}.."
+                            f"{(b - 1) // bs}; its table holds {len(table)} positions, null "
+                            "among them or too few")
+                    ends.append(ids)
+                pair = (ends[0], ends[1])
+            src.append(pair[0])
+            dst.append(pair[1])
+            los.append(a)
+            his.append(b)
+            sf.append(a // spec.block_size)
+            df.append(a // d_sizes[g])
+        return PushSave(request_id=rid, push_id=pid, step=step, local_block_ids=src,
+                        remote_block_ids=dst, final=final, regrain=(los, his, sf, df))
 
     def _push_plan_each(self, scheduled, new_ids, theirs, spans, plans,
                         err: Exception) -> dict[str, PushSave]:
@@ -385,6 +453,8 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             self._reg_blocks.pop(rid, None)
         self._fold_loads(connector_output)
         by = getattr(wmeta, "registered_by", None) or {}
+        for pid, (d_start, n, sizes) in (getattr(wmeta, "regrain", None) or {}).items():
+            self._regrain[pid] = (int(d_start), int(n), [int(b) for b in sizes])
         for pid, ids in (getattr(wmeta, "registered", None) or {}).items():
             if len(ids) != self.layout.num_groups:
                 logger.warning("push %s: registration has %d groups, the layout %d; ignored",
@@ -428,6 +498,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
                 break
             del self._unclaimed_at[pid]
             self._registered.pop(pid, None)
+            self._regrain.pop(pid, None)
             self._aborts.add(pid)     # the workers tell the decode engine, which stops waiting
             logger.warning("push %s: registration unclaimed for %.1f s; dropped (the decode "
                            "engine is told the push failed)", pid, self.lease_s)
@@ -455,6 +526,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             return False, None
         pid = entry[1]
         registered = self._registered.pop(pid, None) is not None
+        self._regrain.pop(pid, None)
         self._claimed.discard(pid)
         self._unclaimed_at.pop(pid, None)
         if self._reg_partial.pop(pid, None) is not None:

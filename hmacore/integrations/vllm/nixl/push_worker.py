@@ -46,7 +46,10 @@ on ``side_channel_host:port + rank`` answers decode ranks.
   CANCEL is answered then (at once when nothing was posted or the push already ended).
 
 Units: block ids per group; descriptor ids from LayerPlan; times ``time.monotonic()`` seconds.
-PP = 1; prefill and decode must have equal block sizes.
+PP = 1. Other block sizes (``block_size_remap``, default on) at equal TP sizes: P writes
+each layer as byte runs (:mod:`hmacore.regrain`) of the step's tokens D needs, planned in
+token ranges by the scheduler (``PushSave.regrain``); other TP sizes too are refused at the
+handshake (pull mode remaps across TP sizes).
 """
 from __future__ import annotations
 
@@ -60,13 +63,15 @@ from typing import Any
 
 from ....errors import ConfigError, HandshakeError, HmacoreError
 from .._metrics import StatsCounter
-from ....layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState
+from ....layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState, \
+    runs_by_layer
 from ....plan import TransferPlan
 from ....tp import TpMapping, TpPairPlan, consumer_ranks
 from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
 from ....transport.base import check_transport, make_desc_transport
 from ....transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
 from .._roles import close_transport
+from ._regrain import payload_pages, regrain_plan, worker_pages
 from ._tp import check_rank_peer
 from .push_metadata import PUSH_AGENT_SUFFIX, HmaPushConnectorMetadata, HmaPushWorkerMeta, \
     PushSave
@@ -179,8 +184,10 @@ class HmaPushWorker:
                  cancel_ack_timeout: float = 60.0,
                  gate_timeout: float = 5.0, tp: Any = None,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
-                 posting: str = "auto", transport: str = "nixl") -> None:
+                 posting: str = "auto", transport: str = "nixl",
+                 block_size_remap: bool = True) -> None:
         self.transport = check_transport(transport)
+        self.block_size_remap = block_size_remap   # other block sizes: hmacore.regrain
         if self.transport == "mooncake" and host in ("0.0.0.0", "::", ""):
             raise ConfigError("transport 'mooncake' advertises the address its engine listens "
                               "on: set side_channel_listen_host to a routable address, not "
@@ -222,6 +229,9 @@ class HmaPushWorker:
         self._released: set[str] = set()          # request ids whose hold ended (to report)
         # P side
         self._dpeers: dict[str, tuple[int, int]] = {}   # D agent -> (its rank, its TP size)
+        # D agent of other block sizes -> (RegrainPlan P -> D, layer index of each region pair)
+        self._regrain: dict[str, tuple[Any, Any]] = {}
+        self._new_regrain: dict[str, tuple[int, int, list[int]]] = {}
         self._consumers_of: dict[int, tuple[int, ...]] = {}   # D TP size -> consumer ranks
         self._regs: dict[str, _Reg] = {}
         self._new_regs: dict[str, list[list[int]]] = {}
@@ -299,20 +309,22 @@ class HmaPushWorker:
             try:
                 d, dtp = (payload.tp.tp_rank, payload.tp.tp_size) if payload.tp is not None \
                     else (0, 1)
-                if dtp != 1 or self.tp_size != 1:
-                    self._me.check_compatible(payload)
-                    if tuple(payload.block_sizes) != tuple(self.layout.block_sizes):
-                        raise HandshakeError(f"block sizes {list(payload.block_sizes)} differ "
-                                             f"from this engine's {list(self.layout.block_sizes)}"
-                                             " (push pairs equal block sizes only)")
+                remap = tuple(payload.block_sizes) != tuple(self.layout.block_sizes)
+                if dtp != 1 or self.tp_size != 1 or remap:
+                    self._me.check_compatible(payload)   # TP-aware: one block-size ratio
+                    if remap:
+                        self._check_remap(payload.block_sizes, dtp)
                 self.agent.add_remote(payload.agent_metadata)
                 if d in self._consumers(dtp):
-                    dplan = payload.remote_plan(self.layout)
-                    if dtp == self.tp_size:
+                    if remap:
+                        self._add_regrain_peer(name, payload)
+                    elif dtp == self.tp_size:
+                        dplan = payload.remote_plan(self.layout)
                         self.agent.prep_pair(name, name, self.plan.descriptors(),
                                              dplan.descriptors())
                         self.pusher.add_peer(name, LayerPlan(dplan))
                     else:
+                        dplan = payload.remote_plan(self.layout)
                         mapping = TpMapping(self.layout, self.tp.shardings, local_tp=dtp,
                                             local_rank=d, remote_tp=self.tp_size,
                                             page_layout=payload.tp.page_layout)
@@ -324,6 +336,40 @@ class HmaPushWorker:
                 self._dpeers[name] = (d, dtp)
             except Exception as e:  # noqa: BLE001 - hmacore and NIXL errors: refuse this peer
                 self._error(f"decode peer {name!r} not usable for push: {e}")
+
+    def _check_remap(self, sizes: Any, other_tp: int) -> None:
+        """Both sides: a peer of other block sizes pairs only through a block-size remap,
+        which push mode runs at equal TP sizes (HandshakeError naming the key and the rule)."""
+        mine = list(self.layout.block_sizes)
+        if not self.block_size_remap:
+            raise HandshakeError(f"block sizes {list(sizes)} differ from this engine's {mine} "
+                                 "and kv_connector_extra_config.block_size_remap is false "
+                                 "(remove it to remap)")
+        if other_tp != self.tp_size:
+            raise HandshakeError(f"block sizes {list(sizes)} differ from this engine's {mine} "
+                                 f"and the TP sizes differ too ({other_tp} vs {self.tp_size}): "
+                                 "transfer_mode='push' remaps block sizes between equal TP "
+                                 "sizes only; use transfer_mode='pull', which remaps across "
+                                 "TP sizes")
+        if self.tp is None:
+            raise HandshakeError("a block-size remap needs the TP-aware handshake; this "
+                                 "worker has no TP description")
+
+    def _add_regrain_peer(self, name: str, payload: HandshakePayload) -> None:
+        """P: a decode rank of other block sizes is written by byte runs: one RegrainPlan
+        (P -> D) from both sides' page models, the layer of each region pair, and the peer's
+        registered memory for the runs' bounds (no dlist pair)."""
+        assert self.tp is not None and payload.tp is not None and self.plan is not None
+        dlayout = payload.tp.kv_layout()
+        dplan = TransferPlan.from_region_table(dlayout, payload.regions,
+                                               mem_type=payload.mem_type)
+        plan = regrain_plan(self.layout, dlayout, self.plan, dplan,
+                            worker_pages(self.layout, self.plan, self.tp),
+                            payload_pages(payload, dplan))
+        pair_layer = plan.pair_layers(self.layers.layers)
+        self.pusher.add_runs_peer(name)
+        self.agent.add_runs_peer(name, dplan.registration_ranges())
+        self._regrain[name] = (plan, pair_layer)
 
     def _handshake(self, host: str, port: int) -> tuple[int, list[HandshakePayload],
                                                          tuple[int, ...]]:
@@ -346,9 +392,14 @@ class HmaPushWorker:
                     "(set the same transfer_mode on both engines)")
             if r == 0:
                 ptp = payload.tp.tp_size if payload.tp is not None else 1
-            if ptp != 1 or self.tp_size != 1:
-                self._me.check_compatible(payload)
-            check_rank_peer(payload, r, ptp, f"{host}:{int(port) + r}", self.layout.block_sizes,
+            sizes = self.layout.block_sizes
+            remap = tuple(payload.block_sizes) != tuple(sizes)
+            if ptp != 1 or self.tp_size != 1 or remap:
+                self._me.check_compatible(payload)   # TP-aware: one block-size ratio
+            if remap:
+                self._check_remap(payload.block_sizes, ptp)
+                sizes = payload.block_sizes       # P writes through a block-size remap
+            check_rank_peer(payload, r, ptp, f"{host}:{int(port) + r}", sizes,
                             f"expected rank {r} of TP {ptp} (rank r of a prefill engine "
                             "listens on port + r)")
             got.append(payload)
@@ -494,7 +545,8 @@ class HmaPushWorker:
         try:
             msg = reg.push_id.encode() + b":" + _REG + json.dumps(
                 {"agent": self.name, "ids": reg.block_ids, "rank": self.rank,
-                 "tp": self.tp_size}).encode()
+                 "tp": self.tp_size, "start": int(getattr(reg, "start_tokens", 0)),
+                 "n": int(reg.num_tokens)}).encode()
             if reg.awaiting:
                 keys = tuple(push_tag(reg.push_id, p, src.tp) for p in src.from_ranks)
                 for k in keys:
@@ -662,12 +714,16 @@ class HmaPushWorker:
                     if isinstance(rank, bool) or isinstance(tp, bool) or not isinstance(
                             rank, int) or not isinstance(tp, int) or not 0 <= rank < tp:
                         raise ValueError(f"rank {rank!r} of TP {tp!r} is not a TP rank")
+                    start, n = doc.get("start", 0), doc.get("n", 0)
+                    if any(isinstance(v, bool) or not isinstance(v, int) for v in (start, n)) \
+                            or not 0 <= start <= n:
+                        raise ValueError(f"token range [{start!r}, {n!r}) is not one")
                 except (ValueError, KeyError, TypeError) as e:
                     self._error(f"malformed push registration for {pid!r}: {e}")
                     continue
                 self._pending_regs.append((time.monotonic(), pid.decode(errors="replace"),
                                            {"agent": doc["agent"], "ids": ids, "rank": rank,
-                                            "tp": tp}))
+                                            "tp": tp, "start": start, "n": n}))
             else:
                 self._inbox.msgs.append(m)
         if self._pending_regs:
@@ -723,6 +779,9 @@ class HmaPushWorker:
         if not reg.reported and set(need) <= set(reg.agents):
             reg.reported = True
             self._new_regs[pid] = reg.ids
+            if agent in self._regrain:      # P's scheduler plans its steps in token ranges
+                self._new_regrain[pid] = (doc["start"], doc["n"],
+                                          list(self._regrain[agent][0].dst_block_sizes))
 
     # -- P: layer-wise writes ---------------------------------------------------------------
     def _prepare_step(self, meta: Any) -> None:
@@ -780,8 +839,15 @@ class HmaPushWorker:
         for d, agent in p.peers.items():
             key = f"{sub}>{d}"
             try:
-                self.pusher.start(key, agent, save.local_block_ids, save.remote_block_ids,
-                                  lease_s=self.lease_s, tag=sub)
+                if (agent in self._regrain) != (save.regrain is not None):
+                    raise HandshakeError(f"decode rank {d}: its block sizes and this step's "
+                                         "plan disagree (remap vs equal block sizes)")
+                if save.regrain is not None:
+                    self.pusher.start_runs(key, agent, self._layer_runs(agent, save),
+                                           lease_s=self.lease_s, tag=sub)
+                else:
+                    self.pusher.start(key, agent, save.local_block_ids,
+                                      save.remote_block_ids, lease_s=self.lease_s, tag=sub)
             except HmacoreError as e:
                 p.subs.extend(started)
                 self._fail_push(pid, p, f"step {save.step} could not start for decode rank "
@@ -794,6 +860,15 @@ class HmaPushWorker:
         if not p.first_post:
             p.first_post = time.monotonic()
         return started
+
+    def _layer_runs(self, agent: str, save: PushSave) -> dict[str, Any]:
+        """A remap step's byte runs into decode rank ``agent``, per layer (one Cython pass for
+        the step, then split by the layer each region pair moves)."""
+        plan, pair_layer = self._regrain[agent]
+        lo, hi, sf, df = save.regrain     # type: ignore[misc]
+        runs = plan.runs(save.local_block_ids, save.remote_block_ids, lo, hi, src_first=sf,
+                         dst_first=df)
+        return runs_by_layer(runs.src, runs.dst, pair_layer, runs.pairs, self.layers.layers)
 
     def save_layer(self, layer_name: str, meta: Any) -> None:
         """The forward pass computed ``layer_name``: post its WRITE for every push request of
@@ -989,8 +1064,10 @@ class HmaPushWorker:
         meta = HmaPushWorkerMeta(registered=self._new_regs,
                                  registered_by={pid: [self.rank] for pid in self._new_regs},
                                  holding={rid: [self.rank] for rid in self._holding},
-                                 released={rid: [self.rank] for rid in self._released})
+                                 released={rid: [self.rank] for rid in self._released},
+                                 regrain=self._new_regrain)
         self._new_regs, self._holding, self._released = {}, set(), set()
+        self._new_regrain = {}
         return meta
 
     def holds(self) -> dict[str, set[str]]:

@@ -46,6 +46,13 @@ logger = C.get_logger(__name__)
 
 __all__ = ["HmaNixlScheduler"]
 
+#: why a block-size remap leaves Mamba groups out (docs/vllm.md, "Different block sizes")
+MAMBA_REMAP_RULE = (
+    "a Mamba block holds one state (the state after the tokens up to its position), not token "
+    "rows, so blocks of another size hold states at other token positions: a block-size remap "
+    "maps attention groups only (vLLM's align mode sets the Mamba block size to --block-size: "
+    "start both engines with the same --block-size, or the same mamba_block_size)")
+
 _REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
@@ -212,7 +219,7 @@ class HmaNixlScheduler:
                 continue
             if spec.kind == GroupKind.MAMBA:
                 raise ValueError(f"group {g} (Mamba): P's block size {bs} differs from ours "
-                                 f"{spec.block_size}")
+                                 f"{spec.block_size}; {MAMBA_REMAP_RULE}")
             block_size_ratio(bs, spec.block_size)
             kbs = spec.kernel_block_size
             groups.append(dataclasses.replace(

@@ -8,7 +8,9 @@ Pull mode over :class:`hmacore.transport.nixl.NixlAgent`, one worker per TP rank
   :class:`~hmacore.transport.handshake.HandshakeServer` on ``side_channel_host:port + rank``
   (the scheduler side advertises ``port`` and its TP size in ``kv_transfer_params``).
 * D side, each step (``start_load_kv``): for every ``RecvRequest`` connect once per remote
-  engine (address, TP size): handshake with every rank of P. Same TP size and block sizes:
+  engine (address, TP size): handshake with every rank of P. Other block sizes (any TP
+  sizes, ``block_size_remap``): one READ of byte runs per source rank through a
+  :class:`hmacore.regrain.RegrainPlan` (:meth:`_connect_regrain`). Same TP size and block sizes:
   this rank reads whole pages from the same rank of P. Other TP size: the pair plans of
   :func:`hmacore.transport.tp_peer.tp_pair_plans` say which P ranks hold this rank's heads
   (MLA: one rank) and which byte ranges of each block; one READ per source rank, ids paired
@@ -50,8 +52,9 @@ from ....errors import ConfigError, HandshakeError, HmacoreError, TransferError
 from ....grain import cdiv
 from ....plan import TransferPlan
 from ....recovery import UNKNOWN, VllmReport, plan_vllm_report
-from ....regrain import RegrainPlan, plan_pages, token_ranges
+from ....regrain import RegrainPlan, token_ranges
 from ....spec import GroupKind
+from ....tp import TpMapping
 from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
 from ....transport.base import KvTransport, check_transport
 from ....transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
@@ -59,6 +62,7 @@ from ....transport.nixl import NixlAgent, Transfer
 from ....transport.tp_peer import tp_pair_plans
 from ....windows import trim_remote_to_local
 from .._metrics import StatsCounter
+from ._regrain import payload_pages, regrain_plan, worker_pages
 from ._tp import WorkerTp, check_rank_peer
 from .metadata import HmaNixlConnectorMetadata, HmaNixlWorkerMeta, RemotePeer
 from .push_metadata import PUSH_AGENT_SUFFIX
@@ -102,7 +106,7 @@ class _Source:
     readers: tuple[str, ...]
     peers: tuple[str, ...]
     engine_id: str = ""
-    regrain: Any = None    # a RegrainPlan when the engine's block sizes differ from ours
+    regrain: Any = None    # RegrainPlans (one per reader) when block sizes differ from ours
 
 
 #: P's answers to a reader's ``done`` (see :meth:`HmaNixlWorker._answer_done`)
@@ -276,8 +280,8 @@ class HmaNixlWorker:
                     "push mode, this engine kv_connector_extra_config.transfer_mode='pull' (set "
                     "the same transfer_mode on both engines)")
             sizes = self.layout.block_sizes
-            if tuple(p.block_sizes) != tuple(sizes) and remote_tp == self.tp_size \
-                    and p.tp is not None and self.block_size_remap:
+            if tuple(p.block_sizes) != tuple(sizes) and p.tp is not None \
+                    and self.block_size_remap:
                 sizes, regrain = tuple(p.block_sizes), True   # a block-size remap (below)
             check_rank_peer(p, r, remote_tp, f"{host}:{port + r}", sizes,
                             f"kv_transfer_params said TP {remote_tp}, so port {port + r} "
@@ -295,39 +299,43 @@ class HmaNixlWorker:
         return _Source(tuple(readers[r] for r in sorted(readers)), peers)
 
     def _connect_regrain(self, got: list[HandshakePayload]) -> _Source:
-        """Same TP size, other block sizes: this rank reads its own rank of P through a
-        :class:`hmacore.regrain.RegrainPlan` (byte runs in each side's block grain)."""
+        """Other block sizes: this rank reads through one :class:`hmacore.regrain.RegrainPlan`
+        per source rank (byte runs in each side's block grain). Same TP size: its own rank of
+        P, every chunk; other TP size: the ranks :class:`hmacore.tp.TpMapping` names, each
+        plan pairing only the chunks of the heads read from that rank (MLA: one rank)."""
         assert self.tp is not None and self.agent is not None
-        p = got[self.rank]
-        name, rplan = self.agent.add_regrain_peer(p)
-        assert p.tp is not None
-        rlayout = p.tp.kv_layout()
-        # the page model of each side's kernel (vLLM CPU: K transposed, C.regrain_page_layout)
-        bs = [s.block_size for s in self.layout.groups if s.kind != GroupKind.MAMBA]
-        rbs = [s.block_size for s in rlayout.groups if s.kind != GroupKind.MAMBA]
-        rname = C.regrain_page_layout(p.tp.page_layout, p.tp.kv_dtype, p.tp.head_dim,
-                                      max(rbs, default=1))
-        lname = C.regrain_page_layout(self.tp.page_layout, self.tp.kv_dtype, self.tp.head_dim,
-                                      max(bs, default=1))
-        rpages = plan_pages(rlayout, rplan, page_layout=rname,
-                            shardings=p.tp.shardings, tp_size=p.tp.tp_size,
-                            tp_rank=p.tp.tp_rank, head_dim=p.tp.head_dim)
-        lpages = plan_pages(self.layout, self.agent.plan, page_layout=lname,
-                            shardings=self.tp.shardings, tp_size=self.tp.size,
-                            tp_rank=self.rank, head_dim=self.tp.head_dim)
-        plan = RegrainPlan(rlayout, self.layout, rplan, self.agent.plan, rpages, lpages)
-        logger.info("block-size remap with %s: P %s, D %s tokens per block; pages P %s, D %s",
-                    name, list(rlayout.block_sizes), list(self.layout.block_sizes),
-                    [(p.layout, p.kernel_block_size, p.chunks) for p in rpages if p],
-                    [(p.layout, p.kernel_block_size, p.chunks) for p in lpages if p])
-        peers = tuple(name if r == self.rank else self.agent.add_notify_peer(got[r])
-                      for r in range(len(got)))
-        return _Source((name,), peers, regrain=plan)
+        if not hasattr(self.agent, "add_regrain_peer"):
+            raise HandshakeError(f"block sizes {list(got[0].block_sizes)} differ from this "
+                                 f"engine's {list(self.layout.block_sizes)}: a block-size remap "
+                                 f"needs transport 'nixl' (this engine runs {self.transport!r}); "
+                                 "use equal --block-size on both engines")
+        remote_tp = len(got)
+        if remote_tp == self.tp_size:
+            sources: dict[int, Any] = {self.rank: None}
+        else:
+            mapping = TpMapping(self.layout, self.tp.shardings, local_tp=self.tp_size,
+                                local_rank=self.rank, remote_tp=remote_tp,
+                                page_layout=self.tp.page_layout)
+            sources = {r: (mapping, r) for r in mapping.remote_ranks}
+        lpages = worker_pages(self.layout, self.agent.plan, self.tp)
+        readers: dict[int, str] = {}
+        plans: dict[int, RegrainPlan] = {}
+        for r, tp in sources.items():
+            p = got[r]
+            name, rplan = self.agent.add_regrain_peer(p)
+            readers[r] = name
+            assert p.tp is not None
+            plans[r] = regrain_plan(p.tp.kv_layout(), self.layout, rplan, self.agent.plan,
+                                    payload_pages(p, rplan), lpages, tp=tp)
+        peers = tuple(readers[r] if r in readers else self.agent.add_notify_peer(got[r])
+                      for r in range(remote_tp))
+        return _Source(tuple(readers[r] for r in sorted(readers)), peers,
+                       regrain=tuple(plans[r] for r in sorted(readers)))
 
-    def _read_regrain(self, rr, src: _Source) -> Transfer:
-        """One READ of byte runs: tokens ``[load_start, load_start + external)`` of every
-        attention group (clipped per group by :func:`token_ranges`), Mamba state slots paired
-        from the front."""
+    def _read_regrain(self, rr, src: _Source, posted: list[Transfer]) -> None:
+        """One READ of byte runs per source rank (appended to ``posted`` as posted): tokens
+        ``[load_start, load_start + external)`` of every attention group (clipped per group by
+        :func:`token_ranges`), Mamba state slots paired from the front."""
         remote = rr.remote
         if rr.num_external_tokens <= 0 or len(rr.local_first) != len(rr.local_block_ids) \
                 or remote.block_first is None:
@@ -344,13 +352,14 @@ class HmaNixlWorker:
             if spec.kind == GroupKind.MAMBA:
                 n = min(len(local[g]), len(rem[g]))
                 local[g], rem[g] = local[g][:n], rem[g][:n]
-        runs = src.regrain.runs(rem, local, lo, hi,
-                                src_first=remote.block_first or [0] * len(rem),
-                                dst_first=list(rr.local_first) or [0] * len(local))
-        t = self.agent.read_runs(remote.request_id, src.readers[0], runs.as_runs("dst"),
-                                 notif=self._read_done_msg)
-        t.local_block_ids = tuple(np.asarray(g, dtype=np.int32) for g in local)
-        return t
+        for peer, plan in zip(src.readers, src.regrain):     # one READ per source rank
+            runs = plan.runs(rem, local, lo, hi,
+                             src_first=remote.block_first or [0] * len(rem),
+                             dst_first=list(rr.local_first) or [0] * len(local))
+            t = self.agent.read_runs(remote.request_id, peer, runs.as_runs("dst"),
+                                     notif=self._read_done_msg)
+            t.local_block_ids = tuple(np.asarray(g, dtype=np.int32) for g in local)
+            posted.append(t)      # as it goes: a later rank's failure leaves it in flight
 
     # -- per step ---------------------------------------------------------------------------
     def start_load_kv(self, meta: HmaNixlConnectorMetadata) -> None:
@@ -488,9 +497,8 @@ class HmaNixlWorker:
                     self._done_recving.add(rid)
                 return
             if src.regrain is not None:
-                t = self._read_regrain(rr, src)
-                posted.append(t)
-                local = t.local_block_ids
+                self._read_regrain(rr, src, posted)
+                local = posted[-1].local_block_ids
             else:
                 local, rem = trim_remote_to_local(rr.local_block_ids, remote.block_ids,
                                                   self.layout)
