@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import BlockTableError, HandshakeError, TransferError
 from ..runs import DescTable, desc_table, find_runs, span_ranges
+from .base import PostCounts
 from .mooncake_te import (_KIND, MAX_SLICES_PER_CALL, TE_SLICE_BYTES, TeEngineLifetime,
                           check_engine_args, open_engine, parse_endpoint, run_calls,
                           split_calls)
@@ -73,6 +74,7 @@ class TeDescAgent(TeEngineLifetime):
         self._pairs: dict[str, _Pair] = {}
         #: per posted transfer: (entries given to the engine, per-block descriptors, runs)
         self.last_post: tuple[int, int, int] = (0, 0, 0)
+        self._posted = PostCounts()
         self._closed = False
 
     # -- peers ---------------------------------------------------------------------------
@@ -165,7 +167,14 @@ class TeDescAgent(TeEngineLifetime):
                                      self._remotes[pair.remote][1], note)
         calls = split_calls(lrows[:, 0], rrows[:, 0], lrows[:, 1],
                             MAX_SLICES_PER_CALL * TE_SLICE_BYTES)
-        return self._pool.submit(run_calls, self._engine, session, calls, code, note)
+        handle = self._pool.submit(run_calls, self._engine, session, calls, code, note)
+        self._posted.add(int(lrows[:, 1].sum()), int(lrows.shape[0]), int(li.size))
+        return handle
+
+    def take_posted(self) -> PostCounts:
+        """What was posted since the last call (transfers, bytes, entries)."""
+        out, self._posted = self._posted, PostCounts()
+        return out
 
     @staticmethod
     def state(handle: cf.Future) -> str:

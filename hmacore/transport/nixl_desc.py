@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import BlockTableError, TransferError
 from ..runs import desc_table, span_ranges
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
+from .base import PostCounts
 from .nixl_post import check_posting, post_xfer
 
 __all__ = ["DescAgent"]
@@ -55,6 +56,8 @@ class DescAgent:
         self._reg = self._agent.register_memory([(a, n, d, "") for a, n, d in ranges], mem_type)
         self._pairs: dict[str, tuple[str, Any, Any, int, int]] = {}
         self._tables: dict[str, tuple[Any, Any]] = {}     # pair key -> (local, remote) tables
+        self._lens: dict[str, np.ndarray] = {}    # pair key -> its local descriptors' bytes
+        self._posted = PostCounts()
         #: per posted transfer: (descriptors given to NIXL, per-block descriptors, runs)
         self.last_post: tuple[int, int, int] = (0, 0, 0)
         self._remotes: set[str] = set()
@@ -90,6 +93,7 @@ class DescAgent:
         ld = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, self.mem_type)
         rd = self._agent.prep_xfer_dlist(remote, rrows, self.mem_type)
         self._pairs[key] = (remote, ld, rd, len(local_descs), len(remote_descs))
+        self._lens[key] = np.ascontiguousarray(lrows.reshape(-1, 3)[:, 1])
 
     def post(self, op: str, key: str, local_ids: np.ndarray, remote_ids: np.ndarray,
              notif: bytes = b"") -> Any:
@@ -120,7 +124,14 @@ class DescAgent:
         if posted.state == "ERR":
             self.release(posted.handle)
             raise TransferError(f"{op} on {key!r} failed when posted")
+        self._posted.add(int(self._lens[key][li].sum()), posted.descriptors,
+                         posted.block_descriptors)
         return posted.handle
+
+    def take_posted(self) -> PostCounts:
+        """What was posted since the last call (transfers, bytes, descriptors)."""
+        out, self._posted = self._posted, PostCounts()
+        return out
 
     def state(self, handle: Any) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"``."""

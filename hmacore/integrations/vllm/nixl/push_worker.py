@@ -954,10 +954,22 @@ class HmaPushWorker:
             self._guard("checking prefill peers", self._check_sources)
         if self._cancels:
             self._guard("checking cancels", self._check_cancels)
+        self._guard("counting WRITEs", self._count_posts)
         recving, failed = self._recving, self._failed
         self._recving, self._failed = set(), set()
         sending, self._sending = self._sending, set()
         return sending, recving, failed
+
+    def _count_posts(self) -> None:
+        """P: the layer WRITEs posted since the last step into the stats (transfers, bytes,
+        descriptors given to the transport, per-block descriptors they stand for)."""
+        posted = self.agent.take_posted()
+        if posted.transfers:
+            c = self.counters
+            c.add("transfers", posted.transfers)
+            c.add("transfer_bytes", posted.bytes)
+            c.add("transfer_descriptors", posted.descriptors)
+            c.add("transfer_block_descriptors", posted.block_descriptors)
 
     def _settle(self) -> None:
         """D: a request whose pushes from every source rank settled is finished (failed if any
