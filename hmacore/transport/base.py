@@ -155,7 +155,9 @@ class DescTransport(Protocol):
     Contract: ``post`` validates everything before posting (TransferError, nothing moved) and
     returns a handle; ``state(handle)`` is non-blocking (``"PROC"`` / ``"DONE"`` / ``"ERR"``;
     a dead peer ends as ``"ERR"``); ``notif`` rides the transfer and reaches the peer only
-    after its data; ``send_notif`` raises TransferError when the peer is unreachable;
+    after its data; ``send_notif`` raises TransferError when the peer is known unreachable
+    (a driver that sends in the background reports a later failure by ``notif_failures``,
+    ``(peer, error)`` pairs each reported once, and raises at the next send to that peer);
     ``notifs_by_agent`` yields ``(sender agent name, message)``, consumed; ``take_posted``
     returns the :class:`PostCounts` of the transfers posted since its last call."""
 
@@ -184,6 +186,8 @@ class DescTransport(Protocol):
     def wait(self, handle: Any, timeout: float = 10.0) -> None: ...
 
     def send_notif(self, remote: str, msg: bytes) -> None: ...
+
+    def notif_failures(self) -> list[tuple[str, str]]: ...
 
     def notifs(self) -> list[bytes]: ...
 

@@ -160,6 +160,10 @@ class DescAgent:
     def send_notif(self, remote: str, msg: bytes) -> None:
         self._agent.send_notif(remote, bytes(msg))
 
+    def notif_failures(self) -> list[tuple[str, str]]:
+        """Always empty: NIXL reports a peer it cannot notify at the send itself."""
+        return []
+
     def notifs(self) -> list[bytes]:
         """New notification messages (from every peer), consumed."""
         return [m for _, m in self.notifs_by_agent()]

@@ -619,6 +619,15 @@ class HmaPushWorker:
                        "now, the next registration handshakes afresh", key[0], key[1], why,
                        len(failed))
 
+    def _notif_failures(self) -> None:
+        """D: a prefill agent a notification failed to reach (Mooncake TE sends them on a
+        thread of its own and reports the failure here, the next step) is lost as a failed
+        ping is (NIXL raises at the send instead)."""
+        for name, err in self.agent.notif_failures():
+            for key, src in list(self._sources.items()):
+                if name in src.names:
+                    self._lose_source(key, f"notification to {name} failed: {err}")
+
     def _check_sources(self) -> None:
         """D: every PEER_CHECK_INTERVAL_S, ping each prefill engine a push is awaited from
         (one NIXL notification per rank, which P ignores). NIXL reports a dead peer's agent
@@ -947,6 +956,7 @@ class HmaPushWorker:
         self._guard("adopting handshakes", self._poll_connects)
         self._guard("accepting decode peers", self._accept_peers)
         self._guard("reading notifications", self._route_notifs)
+        self._guard("checking notifications sent", self._notif_failures)
         self._guard("polling WRITEs", self._progress)
         self._guard("polling pushes", self.receiver.poll)
         self._guard("settling pushes", self._settle)
