@@ -27,6 +27,7 @@ __all__ = ["MAX_PENDING_NOTIFS", "NotifyQueues"]
 
 #: notifications queued per peer at most (sent and in flight not counted)
 MAX_PENDING_NOTIFS = 256
+_MAX_FAILURES = 1024   # unreported failures kept (the oldest go first)
 _STOP = object()
 
 
@@ -111,6 +112,7 @@ class NotifyQueues:
                     q.error = err
                     if self._peers.get(q.name) is q:
                         self._failures.append((q.name, err))
+                        del self._failures[:-_MAX_FAILURES]   # a caller that never takes them
 
     def _stop(self, q: _PeerQueue, *, drop: bool = True) -> None:
         q.stopped = q.stopped or drop
