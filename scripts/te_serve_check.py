@@ -8,7 +8,8 @@ the flags tests/serve/serve_harness.py adds for it (float32, no tokenizer, small
 and docs/examples/pd_proxy.py on port 8300. Four prompts go through the proxy and then to the
 decode server alone (no transfer); prints one JSON line: whether the tokens are equal, and
 how far the decode server's hmacore counters moved (loads, bytes, failures) for the proxied
-requests. Every server is stopped by PID on exit.
+requests, and the prefill server's bytes (``prefill_bytes``: push mode's layer WRITEs; a pull
+moves its bytes by D's READs, counted on D). Every server is stopped by PID on exit.
 """
 from __future__ import annotations
 
@@ -59,8 +60,10 @@ def main(logdir: str, mode: str) -> int:
         decode = openai.OpenAI(base_url="http://127.0.0.1:8200/v1", api_key="x", timeout=300)
         via = openai.OpenAI(base_url="http://127.0.0.1:8300/v1", api_key="x", timeout=300)
         before = scrape("http://127.0.0.1:8200")
+        p_before = scrape("http://127.0.0.1:8100")
         got = [complete(via, p) for p in prompts]
         after = scrape("http://127.0.0.1:8200")
+        p_after = scrape("http://127.0.0.1:8100")
         ref = [complete(decode, p) for p in prompts]   # same model, greedy, no transfer
 
         def moved(name: str) -> float:
@@ -69,7 +72,9 @@ def main(logdir: str, mode: str) -> int:
         print(json.dumps({"mode": mode, "equal": got == ref,
                           "loads": moved("vllm:hma_loads_total"),
                           "bytes": moved("vllm:hma_transfer_bytes_total"),
-                          "failures": moved("vllm:hma_transfer_failures_total")}), flush=True)
+                          "failures": moved("vllm:hma_transfer_failures_total"),
+                          "prefill_bytes": total(p_after, "vllm:hma_transfer_bytes_total")
+                          - total(p_before, "vllm:hma_transfer_bytes_total")}), flush=True)
         return 0 if got == ref else 1
     finally:
         for s in procs.values():

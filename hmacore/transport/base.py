@@ -28,7 +28,8 @@ from ..errors import TransferError
 from ..plan import TransferPlan
 from .handshake import HandshakePayload
 
-__all__ = ["TRANSPORTS", "DescTransport", "KvTransport", "Transfer", "TransferPosting",
+__all__ = ["TRANSPORTS", "DescTransport", "KvTransport", "PostCounts", "Transfer",
+           "TransferPosting",
            "check_transport", "make_desc_transport", "make_transport"]
 
 #: the transports a connector can be configured with (``"transport"`` in
@@ -126,6 +127,24 @@ def make_transport(transport: str, name: str, plan: TransferPlan, **kwargs: Any)
     return MooncakeTeAgent(name, plan, **kwargs)
 
 
+@dataclasses.dataclass
+class PostCounts:
+    """What a descriptor-level driver posted (summed over its transfers): ``transfers``
+    posted, the ``bytes`` they move, the ``descriptors`` (entries) the transport was given and
+    the per-block ``block_descriptors`` those stand for (equal when posted per block)."""
+
+    transfers: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    block_descriptors: int = 0
+
+    def add(self, nbytes: int, descriptors: int, block_descriptors: int) -> None:
+        self.transfers += 1
+        self.bytes += int(nbytes)
+        self.descriptors += int(descriptors)
+        self.block_descriptors += int(block_descriptors)
+
+
 @runtime_checkable
 class DescTransport(Protocol):
     """A descriptor-level driver: named local/remote descriptor-row pairs, transfers by
@@ -136,11 +155,16 @@ class DescTransport(Protocol):
     Contract: ``post`` validates everything before posting (TransferError, nothing moved) and
     returns a handle; ``state(handle)`` is non-blocking (``"PROC"`` / ``"DONE"`` / ``"ERR"``;
     a dead peer ends as ``"ERR"``); ``notif`` rides the transfer and reaches the peer only
-    after its data; ``send_notif`` raises TransferError when the peer is unreachable;
-    ``notifs_by_agent`` yields ``(sender agent name, message)``, consumed."""
+    after its data; ``send_notif`` raises TransferError when the peer is known unreachable
+    (a driver that sends in the background reports a later failure by ``notif_failures``,
+    ``(peer, error)`` pairs each reported once, and raises at the next send to that peer);
+    ``notifs_by_agent`` yields ``(sender agent name, message)``, consumed; ``take_posted``
+    returns the :class:`PostCounts` of the transfers posted since its last call."""
 
     name: str
     last_post: tuple[int, int, int]
+
+    def take_posted(self) -> PostCounts: ...
 
     def metadata(self) -> bytes: ...
 
@@ -162,6 +186,8 @@ class DescTransport(Protocol):
     def wait(self, handle: Any, timeout: float = 10.0) -> None: ...
 
     def send_notif(self, remote: str, msg: bytes) -> None: ...
+
+    def notif_failures(self) -> list[tuple[str, str]]: ...
 
     def notifs(self) -> list[bytes]: ...
 

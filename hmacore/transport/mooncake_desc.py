@@ -9,8 +9,10 @@ The engine runs in P2P-handshake mode (:func:`~hmacore.transport.mooncake_te.ope
 name. A WRITE/READ is the same engine calls as :class:`MooncakeTeAgent`'s (one entry per
 maximal run or per descriptor, cut by :func:`~hmacore.transport.mooncake_te.split_calls`), run
 on a small worker pool so :meth:`state` stays non-blocking; its notification rides the last
-call (delivered after the data). A standalone notification is a 1-byte doorbell write. A dead
-peer: the engine call returns a non-zero rc (``"ERR"``) or :meth:`send_notif` raises.
+call (delivered after the data). A standalone notification is a 1-byte doorbell write, made
+on a per-peer sender thread (:mod:`~hmacore.transport.te_notify`). A dead peer: the engine
+call returns a non-zero rc (``"ERR"``), or a queued notification fails (reported by
+:meth:`TeDescAgent.notif_failures`, and the next :meth:`~TeDescAgent.send_notif` raises).
 Units: rows N x 3 uint64 ``(addr, bytes, dev)``; descriptor ids int64; seconds.
 """
 from __future__ import annotations
@@ -24,6 +26,8 @@ import numpy as np
 
 from ..errors import BlockTableError, HandshakeError, TransferError
 from ..runs import DescTable, desc_table, find_runs, span_ranges
+from .base import PostCounts
+from .te_notify import NotifyQueues
 from .mooncake_te import (_KIND, MAX_SLICES_PER_CALL, TE_SLICE_BYTES, TeEngineLifetime,
                           check_engine_args, open_engine, parse_endpoint, run_calls,
                           split_calls)
@@ -73,6 +77,8 @@ class TeDescAgent(TeEngineLifetime):
         self._pairs: dict[str, _Pair] = {}
         #: per posted transfer: (entries given to the engine, per-block descriptors, runs)
         self.last_post: tuple[int, int, int] = (0, 0, 0)
+        self._posted = PostCounts()
+        self._notify = NotifyQueues(self._doorbell_write, f"mooncake-desc-{name}")
         self._closed = False
 
     # -- peers ---------------------------------------------------------------------------
@@ -124,6 +130,7 @@ class TeDescAgent(TeEngineLifetime):
         if any(p.remote == name for p in self._pairs.values()):
             raise TransferError(f"remote agent {name!r} still has a prepared descriptor pair")
         self._remotes.pop(name, None)
+        self._notify.forget(name)
 
     # -- transfers -----------------------------------------------------------------------
     def post(self, op: str, key: str, local_ids: np.ndarray, remote_ids: np.ndarray,
@@ -165,7 +172,14 @@ class TeDescAgent(TeEngineLifetime):
                                      self._remotes[pair.remote][1], note)
         calls = split_calls(lrows[:, 0], rrows[:, 0], lrows[:, 1],
                             MAX_SLICES_PER_CALL * TE_SLICE_BYTES)
-        return self._pool.submit(run_calls, self._engine, session, calls, code, note)
+        handle = self._pool.submit(run_calls, self._engine, session, calls, code, note)
+        self._posted.add(int(lrows[:, 1].sum()), int(lrows.shape[0]), int(li.size))
+        return handle
+
+    def take_posted(self) -> PostCounts:
+        """What was posted since the last call (transfers, bytes, entries)."""
+        out, self._posted = self._posted, PostCounts()
+        return out
 
     @staticmethod
     def state(handle: cf.Future) -> str:
@@ -205,16 +219,24 @@ class TeDescAgent(TeEngineLifetime):
                                                     note))
 
     def send_notif(self, remote: str, msg: bytes) -> None:
-        """Send ``msg`` to a peer now (blocking, bounded by the engine's timeout; a dead
-        peer's closed port fails at once). TransferError when it could not be sent."""
+        """Queue ``msg`` for a peer and return at once (:mod:`~hmacore.transport.te_notify`:
+        a peer that stops answering costs the caller nothing). TransferError when the peer
+        is unknown, an earlier notification to it failed, or too many are pending; a failure
+        of this one is reported by :meth:`notif_failures` and by the next send."""
         self._check_open()
         ep = self._remotes.get(remote)
         if ep is None:
             raise TransferError(f"unknown remote agent {remote!r} (add_remote first)")
-        rc = self._doorbell_write(ep[0], ep[1], self._note(bytes(msg)))
-        if rc != 0:
-            raise TransferError(f"notification to {remote!r} not sent (engine rc {rc}: peer "
-                                "dead or unreachable?)")
+        self._notify.send(remote, ep[0], ep[1], self._note(bytes(msg)))
+
+    def notif_failures(self) -> list[tuple[str, str]]:
+        """``(remote, error)`` of the peers a queued notification failed to reach since the
+        last call (each reported once)."""
+        return self._notify.take_failures()
+
+    def notifs_pending(self, remote: str) -> int:
+        """Notifications to ``remote`` queued or being sent."""
+        return self._notify.pending(remote)
 
     def notifs(self) -> list[bytes]:
         """New notification messages (from every peer), consumed."""
@@ -227,6 +249,7 @@ class TeDescAgent(TeEngineLifetime):
 
     # -- lifetime ------------------------------------------------------------------------
     def _forget_peers(self) -> None:
+        self._notify.close()
         self._pairs.clear()
         self._remotes.clear()
 

@@ -17,7 +17,9 @@ How things map onto the engine (its semantics read from Mooncake's transfer_engi
   has not set it; the engine's floor is 5 s) plus 1 ns per byte.
 * ``notif=`` rides the transfer (``TransferNotify``): the peer receives it only when the
   batch completed. The Python API sends a notification only together with a transfer, so a
-  standalone :meth:`send_notif` is a 1-byte write between the two agents' doorbell buffers.
+  standalone :meth:`send_notif` is a 1-byte write between the two agents' doorbell buffers,
+  made on a per-peer sender thread (:mod:`hmacore.transport.te_notify`): a peer that stops
+  answering holds that thread, never the caller.
 * the engine's TCP server checks every remote address against the memory its owner
   registered; this driver also validates every block id before anything is posted.
 
@@ -41,6 +43,7 @@ from ..plan import TransferPlan
 from ..runs import DescTable, desc_table, find_runs
 from .base import Transfer, TransferPosting
 from .handshake import HandshakePayload
+from .te_notify import NotifyQueues
 
 __all__ = ["MAX_SLICES_PER_CALL", "MooncakeTeAgent", "TE_POSTINGS", "TE_SLICE_BYTES",
            "endpoint_metadata", "parse_endpoint", "split_calls"]
@@ -253,6 +256,7 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         self._valid: dict[str, tuple[np.ndarray, ...]] = {}
         self._failed: dict[str, TransferError] = {}
         self._notifs: dict[str, list[tuple[str, bytes]]] = {}   # rid -> (sender, body)
+        self._senders = NotifyQueues(self._doorbell_write, f"mooncake-te-{name}")
         self._closed = False
 
     # -- peers -------------------------------------------------------------------------
@@ -310,8 +314,10 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         return _Peer(payload.agent_name, payload, session, doorbell)
 
     def remove_peer(self, name: str) -> None:
-        """Forget a peer (idempotent). The engine keeps its cached connection."""
+        """Forget a peer (idempotent; its queued notifications are dropped). The engine keeps
+        its cached connection."""
         self._peers.pop(name, None)
+        self._senders.forget(name)
 
     @property
     def peers(self) -> tuple[str, ...]:
@@ -468,18 +474,34 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         return TransferNotify(self.name, request_id + ":" + bytes(body).decode("latin-1"))
 
     def send_notif(self, peer: str, request_id: str, msg: bytes = b"done") -> None:
-        """Send ``(request_id, msg)`` to a peer (a 1-byte doorbell write carries it)."""
+        """Queue ``(request_id, msg)`` for a peer and return at once (a 1-byte doorbell write
+        made on the peer's sender thread, :mod:`~hmacore.transport.te_notify`). TransferError
+        when the peer is unknown, an earlier notification to it failed, or too many are
+        pending; a failure of this one is reported by :meth:`notif_failures` and the next
+        send."""
         self._check_open()
         p = self._peers.get(peer)
         if p is None:
             raise TransferError(f"unknown peer {peer!r}", request_id=request_id)
+        try:
+            self._senders.send(peer, p.session, p.doorbell, self._notify(request_id, msg))
+        except TransferError as e:
+            raise TransferError(str(e), request_id=request_id) from None
+
+    def notif_failures(self) -> list[tuple[str, str]]:
+        """``(peer, error)`` of the peers a queued notification failed to reach since the
+        last call (each reported once)."""
+        return self._senders.take_failures()
+
+    def notifs_pending(self, peer: str) -> int:
+        """Notifications to ``peer`` queued or being sent."""
+        return self._senders.pending(peer)
+
+    def _doorbell_write(self, session: str, doorbell: int, note: Any) -> int:
         from mooncake.engine import TransferOpcode
-        rc = self._engine.batch_transfer_sync(p.session, [self._doorbell.ctypes.data],
-                                              [p.doorbell], [1], TransferOpcode.Write,
-                                              self._notify(request_id, msg))
-        if rc != 0:
-            raise TransferError(f"notification to {peer!r} not sent (engine rc {rc}: peer "
-                                "dead or unreachable?)", request_id=request_id)
+        return int(self._engine.batch_transfer_sync(session, [self._doorbell.ctypes.data],
+                                                    [doorbell], [1], TransferOpcode.Write,
+                                                    note))
 
     def fetch_notifs(self) -> None:
         """Move the engine's new notifications into the per-request queues."""
@@ -520,4 +542,5 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
 
     # -- lifetime ------------------------------------------------------------------------
     def _forget_peers(self) -> None:
+        self._senders.close()
         self._peers.clear()

@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import BlockTableError, HmacoreError, TransferError
 from ..runs import desc_table, span_ranges
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
+from .base import PostCounts
 from .nixl_post import check_posting, post_xfer
 
 __all__ = ["DescAgent"]
@@ -55,6 +56,8 @@ class DescAgent:
         self._reg = self._agent.register_memory([(a, n, d, "") for a, n, d in ranges], mem_type)
         self._pairs: dict[str, tuple[str, Any, Any, int, int]] = {}
         self._tables: dict[str, tuple[Any, Any]] = {}     # pair key -> (local, remote) tables
+        self._lens: dict[str, np.ndarray] = {}    # pair key -> its local descriptors' bytes
+        self._posted = PostCounts()
         #: per posted transfer: (descriptors given to NIXL, per-block descriptors, runs)
         self.last_post: tuple[int, int, int] = (0, 0, 0)
         self._remotes: set[str] = set()
@@ -91,6 +94,7 @@ class DescAgent:
         ld = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, self.mem_type)
         rd = self._agent.prep_xfer_dlist(remote, rrows, self.mem_type)
         self._pairs[key] = (remote, ld, rd, len(local_descs), len(remote_descs))
+        self._lens[key] = np.ascontiguousarray(lrows.reshape(-1, 3)[:, 1])
 
     def add_runs_peer(self, remote: str, remote_ranges: Sequence[tuple[int, int, int]]) -> None:
         """Allow byte-run transfers (:meth:`post_runs`) with ``remote`` inside its registered
@@ -171,7 +175,14 @@ class DescAgent:
         if posted.state == "ERR":
             self.release(posted.handle)
             raise TransferError(f"{op} on {key!r} failed when posted")
+        self._posted.add(int(self._lens[key][li].sum()), posted.descriptors,
+                         posted.block_descriptors)
         return posted.handle
+
+    def take_posted(self) -> PostCounts:
+        """What was posted since the last call (transfers, bytes, descriptors)."""
+        out, self._posted = self._posted, PostCounts()
+        return out
 
     def state(self, handle: Any) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"``."""
@@ -199,6 +210,10 @@ class DescAgent:
 
     def send_notif(self, remote: str, msg: bytes) -> None:
         self._agent.send_notif(remote, bytes(msg))
+
+    def notif_failures(self) -> list[tuple[str, str]]:
+        """Always empty: NIXL reports a peer it cannot notify at the send itself."""
+        return []
 
     def notifs(self) -> list[bytes]:
         """New notification messages (from every peer), consumed."""

@@ -15,6 +15,8 @@ process it started by PID. Modes:
   SIGKILLed: it must be reported failed within a bound; the agent then serves a new peer
   byte-exactly.
 * ``badargs``: bad arguments are refused with clear errors and the agent stays usable.
+* ``stopped``: a peer SIGSTOPped (stops answering): notifications to it do not hold the
+  caller, a live peer is served meanwhile, the failure is reported afterwards.
 """
 from __future__ import annotations
 
@@ -362,7 +364,51 @@ def mode_badargs() -> dict:
     return r
 
 
-MODES = {"exact": mode_exact, "kill": mode_kill, "badargs": mode_badargs}
+def mode_stopped() -> dict:
+    """A peer that stops answering (SIGSTOP: its port still accepts, nothing replies): a
+    standalone notification to it returns at once while still pending, a live peer is served
+    meanwhile, the failure is reported afterwards (the engine's transfer timeout) and the
+    next send to that peer raises."""
+    cfg = {"preset": "gemma-3-27b", "num_blocks": num_blocks_for(7, 9), "page_bytes": 256}
+    frozen, fport = start_peer({**cfg, "name": "te-frozen"})
+    live, lport = start_peer({**cfg, "name": "te-live"})
+    me = Side(cfg, "te-sender")
+    r: dict = {}
+    try:
+        connect(me, fport)
+        connect(me, lport)
+        me.agent.send_notif("te-frozen", "echo0", b"before")      # a live round trip first
+        r["echo_before"] = me.agent.wait_notif("echo0", timeout=60).decode()
+        os.kill(frozen.pid, signal.SIGSTOP)
+        me.agent.send_notif("te-frozen", "ping1", b"x")
+        me.agent.send_notif("te-frozen", "ping2", b"x")
+        # both calls returned; the first is held by the stopped peer (>= the engine timeout)
+        r["pending_after_send"] = me.agent.notifs_pending("te-frozen")
+        r["failures_while_pending"] = me.agent.notif_failures()
+        me.agent.send_notif("te-live", "echo1", b"alive")
+        r["live_echo"] = me.agent.wait_notif("echo1", timeout=60).decode()
+        r["pending_after_live_echo"] = me.agent.notifs_pending("te-frozen")
+        start = time.monotonic()
+        failures: list = []
+        while not failures and time.monotonic() - start < 120:
+            failures = me.agent.notif_failures()
+            time.sleep(0.01)
+        r["failures"] = failures
+        r["pending_after_failure"] = me.agent.notifs_pending("te-frozen")
+        r["next_send"] = _error(lambda: me.agent.send_notif("te-frozen", "ping3", b"x"))
+        me.agent.send_notif("te-live", "bye", b"bye")
+        r["live_rc"] = live.wait(timeout=60)
+    finally:
+        for proc in (frozen, live):
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        me.agent.close()
+    return r
+
+
+MODES = {"exact": mode_exact, "kill": mode_kill, "badargs": mode_badargs,
+         "stopped": mode_stopped}
 
 if __name__ == "__main__":
     os.environ.setdefault("GLOG_minloglevel", "2")

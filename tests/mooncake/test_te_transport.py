@@ -100,6 +100,24 @@ def test_bad_arguments_are_refused_and_agent_stays_usable():
     assert r["closed"] == "TransferError: the agent is closed"
 
 
+@pytest.mark.mooncake
+@pytest.mark.timeout(400)
+def test_a_stopped_peer_does_not_hold_the_caller():
+    """Notifications to a peer that stops answering (SIGSTOP) return at once and stay
+    pending on that peer's sender thread; a live peer is served meanwhile; the failure is
+    reported afterwards (once) and the next send to the stopped peer raises."""
+    r = run_te("stopped")
+    assert r["echo_before"] == "before"
+    assert r["pending_after_send"] == 2 and r["failures_while_pending"] == [], r
+    assert r["live_echo"] == "alive"
+    assert r["pending_after_live_echo"] >= 1, r    # the live peer did not wait for it
+    assert [name for name, _ in r["failures"]] == ["te-frozen"], r
+    assert r["pending_after_failure"] == 0           # the queued ping dropped with it
+    assert r["next_send"].startswith("TransferError") and "earlier one failed" in \
+        r["next_send"], r
+    assert r["live_rc"] == 0
+
+
 # -- no engine needed ------------------------------------------------------------------
 def test_transport_names_are_validated():
     assert TRANSPORTS == ("nixl", "mooncake")

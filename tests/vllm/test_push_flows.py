@@ -76,6 +76,25 @@ def _check_bytes(D, rid):
     return reg
 
 
+def _check_counts(P, steps):
+    """P's stats count what its layer WRITEs moved: one transfer per (step, layer) with
+    blocks, exactly the bytes and per-block descriptors of the PushSaves' pages in P's plan
+    (either transport), never more descriptors than per block."""
+    w = P.w.worker
+    rows = w.plan.descriptors()
+    want = {"transfers": 0, "transfer_bytes": 0, "transfer_block_descriptors": 0}
+    for save in steps:
+        for layer in w.layers.layers:
+            ids = w.layers.desc_ids(layer, save.local_block_ids)
+            if ids.size:
+                want["transfers"] += 1
+                want["transfer_bytes"] += int(rows[ids, 1].sum())
+                want["transfer_block_descriptors"] += int(ids.size)
+    got = P.w.get_kv_connector_stats().data
+    assert {k: got.get(k) for k in want} == want, (got, want)
+    assert 0 < got["transfer_descriptors"] <= got["transfer_block_descriptors"], got
+
+
 def _finish(P, D, rid):
     PH.step_until(lambda: not D.s.requests, [D], what="D finishes")
     H.assert_no_leak(D.s)
@@ -119,6 +138,7 @@ def test_push_moves_every_byte(case, order):
         assert P.mirror_checks >= len(steps) - 1
         # every push step's WRITE pairs equal the per-request pairing of vLLM's own table
         assert P.save_checks == len(steps)
+        _check_counts(P, steps)
         stats = P.w.stats()
         assert stats and stats[-1]["ok"] and stats[-1]["push_id"] == "push-1", stats
         assert stats[-1]["steps"] == len(steps)

@@ -671,6 +671,15 @@ class HmaPushWorker:
                        "now, the next registration handshakes afresh", key[0], key[1], why,
                        len(failed))
 
+    def _notif_failures(self) -> None:
+        """D: a prefill agent a notification failed to reach (Mooncake TE sends them on a
+        thread of its own and reports the failure here, the next step) is lost as a failed
+        ping is (NIXL raises at the send instead)."""
+        for name, err in self.agent.notif_failures():
+            for key, src in list(self._sources.items()):
+                if name in src.names:
+                    self._lose_source(key, f"notification to {name} failed: {err}")
+
     def _check_sources(self) -> None:
         """D: every PEER_CHECK_INTERVAL_S, ping each prefill engine a push is awaited from
         (one NIXL notification per rank, which P ignores). NIXL reports a dead peer's agent
@@ -1022,6 +1031,7 @@ class HmaPushWorker:
         self._guard("adopting handshakes", self._poll_connects)
         self._guard("accepting decode peers", self._accept_peers)
         self._guard("reading notifications", self._route_notifs)
+        self._guard("checking notifications sent", self._notif_failures)
         self._guard("polling WRITEs", self._progress)
         self._guard("polling pushes", self.receiver.poll)
         self._guard("settling pushes", self._settle)
@@ -1029,10 +1039,22 @@ class HmaPushWorker:
             self._guard("checking prefill peers", self._check_sources)
         if self._cancels:
             self._guard("checking cancels", self._check_cancels)
+        self._guard("counting WRITEs", self._count_posts)
         recving, failed = self._recving, self._failed
         self._recving, self._failed = set(), set()
         sending, self._sending = self._sending, set()
         return sending, recving, failed
+
+    def _count_posts(self) -> None:
+        """P: the layer WRITEs posted since the last step into the stats (transfers, bytes,
+        descriptors given to the transport, per-block descriptors they stand for)."""
+        posted = self.agent.take_posted()
+        if posted.transfers:
+            c = self.counters
+            c.add("transfers", posted.transfers)
+            c.add("transfer_bytes", posted.bytes)
+            c.add("transfer_descriptors", posted.descriptors)
+            c.add("transfer_block_descriptors", posted.block_descriptors)
 
     def _settle(self) -> None:
         """D: a request whose pushes from every source rank settled is finished (failed if any
