@@ -50,10 +50,12 @@ def _run(layers_before_stall=None, compute_s=0.01, timeout_s=10.0):
     cfg = dict(name="P-push", case=CASE, nb=NB, tokens=TOKENS, compute_s=compute_s, scale=SCALE)
     if layers_before_stall is not None:
         cfg["layers_before_stall"] = layers_before_stall
-    peer = TpPeer({"role": "pusher", "agents": [cfg], "serve_s": 30})
+    # serve_s bounds the peer's whole life; its start-up (imports, agent) alone took over 30 s
+    # at load 40 on 2 cores, so the bound is generous and each read below has its own limit
+    peer = TpPeer({"role": "pusher", "agents": [cfg], "serve_s": 300})
     agent = DescAgent("D-push", plan.registration_ranges())
     try:
-        peer.line()  # the pusher is up
+        peer.line(timeout=120)  # the pusher is up
         recv = LayerwiseReceiver(agent, len(LayerPlan(plan).layers))
         recv.expect("req-1", d_ids, timeout_s=timeout_s)
         peer.send({"meta": base64.b64encode(agent.metadata()).decode(),
