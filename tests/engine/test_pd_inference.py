@@ -87,6 +87,7 @@ def test_failed_read_recomputes_only_the_suffix_after_the_local_hit(pd):
     prompts = pd["prompts"]["failread"]
     pd["engines"]["d_async"].generate([p[:WARM] for p in prompts], 1, timeout=180)
     r = run_round(pd, "failread")
+    print("DBG20", r["p_drained"], r["params"])
     assert r["tokens"] == r["ref"], [E.first_divergence(a, b)
                                      for a, b in zip(r["tokens"], r["ref"])]
     # The load was tried for the prompt beyond vLLM's local hit, which the warm prefix made

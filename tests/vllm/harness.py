@@ -225,6 +225,11 @@ def runner_output(so: Any, sched: Scheduler | None = None, *, token: int = 7,
                             failed_recving=set(failed_recving or ()),
                             invalid_block_ids=set(invalid_block_ids or ()),
                             kv_connector_worker_meta=worker_meta)
+    if not req_ids and hasattr(ModelRunnerOutput, "with_kv_conn_output_only"):
+        # what vLLM's model runner returns on a step with nothing scheduled
+        # (kv_connector_no_forward): no connector output at all when the workers reported
+        # nothing, so the scheduler side's update_connector_output is not called
+        return ModelRunnerOutput.with_kv_conn_output_only(kvo)
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=[sampled(r) for r in req_ids], logprobs=None,
                              prompt_logprobs_dict={}, pooler_output=[],

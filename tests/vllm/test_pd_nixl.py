@@ -420,6 +420,30 @@ def test_read_answered_alive_while_the_lease_holds():
         D.close()
 
 
+def test_lease_expires_while_the_prefill_engine_idles():
+    # Nobody reads P's blocks (the decode side's READ failed, or D never came): P only
+    # idle-steps, and vLLM's model runner then reports no connector output at all, so the
+    # scheduler side's update_connector_output is not called. The lease must still end on
+    # time: within its duration plus a generous margin, not at P's next busy step.
+    P = Engine(lambda: H.gemma_like(num_blocks=64), extra={"kv_lease_duration": 1})
+    try:
+        p_prefill(P, 150)
+        assert P.s.requests and P.s.connector.scheduler.leases()
+        start = time.monotonic()
+        idle = 0
+        while P.s.requests and time.monotonic() < start + 20:
+            so = P.d.step()
+            assert not so.num_scheduled_tokens      # P idles: nothing to compute
+            idle += 1
+            time.sleep(0.01)
+        assert not P.s.requests, f"lease of 1 s still held after {idle} idle steps"
+        assert time.monotonic() - start < 1 + 10
+        assert P.s.connector.scheduler.leases() == {}    # no reader: only expiry frees
+        H.assert_no_leak(P.s)
+    finally:
+        P.close()
+
+
 @pytest.mark.parametrize("posting", ["blocks", "dynamic"])
 def test_posting_mode_from_the_config(posting):
     # kv_connector_extra_config.nixl_posting reaches the worker's NIXL agent: "blocks" posts

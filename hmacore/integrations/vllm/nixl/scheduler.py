@@ -407,6 +407,12 @@ class HmaNixlScheduler:
             self._awaiting.pop(rid, None)
             self.failed_recving.add(rid)
 
+    def lease_due(self, now: float) -> bool:
+        """P side: True when the earliest lease ended by ``now`` (``_leases`` is in deadline
+        order, see :meth:`_expire_leases`)."""
+        leases = self._leases
+        return bool(leases) and next(iter(leases.values())) <= now
+
     def _expire_leases(self, now: float, sending: set[str]) -> None:
         """P side: every lease whose deadline (clock seconds) is ``<= now`` ends; its request
         joins ``sending`` (vLLM then frees the blocks) and a later worker report is dropped.
