@@ -444,6 +444,47 @@ def test_lease_expires_while_the_prefill_engine_idles():
         P.close()
 
 
+def test_failed_read_tells_the_prefill_engine_to_free_at_once(monkeypatch):
+    # D's READ fails (NIXL reports an error: a failed READ delivers no done to P, modelled
+    # by posting it without one). D recomputes; once none of its READs is in flight it tells
+    # P "done", so P frees its blocks now, far before its 30 s lease ends.
+    from hmacore.errors import TransferError
+    P = Engine(lambda: H.gemma_like(num_blocks=64))
+    D = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute")
+    try:
+        prompt, params = p_prefill(P, 150)
+        agent = D.w.worker.agent
+        read, poll = agent.read, agent.poll
+        posted = []
+
+        def read_without_done(*args, **kwargs):
+            t = read(*args, **{**kwargs, "notif": None})
+            posted.append(t)
+            return t
+
+        def failing_poll(t, *args, **kwargs):
+            while poll(t) == "PROC":            # the real READ leaves flight first
+                time.sleep(0.001)
+            raise TransferError("injected: READ reported an error")
+        monkeypatch.setattr(agent, "read", read_without_done)
+        monkeypatch.setattr(agent, "poll", failing_poll)
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        deadline = time.monotonic() + 20
+        while "d" not in D.s.connector.scheduler.failed_recving:
+            assert time.monotonic() < deadline, "the failed load was never reported"
+            D.d.step()
+            P.d.step()
+        assert posted and r.num_computed_tokens == 0
+        drain_p(P)                                   # bounded by 20 s < the 30 s lease
+        assert P.s.connector.scheduler.leases() == {}
+        D.d.run()
+        H.assert_no_leak(D.s)
+    finally:
+        P.close()
+        D.close()
+
+
 @pytest.mark.parametrize("posting", ["blocks", "dynamic"])
 def test_posting_mode_from_the_config(posting):
     # kv_connector_extra_config.nixl_posting reaches the worker's NIXL agent: "blocks" posts

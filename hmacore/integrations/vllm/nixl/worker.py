@@ -584,6 +584,8 @@ class HmaNixlWorker:
             self.counters.add("transfer_failures")
             if self._async_failed(rid, load.recv):
                 failed.add(rid)
+            if not load.late:
+                self._abandon(load)
             if load.confirm_by and load.remote_rid:
                 # answers may still come (a late or slow source): drop them when they do
                 self._stale_answers[load.remote_rid] = time.monotonic() + self.confirm_timeout
@@ -595,6 +597,23 @@ class HmaNixlWorker:
         for t in load.transfers:
             if t.posted_at:
                 self.counters.add("transfer_seconds", done_at - t.posted_at)
+
+    def _abandon(self, load: _Load) -> None:
+        """D: a failed load, none of its READs in flight any more: tell every rank of P
+        ``done`` so it frees its blocks now rather than at its lease's end (a failed READ
+        carries no ``done``; vLLM recomputes, nobody reads them again). Best effort: a lost
+        message leaves the lease to free them."""
+        src = self._sources.get(load.source) if load.source is not None else None
+        remote = getattr(load.recv, "remote", None)
+        if src is None or remote is None:
+            return
+        for peer in src.peers:
+            try:
+                self.agent.send_notif(peer, remote.request_id, self._done_msg)
+            except HmacoreError as e:
+                logger.warning("abandoned load of %s: done to %s not sent: %s",
+                               remote.request_id, peer, e)
+        self.counters.add("loads_abandoned")
 
     def _take_answers(self, now: float, recving: set[str], failed: set[str]) -> None:
         """D: end the loads whose READs are done once every source answered (any LATE, or
