@@ -26,6 +26,8 @@ from vllm.v1.request import Request, RequestStatus  # noqa: F401 (re-exported fo
 from vllm.v1.structured_output import StructuredOutputManager
 
 from hmacore.integrations.vllm import _compat as C
+from hmacore.integrations.vllm.nixl.metadata import HmaNixlWorkerMeta
+from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
 
 # tests/ on the path: the shared test helpers (ports) live there
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -323,6 +325,10 @@ class Driver:
         self.preempted |= set(so.preempted_req_ids or ())
         if self.worker is not None:
             kv = {**kv, **worker_step(self.worker, so)}
+        elif getattr(meta, "report_due", False) and kv.get("worker_meta") is None:
+            # what the worker connector reports on such a step (build_connector_worker_meta)
+            kv = {**kv, "worker_meta": (HmaPushWorkerMeta if hasattr(meta, "push_saves")
+                                        else HmaNixlWorkerMeta)()}
         out = self.s.update_from_output(so, runner_output(so, self.s, **kv))
         self.outputs.append(out)
         return so

@@ -113,13 +113,14 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
 
     # -- scheduler side -------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any):
-        """The scheduler side's step metadata, flagged ``lease_due`` when a lease has ended:
-        vLLM calls ``update_connector_output`` (where leases expire) only for a non-empty
-        worker report, and an idle prefill engine's workers report nothing, so the flag
-        makes them report (:meth:`build_connector_worker_meta`) and the lease ends on time."""
+        """The scheduler side's step metadata, flagged ``report_due`` when a deadline has
+        passed (a lease; push: an unclaimed registration): vLLM calls
+        ``update_connector_output`` (where they are enforced) only for a non-empty worker
+        report, and an idle prefill engine's workers report nothing, so the flag makes them
+        report (:meth:`build_connector_worker_meta`) and the deadline is kept."""
         sched = self._sched()
         meta = sched.build_connector_meta(scheduler_output)
-        meta.lease_due = sched.lease_due(meta.scheduler_clock)
+        meta.report_due = sched.report_due(meta.scheduler_clock)
         return meta
 
     def on_new_request(self, request: Any) -> None:
@@ -182,11 +183,11 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
             else set()
 
     def build_connector_worker_meta(self):
-        """The worker's report; on a ``lease_due`` step never None (an empty report is not
+        """The worker's report; on a ``report_due`` step never None (an empty report is not
         handed to the scheduler side, whose lease expiry would then wait for a busy step)."""
         meta = self._work().build_worker_meta()
         if meta is None and self.has_connector_metadata() \
-                and getattr(self._get_connector_metadata(), "lease_due", False):
+                and getattr(self._get_connector_metadata(), "report_due", False):
             meta = (HmaPushWorkerMeta if self.transfer_mode == "push" else HmaNixlWorkerMeta)()
         return meta
 

@@ -407,9 +407,10 @@ class HmaNixlScheduler:
             self._awaiting.pop(rid, None)
             self.failed_recving.add(rid)
 
-    def lease_due(self, now: float) -> bool:
-        """P side: True when the earliest lease ended by ``now`` (``_leases`` is in deadline
-        order, see :meth:`_expire_leases`)."""
+    def report_due(self, now: float) -> bool:
+        """True when :meth:`update_connector_output` has a deadline to enforce by ``now``:
+        P side, the earliest lease ended (``_leases`` is in deadline order, see
+        :meth:`_expire_leases`)."""
         leases = self._leases
         return bool(leases) and next(iter(leases.values())) <= now
 
