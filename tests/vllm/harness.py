@@ -5,6 +5,7 @@ Test-only; every vLLM constructor call used by the tests lives here.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import sys
@@ -230,8 +231,11 @@ def runner_output(so: Any, sched: Scheduler | None = None, *, token: int = 7,
     if not req_ids and hasattr(ModelRunnerOutput, "with_kv_conn_output_only"):
         # what vLLM's model runner returns on a step with nothing scheduled
         # (kv_connector_no_forward): no connector output at all when the workers reported
-        # nothing, so the scheduler side's update_connector_output is not called
-        return ModelRunnerOutput.with_kv_conn_output_only(kvo)
+        # nothing, so the scheduler side's update_connector_output is not called. A copy:
+        # vLLM's KVOutputAggregator (tp_harness) assigns into the output it returns, and
+        # this may be vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT (a worker's output crosses a
+        # process boundary in vLLM, so each is its own object there)
+        return copy.copy(ModelRunnerOutput.with_kv_conn_output_only(kvo))
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=[sampled(r) for r in req_ids], logprobs=None,
                              prompt_logprobs_dict={}, pooler_output=[],
