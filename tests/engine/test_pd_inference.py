@@ -27,6 +27,9 @@ DECODER = {"async": "d_async", "sync": "d_sync", "failread": "d_async", "drop0":
            "corrupt0": "d_sync", "corrupt1": "d_async"}
 MODULE = "faulty_connector"
 BLOCK = 32
+LEASE_S = 30.0     # P's kv_lease_duration (nixl_config's default)
+# P frees every block of a round within its lease plus this margin (s), READ failed or not
+DRAIN_MARGIN_S = 30.0
 WARM = 64          # tokens of each failread prompt the decode engine computes first, itself
 
 
@@ -40,7 +43,7 @@ def pd(request, tmp_path_factory):
         "single": E.start(model, None, root, "single"),
         # a 64-token budget: the 100- and 150-token prompts take 2 and 3 prefill steps
         "p": E.start(model, nixl_config("kv_producer", E.free_port(), module=MODULE,
-                                        connector="FaultyNixlConnector"),
+                                        connector="FaultyNixlConnector", lease_s=LEASE_S),
                      root, "prefill", max_num_batched_tokens=64),
         "d_async": E.start(model, dict(nixl_config("kv_consumer", E.free_port(), module=MODULE,
                                                    connector="FaultyNixlConnector"),
@@ -58,7 +61,8 @@ def pd(request, tmp_path_factory):
 def run_round(pd, name: str) -> dict:
     """Prefill on P (1 token, KV kept for D), then decode on one D engine pulling over NIXL."""
     return E.run_pd_round(pd, name, pd["prompts"][name], decoder=DECODER[name],
-                          fault_on=DECODER[name], fault=FAULTS.get(name))
+                          fault_on=DECODER[name], fault=FAULTS.get(name),
+                          drain_timeout=LEASE_S + DRAIN_MARGIN_S)
 
 
 @pytest.mark.parametrize("name", ["async", "sync"])
@@ -96,6 +100,11 @@ def test_failed_read_recomputes_only_the_suffix_after_the_local_hit(pd):
     assert all(0 < h <= min(WARM, n - 1) for h, n in zip(local, E.LENGTHS) if n > BLOCK), local
     assert all(h % BLOCK == 0 for h in local), local
     assert r["computed"] == [e + E.MAX_TOKENS - 1 for e in r["external"]]
+    # P freed every block: D told it so, or the lease ended (P only idle-steps meanwhile);
+    # the drain is bounded by the lease plus a margin, so a held lease fails here
+    drained = r["p_drained"]
+    assert drained["drained"] and drained["free"] == drained["total"] - 1, drained
+    print(f"{pd['family']} failread: P drained in {drained['elapsed_s']:.1f} s")
 
 
 @pytest.mark.parametrize("name", ["drop0", "drop1", "corrupt0", "corrupt1"])

@@ -5,6 +5,7 @@ Test-only; every vLLM constructor call used by the tests lives here.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import sys
@@ -26,6 +27,8 @@ from vllm.v1.request import Request, RequestStatus  # noqa: F401 (re-exported fo
 from vllm.v1.structured_output import StructuredOutputManager
 
 from hmacore.integrations.vllm import _compat as C
+from hmacore.integrations.vllm.nixl.metadata import HmaNixlWorkerMeta
+from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
 
 # tests/ on the path: the shared test helpers (ports) live there
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -225,6 +228,14 @@ def runner_output(so: Any, sched: Scheduler | None = None, *, token: int = 7,
                             failed_recving=set(failed_recving or ()),
                             invalid_block_ids=set(invalid_block_ids or ()),
                             kv_connector_worker_meta=worker_meta)
+    if not req_ids and hasattr(ModelRunnerOutput, "with_kv_conn_output_only"):
+        # what vLLM's model runner returns on a step with nothing scheduled
+        # (kv_connector_no_forward): no connector output at all when the workers reported
+        # nothing, so the scheduler side's update_connector_output is not called. A copy:
+        # vLLM's KVOutputAggregator (tp_harness) assigns into the output it returns, and
+        # this may be vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT (a worker's output crosses a
+        # process boundary in vLLM, so each is its own object there)
+        return copy.copy(ModelRunnerOutput.with_kv_conn_output_only(kvo))
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=[sampled(r) for r in req_ids], logprobs=None,
                              prompt_logprobs_dict={}, pooler_output=[],
@@ -318,6 +329,10 @@ class Driver:
         self.preempted |= set(so.preempted_req_ids or ())
         if self.worker is not None:
             kv = {**kv, **worker_step(self.worker, so)}
+        elif getattr(meta, "report_due", False) and kv.get("worker_meta") is None:
+            # what the worker connector reports on such a step (build_connector_worker_meta)
+            kv = {**kv, "worker_meta": (HmaPushWorkerMeta if hasattr(meta, "push_saves")
+                                        else HmaNixlWorkerMeta)()}
         out = self.s.update_from_output(so, runner_output(so, self.s, **kv))
         self.outputs.append(out)
         return so

@@ -420,6 +420,71 @@ def test_read_answered_alive_while_the_lease_holds():
         D.close()
 
 
+def test_lease_expires_while_the_prefill_engine_idles():
+    # Nobody reads P's blocks (the decode side's READ failed, or D never came): P only
+    # idle-steps, and vLLM's model runner then reports no connector output at all, so the
+    # scheduler side's update_connector_output is not called. The lease must still end on
+    # time: within its duration plus a generous margin, not at P's next busy step.
+    P = Engine(lambda: H.gemma_like(num_blocks=64), extra={"kv_lease_duration": 1})
+    try:
+        p_prefill(P, 150)
+        assert P.s.requests and P.s.connector.scheduler.leases()
+        start = time.monotonic()
+        idle = 0
+        while P.s.requests and time.monotonic() < start + 20:
+            so = P.d.step()
+            assert not so.num_scheduled_tokens      # P idles: nothing to compute
+            idle += 1
+            time.sleep(0.01)
+        assert not P.s.requests, f"lease of 1 s still held after {idle} idle steps"
+        assert time.monotonic() - start < 1 + 10
+        assert P.s.connector.scheduler.leases() == {}    # no reader: only expiry frees
+        H.assert_no_leak(P.s)
+    finally:
+        P.close()
+
+
+def test_failed_read_tells_the_prefill_engine_to_free_at_once(monkeypatch):
+    # D's READ fails (NIXL reports an error: a failed READ delivers no done to P, modelled
+    # by posting it without one). D recomputes; once none of its READs is in flight it tells
+    # P "done", so P frees its blocks now, far before its 30 s lease ends.
+    from hmacore.errors import TransferError
+    P = Engine(lambda: H.gemma_like(num_blocks=64))
+    D = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute")
+    try:
+        prompt, params = p_prefill(P, 150)
+        agent = D.w.worker.agent
+        read, poll = agent.read, agent.poll
+        posted = []
+
+        def read_without_done(*args, **kwargs):
+            t = read(*args, **{**kwargs, "notif": None})
+            posted.append(t)
+            return t
+
+        def failing_poll(t, *args, **kwargs):
+            while poll(t) == "PROC":            # the real READ leaves flight first
+                time.sleep(0.001)
+            raise TransferError("injected: READ reported an error")
+        monkeypatch.setattr(agent, "read", read_without_done)
+        monkeypatch.setattr(agent, "poll", failing_poll)
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        deadline = time.monotonic() + 20
+        while "d" not in D.s.connector.scheduler.failed_recving:
+            assert time.monotonic() < deadline, "the failed load was never reported"
+            D.d.step()
+            P.d.step()
+        assert posted and r.num_computed_tokens == 0
+        drain_p(P)                                   # bounded by 20 s < the 30 s lease
+        assert P.s.connector.scheduler.leases() == {}
+        D.d.run()
+        H.assert_no_leak(D.s)
+    finally:
+        P.close()
+        D.close()
+
+
 @pytest.mark.parametrize("posting", ["blocks", "dynamic"])
 def test_posting_mode_from_the_config(posting):
     # kv_connector_extra_config.nixl_posting reaches the worker's NIXL agent: "blocks" posts

@@ -31,6 +31,8 @@ COUNTERS: dict[str, str] = {
     "lease_expiries": "Prefill-side leases that expired before the decode side released them",
     "late_reads": "KV loads whose READ finished after the prefill engine's lease had ended "
                   "(its blocks may have been reused): reported failed",
+    "loads_abandoned": "Failed KV loads after which the decode side told the prefill side "
+                       "to free its blocks at once (instead of at its lease's end)",
     "read_confirm_timeouts": "KV loads whose READ finished but whose prefill rank never "
                              "confirmed its lease within kv_lease_duration: reported failed",
     "push_cancels_acknowledged": "Pushes the decode side cancelled whose blocks it held until "

@@ -18,7 +18,7 @@ named by ``HMACORE_RESULT_FD`` (stdout stays free for vLLM's logs). The first re
   plus one per decode step after the first output token), ``kv_transfer_params`` per
   prompt, ``elapsed_s``.
 * ``drain``: step the engine (nothing to compute) until no request holds blocks, at most
-  ``timeout`` s. Returns ``drained`` and the block pool figures.
+  ``timeout`` s. Returns ``drained``, ``steps``, ``elapsed_s`` and the block pool figures.
 * ``blocks``: block pool figures (``free``, ``total``: blocks; the null block is never free).
 * ``fault``: hand ``spec`` to ``set_fault(spec)`` of the connector's module (test connectors).
 * ``connector_stats``: ``stats`` of this engine's worker-side connector (HmaNixlConnector in
@@ -147,13 +147,15 @@ class _Engine:
                 "elapsed_s": elapsed}
 
     def drain(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         steps = 0
         while self.scheduler.has_requests() and time.monotonic() < deadline:
             self.llm.llm_engine.step()
             steps += 1
             time.sleep(0.002)
-        return dict(self.blocks(), drained=not self.scheduler.has_requests(), steps=steps)
+        return dict(self.blocks(), drained=not self.scheduler.has_requests(), steps=steps,
+                    elapsed_s=time.monotonic() - start)
 
     def handle(self, cmd: dict) -> dict:
         name = cmd.get("cmd")

@@ -24,6 +24,8 @@ from .. import _compat as C
 from .._config import is_loopback
 from .._roles import RoleDispatch, require_single_worker
 from ._tp import worker_tp
+from .metadata import HmaNixlWorkerMeta
+from .push_metadata import HmaPushWorkerMeta
 from .scheduler import HmaNixlScheduler
 from .push_scheduler import HmaPushScheduler, transfer_mode
 from .transport_config import transport_name
@@ -111,6 +113,17 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         return tuple(self._kv_cache_config.transfer_group_ids)
 
     # -- scheduler side -------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any):
+        """The scheduler side's step metadata, flagged ``report_due`` when a deadline has
+        passed (a lease; push: an unclaimed registration): vLLM calls
+        ``update_connector_output`` (where they are enforced) only for a non-empty worker
+        report, and an idle prefill engine's workers report nothing, so the flag makes them
+        report (:meth:`build_connector_worker_meta`) and the deadline is kept."""
+        sched = self._sched()
+        meta = sched.build_connector_meta(scheduler_output)
+        meta.report_due = sched.report_due(meta.scheduler_clock)
+        return meta
+
     def on_new_request(self, request: Any) -> None:
         self._sched().on_new_request(request)
 
@@ -171,5 +184,11 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
             else set()
 
     def build_connector_worker_meta(self):
-        return self._work().build_worker_meta()
+        """The worker's report; on a ``report_due`` step never None (an empty report is not
+        handed to the scheduler side, whose lease expiry would then wait for a busy step)."""
+        meta = self._work().build_worker_meta()
+        if meta is None and self.has_connector_metadata() \
+                and getattr(self._get_connector_metadata(), "report_due", False):
+            meta = (HmaPushWorkerMeta if self.transfer_mode == "push" else HmaNixlWorkerMeta)()
+        return meta
 

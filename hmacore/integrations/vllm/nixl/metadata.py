@@ -68,6 +68,10 @@ class HmaNixlConnectorMetadata(KVConnectorMetadata):
             will be read, forget them.
         heartbeats: D side, remote engine id -> remote request ids still being waited on.
         scheduler_clock: ``time.perf_counter()`` of the scheduler when built.
+        report_due: a deadline the scheduler side enforces in ``update_connector_output``
+            has passed (a lease; in push mode also an unclaimed registration): the workers
+            must report this step (vLLM hands the scheduler side a worker report only when
+            it is not empty; see ``HmaNixlConnector.build_connector_worker_meta``).
     """
 
     reqs_to_recv: dict[str, RecvRequest] = dataclasses.field(default_factory=dict)
@@ -76,6 +80,7 @@ class HmaNixlConnectorMetadata(KVConnectorMetadata):
     reqs_not_processed: set[str] = dataclasses.field(default_factory=set)
     heartbeats: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     scheduler_clock: float = 0.0
+    report_due: bool = False
 
 
 @dataclasses.dataclass

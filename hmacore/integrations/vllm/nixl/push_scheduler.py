@@ -484,6 +484,16 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         self._expire_leases(now, sending)
         connector_output.finished_sending = sending or None
 
+    def report_due(self, now: float) -> bool:
+        """Also a registration unclaimed past ``kv_lease_duration`` (dropped in
+        :meth:`_drop_stale_registrations`, which an idle engine's empty report never
+        reaches; see ``HmaNixlConnector.build_connector_meta``)."""
+        if super().report_due(now):
+            return True
+        first = next(iter(self._unclaimed_at.values()), None)    # in registration order
+        return (first is not None and now - first > self.lease_s) or any(
+            now - t > self.lease_s for _, _, t in self._reg_partial.values())
+
     def _drop_stale_registrations(self, now: float) -> None:
         """A registration no request of this engine claimed within ``kv_lease_duration``
         seconds (P's request never came, or was refused) is forgotten. Work per step: the

@@ -414,6 +414,13 @@ class HmaNixlScheduler:
             self._awaiting.pop(rid, None)
             self.failed_recving.add(rid)
 
+    def report_due(self, now: float) -> bool:
+        """True when :meth:`update_connector_output` has a deadline to enforce by ``now``:
+        P side, the earliest lease ended (``_leases`` is in deadline order, see
+        :meth:`_expire_leases`)."""
+        leases = self._leases
+        return bool(leases) and next(iter(leases.values())) <= now
+
     def _expire_leases(self, now: float, sending: set[str]) -> None:
         """P side: every lease whose deadline (clock seconds) is ``<= now`` ends; its request
         joins ``sending`` (vLLM then frees the blocks) and a later worker report is dropped.

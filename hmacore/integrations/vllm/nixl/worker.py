@@ -109,6 +109,10 @@ class _Source:
     regrain: Any = None    # RegrainPlans (one per reader) when block sizes differ from ours
 
 
+#: seconds a dropped source's agents stay loaded before removal (messages sent to it leave;
+#: NIXL's progress thread polls every ``nixl_progress_delay_us``, 1 ms by default)
+STALE_PEER_GRACE_S = 2.0
+
 #: P's answers to a reader's ``done`` (see :meth:`HmaNixlWorker._answer_done`)
 ALIVE, LATE = b"alive", b"late"
 
@@ -189,7 +193,7 @@ class HmaNixlWorker:
         self._stale_answers: dict[str, float] = {}   # D: answers no load waits for -> until
         self._invalid_blocks: set[int] = set()   # failed loads of single-group models
         self.recoveries: dict[str, VllmReport] = {}   # rid -> last block-level report
-        self._stale_peers: set[str] = set()      # agents of dropped sources, to remove
+        self._stale_peers: dict[str, float] = {}  # agents of dropped sources -> removable at
         self.counters = StatsCounter()           # vLLM's stats / /metrics (_metrics.py)
 
     # -- registration -----------------------------------------------------------------------
@@ -239,21 +243,27 @@ class HmaNixlWorker:
         """Forget a remote engine: the next load from that address handshakes again. Called
         when it was replaced or a transfer with it failed. Its agents are removed once no
         READ in flight uses them (:meth:`_reap_stale_peers`): releasing a peer's descriptor
-        list under a posted READ is not safe."""
+        list under a posted READ is not safe; and not before :data:`STALE_PEER_GRACE_S`, so
+        that messages already handed to NIXL for it (a failed load's ``done``) leave first:
+        removing the agent tears its endpoint down, and queued messages with it (seen: two
+        engines, P kept 2 of 4 leases to their end)."""
         src = self._sources.pop(key, None)
         if src is None:
             return
         if self._engine_peers.get(src.engine_id) == src.peers:
             del self._engine_peers[src.engine_id]
-        self._stale_peers.update(src.peers)
+        at = time.monotonic() + STALE_PEER_GRACE_S
+        for peer in src.peers:
+            self._stale_peers.setdefault(peer, at)
 
     def _reap_stale_peers(self) -> None:
         live = {p for src in self._sources.values() for p in src.peers}
         busy = {t.peer for load in self._recving.values() for t in load.transfers}
-        for peer in list(self._stale_peers):
-            if peer in busy:
+        now = time.monotonic()
+        for peer, at in list(self._stale_peers.items()):
+            if peer in busy or now < at:
                 continue
-            self._stale_peers.discard(peer)
+            del self._stale_peers[peer]
             if peer in live:                 # re-handshaken under the same agent name
                 continue
             try:
@@ -592,6 +602,8 @@ class HmaNixlWorker:
             self.counters.add("transfer_failures")
             if self._async_failed(rid, load.recv):
                 failed.add(rid)
+            if not load.late:
+                self._abandon(load)
             if load.confirm_by and load.remote_rid:
                 # answers may still come (a late or slow source): drop them when they do
                 self._stale_answers[load.remote_rid] = time.monotonic() + self.confirm_timeout
@@ -603,6 +615,23 @@ class HmaNixlWorker:
         for t in load.transfers:
             if t.posted_at:
                 self.counters.add("transfer_seconds", done_at - t.posted_at)
+
+    def _abandon(self, load: _Load) -> None:
+        """D: a failed load, none of its READs in flight any more: tell every rank of P
+        ``done`` so it frees its blocks now rather than at its lease's end (a failed READ
+        carries no ``done``; vLLM recomputes, nobody reads them again). Best effort: a lost
+        message leaves the lease to free them."""
+        src = self._sources.get(load.source) if load.source is not None else None
+        remote = getattr(load.recv, "remote", None)
+        if src is None or remote is None:
+            return
+        for peer in src.peers:
+            try:
+                self.agent.send_notif(peer, remote.request_id, self._done_msg)
+            except HmacoreError as e:
+                logger.warning("abandoned load of %s: done to %s not sent: %s",
+                               remote.request_id, peer, e)
+        self.counters.add("loads_abandoned")
 
     def _take_answers(self, now: float, recving: set[str], failed: set[str]) -> None:
         """D: end the loads whose READs are done once every source answered (any LATE, or
