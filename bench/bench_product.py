@@ -658,7 +658,8 @@ def timed_steps(cell: Cell, engines: list[Engine], steps: int) -> tuple[dict[str
 def check_tables(e: Engine) -> str | None:
     """hmacore variants: every tracked request's followed table mirrors vLLM's KV cache
     manager view (equal wherever vLLM's entry is not the null block; stale entries only where
-    vLLM nulled a block in place). None when it holds (or the connector tracks nothing: pull
+    vLLM nulled a block in place; push P: 0 also where D registered no block, see
+    push_scheduler's sparse rule). None when it holds (or the connector tracks nothing: pull
     mode follows no request), else the first difference."""
     conn = e.s.connector
     sched = getattr(conn, "scheduler", None) if conn is not None else None
@@ -666,13 +667,22 @@ def check_tables(e: Engine) -> str | None:
     if trk is None:
         return None
     mgr = e.s.kv_cache_manager
+    push_reqs = getattr(sched, "_push_reqs", {})
+    registered = getattr(sched, "_registered", {})
     for r in trk:
         if r not in e.s.requests:
             return f"{r}: tracked but not held by vLLM"
         want = [list(g) for g in mgr.get_block_ids(r)]
         got = [g.tolist() for g in trk.block_ids(r)]
+        # push P (sparse rule): where D's registration holds no block, P's entry is 0 or vLLM's
+        entry = push_reqs.get(r)
+        reg = registered.get(entry[1]) if entry is not None else None
         for g, (a, b) in enumerate(zip(got, want)):
-            if len(a) != len(b) or any(x != y and y != 0 for x, y in zip(a, b)):
+            d_ids = list(reg[g]) if reg is not None else None
+            if len(a) != len(b) or any(
+                    x != y and y != 0
+                    and not (x == 0 and d_ids is not None and (p >= len(d_ids) or not d_ids[p]))
+                    for p, (x, y) in enumerate(zip(a, b))):
                 return f"{r}: group {g} differs from vLLM's table"
     return None
 
