@@ -347,10 +347,15 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             except HmacoreError as e:
                 self._give_up_push(rid, e)
                 continue
-            self._push_steps[rid] = step + 1
-            if final:
-                self.trackers.finish(rid)
+            self._planned(rid, step, final)
         return saves
+
+    def _planned(self, rid: str, step: int, final: bool) -> None:
+        """A push step of ``rid`` is planned: the next one is ``step + 1``; after the final
+        one P stops following the request."""
+        self._push_steps[rid] = step + 1
+        if final:
+            self.trackers.finish(rid)
 
     def _regrain_save(self, rid: str, pid: str, step: int, final: bool, start: int,
                       end: int) -> PushSave:
@@ -410,9 +415,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             except HmacoreError as e:
                 self._give_up_push(rid, e)
                 continue
-            self._push_steps[rid] = step + 1
-            if final:
-                self.trackers.finish(rid)
+            self._planned(rid, step, final)
             saves[rid] = PushSave(request_id=rid, push_id=pid, step=step,
                                   local_block_ids=list(local), remote_block_ids=list(rem),
                                   final=final)
