@@ -468,7 +468,10 @@ class HmaPushWorker:
                     for pid, c in list(self._cancels.items()):
                         if c.key == key and not c.waiting & set(names):
                             # another engine answers at that address: the one we cancelled
-                            # with is gone (a new engine id means a new NIXL agent)
+                            # with is gone (a new engine id means a new NIXL agent). A safety
+                            # net: a restart is normally found first by the failed send to the
+                            # old agent, whose _lose_source ends every hold at this address
+                            # (tests/vllm/test_push_cancel_kill.py)
                             self._end_hold(pid, "source lost (a new engine at its address)")
                 except Exception as e:  # noqa: BLE001 - NIXL refused the peer
                     err = f"{type(e).__name__}: {e}"
