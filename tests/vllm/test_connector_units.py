@@ -63,7 +63,14 @@ def test_bad_remote_params_fall_back_to_local_compute(bad):
     s.add_request(r)
     d = H.Driver(s)
     d.step()
-    assert r.status == RequestStatus.RUNNING and not d.metas[-1].reqs_to_recv
+    assert r.status == RequestStatus.RUNNING
+    recv = d.metas[-1].reqs_to_recv
+    if "remote_block_ids" in bad:   # endpoint sound, lists refused: only tell P to free
+        m = recv["a"]
+        assert m.remote is not None and not m.awaiting
+        assert not any(m.remote.block_ids) and not any(m.local_block_ids)
+    else:                           # no usable endpoint or another layout: nothing queued
+        assert not recv
     d.run()
     H.assert_no_leak(s)
 

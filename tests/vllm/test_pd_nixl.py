@@ -485,6 +485,41 @@ def test_failed_read_tells_the_prefill_engine_to_free_at_once(monkeypatch):
         D.close()
 
 
+@pytest.mark.parametrize("refused", ["too_many_ids", "bad_first", "expired"])
+def test_refused_params_tell_the_prefill_engine_to_free_at_once(refused):
+    # D refuses P's block lists (more ids than remote_num_tokens allows; a malformed
+    # remote_block_first): no load, the request computes locally, and a notify-only entry
+    # tells P to free its blocks now instead of at its 30 s lease end. Params whose lease
+    # already ended send nothing (P freed them; a "done" would wait unmatched at P).
+    P = Engine(lambda: H.gemma_like(num_blocks=64))
+    D = Engine(lambda: H.gemma_like(num_blocks=64))
+    try:
+        prompt, params = p_prefill(P, 150)
+        params = dict(params)
+        if refused == "too_many_ids":
+            params["remote_block_ids"] = [list(g) + list(g) * 4 for g in
+                                          params["remote_block_ids"]]
+        elif refused == "bad_first":
+            params["remote_block_first"] = "zero"
+        else:
+            params["remote_blocks_expiry_time"] = time.time() - 1
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        D.d.run()                                    # computed locally, no load
+        assert D.w.worker.counters._data.get("transfers", 0) == 0
+        H.assert_no_leak(D.s)
+        if refused == "expired":                     # nothing sent: P's lease frees them
+            for _ in range(50):
+                P.d.step()
+            assert P.s.connector.scheduler.leases()
+        else:
+            drain_p(P)                               # bounded by 20 s < the 30 s lease
+            assert P.s.connector.scheduler.leases() == {}
+    finally:
+        P.close()
+        D.close()
+
+
 @pytest.mark.parametrize("posting", ["blocks", "dynamic"])
 def test_posting_mode_from_the_config(posting):
     # kv_connector_extra_config.nixl_posting reaches the worker's NIXL agent: "blocks" posts

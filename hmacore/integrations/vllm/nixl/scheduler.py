@@ -140,8 +140,11 @@ class HmaNixlScheduler:
 
     # -- binding --------------------------------------------------------------------------
     # -- helpers ---------------------------------------------------------------------------
-    def _remote(self, params: dict) -> RemotePeer | None:
-        """Parse and validate P's params; None (with a warning) if unusable."""
+    def _remote(self, params: dict, release: bool = False) -> RemotePeer | None:
+        """Parse and validate P's params; None (with a warning) if unusable. With
+        ``release``, params whose endpoint and layout are sound but whose block lists are
+        refused give P's endpoint alone (no block ids): a notify-only entry then tells P to
+        free those blocks at once instead of at its lease end."""
         if params.get("transfer_mode", "pull") != "pull":
             logger.warning("kv_transfer_params.transfer_mode is %r but this engine runs "
                            "kv_connector_extra_config.transfer_mode='pull'; no remote load",
@@ -200,8 +203,31 @@ class HmaNixlScheduler:
                               else list(p_layout.block_sizes),
                               block_first=None if first is None else [int(f) for f in first])
         except (BlockTableError, TypeError, ValueError) as e:
-            logger.warning("kv_transfer_params rejected (%s); no remote load", e)
+            peer = self._endpoint(params, p_layout) if release and not self._lease_over(
+                params) else None
+            logger.warning("kv_transfer_params rejected (%s); no remote load%s", e,
+                           "; telling P to free its blocks" if peer is not None else "")
+            return peer
+
+    @staticmethod
+    def _lease_over(params: dict) -> bool:
+        """P's lease on these blocks has ended by P's wall clock: P freed them already."""
+        expiry = params.get("remote_blocks_expiry_time")
+        return (isinstance(expiry, (int, float)) and not isinstance(expiry, bool)
+                and time.time() > expiry)
+
+    def _endpoint(self, params: dict, p_layout: Any) -> RemotePeer | None:
+        """P's endpoint with no block ids (a notify-only entry), None if the endpoint itself
+        does not parse."""
+        port, tp = params.get("remote_port"), params.get("tp_size") or 1
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (port, tp)) \
+                or not 0 < port < 65536 or tp < 1:
             return None
+        return RemotePeer(engine_id=str(params["remote_engine_id"]),
+                          request_id=str(params["remote_request_id"]),
+                          host=str(params["remote_host"]), port=port, block_ids=self._empty(),
+                          tp_size=tp, block_sizes=None if p_layout is self.layout
+                          else list(p_layout.block_sizes))
 
     def _remote_layout(self, sizes: Any):
         """P's layout: ours, or ours with P's block size per attention group when
@@ -346,7 +372,7 @@ class HmaNixlScheduler:
             return  # P, a plain request, a second call of an async load or a handled D request
         rid = request.request_id
         table, hashed = C.table_and_hashed(blocks)
-        remote = self._remote(params)
+        remote = self._remote(params, release=True)
         if remote is not None:
             computed = count_hashed(table, hashed)
             start = self._local_tokens.pop(rid, None)
@@ -457,7 +483,7 @@ class HmaNixlScheduler:
             return False, None
         self._awaiting.pop(rid, None)
         if params.get("do_remote_prefill"):
-            remote = self._remote(params)
+            remote = self._remote(params, release=True)
             params["do_remote_prefill"] = False
             if remote is not None:
                 self._recv_pending[rid] = RecvRequest(
