@@ -18,8 +18,23 @@ from hmacore.transport.shared_changes import ChangeFeed
 from hmacore.transport.shared_store import SharedStore
 from hmacore.transport.store import OK, EmbeddedStore
 
-from test_store_shared import NS, TIMEOUT, _child_churn, _digests, _key, _name, _spawn, \
-    _stop, _value, stores  # noqa: F401  (stores: the fixture)
+from test_store_shared import NS, TIMEOUT, _child_churn, _digests, _files, _key, _name, \
+    _spawn, _stop, _value
+
+
+@pytest.fixture
+def stores():
+    """Open stores through ``open(cap, page)``; all closed (and gone) at the end."""
+    opened: list[SharedStore] = []
+
+    def open_(cap=1 << 20, page=4096):
+        opened.append(SharedStore(_name(), cap, page))
+        return opened[-1]
+
+    yield open_
+    for s in opened:
+        s.close()
+        assert _files(s.name) == [False] * 3, f"segment {s.name} left behind"
 
 
 class Tally:
