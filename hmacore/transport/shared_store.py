@@ -41,6 +41,11 @@ Segment layout (one file, :class:`~.shm_segment.Segment`; all integers int64 unl
   mirror that fell more than ``log_cap`` events behind, or saw the generation change, is
   rebuilt from the index (one NumPy pass). The mirror is exact as of the call: saves a
   worker finished before the scheduler asks are in it.
+* **Change feeds.** :meth:`SharedStore.read_log` hands a reader the log rows of some
+  namespaces since its position, or a snapshot of their keys when it cannot follow the log
+  (new reader, fell behind the ring, generation changed);
+  :class:`~.shared_changes.ChangeFeed` turns that into exact store / removal runs (the
+  store connector's KV events of the shared store).
 """
 from __future__ import annotations
 
