@@ -280,3 +280,24 @@ def test_shared_store_events_follow_every_process(case, request):
             eng.w.shutdown()
             eng.s.connector.shutdown()
         drop_store("embedded:" + name)
+
+
+def test_shared_store_events_survive_a_store_closed_underneath(caplog):
+    """A shared store closed under a live engine (a shut-down race): ``take_events`` logs
+    and returns no events, the step goes on."""
+    name = f"shev-closed-{os.getpid()}"
+    eng = Engine("gemma", {"store_name": name, "store_scope": "shared",
+                           "store_capacity_bytes": 1 << 20, "store_page_bytes": 256})
+    try:
+        eng.s.add_request(H.make_request("a", list(range(1, 150)), eng.hbs, max_tokens=3))
+        eng.run()
+        assert any(isinstance(e, BlockStored) for e in eng.store_tier())
+        drop_store("embedded:" + name)                 # closes this process's handle
+        with caplog.at_level("WARNING"):
+            assert eng.s.connector.take_events() == []
+        assert "store-tier events not read" in caplog.text
+    finally:
+        eng.w.shutdown()
+        eng.s.connector.shutdown()
+        drop_store("embedded:" + name)
+        assert not os.path.exists(f"/dev/shm/hmacore-kv-{name}")
