@@ -41,6 +41,11 @@ Segment layout (one file, :class:`~.shm_segment.Segment`; all integers int64 unl
   mirror that fell more than ``log_cap`` events behind, or saw the generation change, is
   rebuilt from the index (one NumPy pass). The mirror is exact as of the call: saves a
   worker finished before the scheduler asks are in it.
+* **Change feeds.** :meth:`SharedStore.read_log` hands a reader the log rows of some
+  namespaces since its position, or a snapshot of their keys when it cannot follow the log
+  (new reader, fell behind the ring, generation changed);
+  :class:`~.shared_changes.ChangeFeed` turns that into exact store / removal runs (the
+  store connector's KV events of the shared store).
 """
 from __future__ import annotations
 
@@ -61,7 +66,7 @@ from .._fast import _hits
 from .shm_segment import Segment, sweep_stale, valid_segment_name
 from .store import INVALID, NO_SPACE, NOT_FOUND, OK, _check_keys, _check_parts, split_key
 
-__all__ = ["SharedStore", "SEGMENT_PREFIX", "DEFAULT_PAGE_BYTES"]
+__all__ = ["SharedStore", "LogRead", "SEGMENT_PREFIX", "DEFAULT_PAGE_BYTES", "LIVE", "REMOVED"]
 
 SEGMENT_PREFIX = "hmacore-kv-"
 DEFAULT_PAGE_BYTES = 16 << 10
@@ -134,6 +139,22 @@ def _int_arg(value, name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise HashInputError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogRead:
+    """What :meth:`SharedStore.read_log` found: the reader's new position ``(head, gen)``;
+    ``snapshot``: ``metas`` / ``digests`` are every key now in the store (the reader could
+    not follow the log) rather than the log rows since its position. A row's ``meta`` is
+    ``LIVE | width << 48 | namespace id << 32 | group``, plus :data:`REMOVED` for a log row
+    of a key that left the store; ``digests`` are 32-byte rows (narrower digests
+    zero-padded: the first ``width`` bytes are the key's)."""
+
+    head: int
+    gen: int
+    snapshot: bool
+    metas: np.ndarray
+    digests: np.ndarray
 
 
 class _Mirror:
@@ -678,6 +699,38 @@ class SharedStore:
             if ns_id is not None:
                 self._apply(m, metas, digests)
             return None if m.mixed else m.es
+
+    def read_log(self, namespaces, seen: int, gen: int) -> LogRead:
+        """The changes of ``namespaces``' keys since a reader's position ``(seen, gen)``
+        (a :class:`LogRead`): the log rows ``[seen, head)`` of those namespaces, in order; or,
+        when the reader cannot follow the log (``seen < 0``: a new reader; the generation
+        changed: the store was emptied; more than ``log_cap`` events behind: overwritten),
+        a snapshot of every key of those namespaces in the store now (``snapshot`` True).
+        One call under the mutex; the arrays are copies."""
+        names = [namespaces] if isinstance(namespaces, str) else list(namespaces)
+        if not all(isinstance(n, str) and n for n in names):
+            raise HashInputError(f"namespaces must be non-empty strs, got {namespaces!r}")
+        seen, gen = int(seen), int(gen)
+        with self._tlock:
+            self._live()
+            hdr = self._hdr
+            if seen >= 0 and seen == int(hdr[H_LOG_HEAD]) and gen == int(hdr[H_GEN]):
+                return LogRead(seen, gen, False, np.zeros(0, np.int64),
+                               np.zeros((0, DIGEST), np.uint8))       # nothing new: no lock
+            with self._locked(mutate=False):
+                head, now = int(hdr[H_LOG_HEAD]), int(hdr[H_GEN])
+                ids = [i for i in (self._ns_id(n, create=False) for n in names) if i]
+                snapshot = seen < 0 or gen != now or head - seen > self._geo.log_cap
+                if snapshot:
+                    metas, digests = self._meta, self._digest
+                else:
+                    idx = np.arange(seen, head, dtype=np.int64) % self._geo.log_cap
+                    metas, digests = self._ev_meta[idx], self._ev_digest[idx]
+                sel = np.isin((metas >> 32) & 0xFFFF, np.asarray(ids, np.int64))
+                if snapshot:
+                    sel &= metas != 0
+                metas, digests = metas[sel].copy(), digests[sel].copy()
+        return LogRead(head, now, snapshot, metas, digests)
 
     @staticmethod
     def _apply(m: _Mirror, metas: np.ndarray, digests: np.ndarray) -> None:

@@ -21,10 +21,12 @@ Hits follow vLLM's rule for the engine's config (``scheduler.hit_finder``): the 
 last-block drop when ``speculative_config.use_eagle_block_drop()`` (and for groups vLLM
 flags ``is_eagle_group``), aligned to ``kv_cache_config.cache_hit_alignment_tokens``.
 
-KV events (``--kv-events-config`` with ``enable_kv_cache_events``): with an embedded store in
-this process (``store_scope`` ``"process"``, or ``"auto"`` with the engine in one process) the
-connector also reports what its store gains and loses, per group, as vLLM KV events with
-``medium="HMACORE_STORE"`` (:mod:`.events`): a router's second tier.
+KV events (``--kv-events-config`` with ``enable_kv_cache_events``): the connector also
+reports what its embedded store gains and loses of this engine's keys, per group, as vLLM KV
+events with ``medium="HMACORE_STORE"`` (:mod:`.events`): a router's second tier. An
+in-process store (``store_scope`` ``"process"``) is reported by the worker after its saves; a
+shared-memory store (``"shared"``, the default under ``vllm serve``) by the scheduler side from
+the segment's event log, including changes made by other engines sharing the store.
 
 ``kv_role``: ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does both.
 Scheduler role: :class:`~.scheduler.HmaStoreScheduler`; worker role:
@@ -38,7 +40,7 @@ from .. import _compat as C
 from .._roles import RoleDispatch, require_single_worker
 from .._config import STORE_KEYS, check_keys
 from .backend import open_store, release_store
-from .events import StoreEventSource, StoreKVEvents
+from .events import SharedStoreEventSource, StoreEventSource, StoreKVEvents
 from .scheduler import HmaStoreScheduler, key_builder
 
 __all__ = ["HmaStoreConnector"]
@@ -62,7 +64,13 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
         self.scheduler: HmaStoreScheduler | None = None
         self.worker = None
         self.store_events: StoreEventSource | None = None
+        self.shared_events: SharedStoreEventSource | None = None
+        kec = getattr(vllm_config, "kv_events_config", None)
+        events_on = kec is not None and bool(kec.enable_kv_cache_events)
+        shared = hasattr(store, "read_log")     # changed by every attached process
         if not worker:
+            if events_on and shared:    # the scheduler side reads the segment's event log
+                self.shared_events = SharedStoreEventSource(store, sched.keys, sched.layout)
             self.scheduler = sched
             _logger.info("HmaStoreConnector (%s): %s; store %s, hit alignment %d tokens, "
                          "lookups %s", ktc.kv_role, C.layout_summary(sched.layout),
@@ -75,8 +83,7 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
             # the scheduler side's finder: same eagle drop and alignment on both sides
             self.worker = HmaStoreWorker(sched.finder, int(kv_cache_config.num_blocks), store,
                                          key_builder(vllm_config, extra))
-            kec = getattr(vllm_config, "kv_events_config", None)
-            if kec is not None and kec.enable_kv_cache_events:
+            if events_on and not shared:
                 if hasattr(store, "watch_changes"):
                     self.store_events = StoreEventSource(store, sched.keys, sched.layout)
                 else:
@@ -97,13 +104,21 @@ class HmaStoreConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
             if self.store_events is not None:
                 self.store_events.close()
                 self.store_events = None
+            self.shared_events = None
             store, self.store = self.store, None
             if store is not None:
                 release_store(store)
 
     def take_events(self):
-        """The store tier's KV events the worker reported since the last call."""
-        return self._sched().take_events()
+        """The store tier's KV events since the last call: the worker's (an in-process
+        store), or the shared store's changes of this engine's keys by any process."""
+        events = self._sched().take_events()
+        if self.shared_events is not None:
+            try:
+                events.extend(self.shared_events.take())
+            except Exception as e:   # a store gone at shut-down must not fail the step
+                _logger.warning("HmaStoreConnector: store-tier events not read (%s)", e)
+        return events
 
     # -- worker side -----------------------------------------------------------------------------
     def get_kv_connector_kv_cache_events(self) -> StoreKVEvents | None:

@@ -9,6 +9,16 @@ through ``get_kv_connector_kv_cache_events``; the scheduler side collects them i
 with ``group_idx`` g: the same ``(group, row hash)`` key space as the engine's events, so a
 :class:`hmacore.RoutingIndex` fed with the store's events (a second tier) scores the store hit
 the connector itself computes.
+
+A shared-memory store (``store_scope`` ``"shared"``) is changed by every process attached to
+it: this engine's worker, and any other engine naming the same store (``store_name``), whose
+saves evict this engine's keys too. There the scheduler side reports instead
+(:class:`SharedStoreEventSource`): at each ``take_events`` it reads the segment's event log
+from its own position (:class:`~hmacore.transport.shared_changes.ChangeFeed`) and reports
+every change of this engine's key namespace, whoever made it; when it fell behind the log's
+ring (or the store was reset) it reports the difference between the store and what it had
+reported. Every engine attached to one store so reports the same store contents (for its
+own namespace).
 """
 from __future__ import annotations
 
@@ -19,7 +29,8 @@ from ....spec import KVLayout
 from ....transport.store import split_key
 from .. import _compat as C
 
-__all__ = ["STORE_MEDIUM", "StoreKVEvents", "StoreEventSource"]
+__all__ = ["STORE_MEDIUM", "StoreKVEvents", "StoreEventSource", "SharedStoreEventSource",
+           "own_namespaces"]
 
 #: ``BlockStored.medium`` / ``BlockRemoved.medium`` of the store tier's events
 STORE_MEDIUM = "HMACORE_STORE"
@@ -51,6 +62,21 @@ class StoreKVEvents(C.KVConnectorKVEvents):
         self._events = []
 
 
+def own_namespaces(keys: KeyBuilder, layout: KVLayout) -> set[str]:
+    """The key namespaces this engine's saves write (its groups' prefixes without the
+    ``@group:<g>`` tail)."""
+    return {keys.prefix(g).rpartition("@group:")[0] for g in range(layout.num_groups)}
+
+
+def _events(kind: tuple[bool, int], hashes: list, layout: KVLayout) -> Any:
+    present, g = kind
+    if present:
+        return C.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                             block_size=layout.groups[g].block_size, lora_id=None,
+                             medium=STORE_MEDIUM, lora_name=None, group_idx=g)
+    return C.BlockRemoved(block_hashes=hashes, medium=STORE_MEDIUM, group_idx=g)
+
+
 class StoreEventSource:
     """This engine's store changes as vLLM KV events (worker side).
 
@@ -63,7 +89,7 @@ class StoreEventSource:
     def __init__(self, store: Any, keys: KeyBuilder, layout: KVLayout) -> None:
         self.store = store
         self.layout = layout
-        self._own = {keys.prefix(g).rpartition("@group:")[0] for g in range(layout.num_groups)}
+        self._own = own_namespaces(keys, layout)
         self._journal = store.watch_changes()
 
     def take(self) -> list:
@@ -84,16 +110,40 @@ class StoreEventSource:
         return events
 
     def _emit(self, events: list, kind: tuple[bool, int] | None, hashes: list) -> None:
-        if kind is None or not hashes:
-            return
-        present, g = kind
-        if present:
-            events.append(C.BlockStored(
-                block_hashes=hashes, parent_block_hash=None, token_ids=[],
-                block_size=self.layout.groups[g].block_size, lora_id=None,
-                medium=STORE_MEDIUM, lora_name=None, group_idx=g))
-        else:
-            events.append(C.BlockRemoved(block_hashes=hashes, medium=STORE_MEDIUM, group_idx=g))
+        if kind is not None and hashes:
+            events.append(_events(kind, hashes, self.layout))
 
     def close(self) -> None:
         self.store.unwatch_changes(self._journal)
+
+
+class SharedStoreEventSource:
+    """A shared store's changes of this engine's keys as vLLM KV events (scheduler side;
+    see the module docstring).
+
+    Args:
+        store: the :class:`~hmacore.transport.shared_store.SharedStore`.
+        keys: the engine's key builder; layout: the store layout (groups, block sizes).
+    """
+
+    def __init__(self, store: Any, keys: KeyBuilder, layout: KVLayout) -> None:
+        from ....transport.shared_changes import ChangeFeed
+        self.layout = layout
+        self.feed = ChangeFeed(store, sorted(own_namespaces(keys, layout)))
+
+    @property
+    def resyncs(self) -> int:
+        """Times the feed compared the store with what it had reported (its first read, a
+        fall behind the log's ring, a store reset)."""
+        return self.feed.resyncs
+
+    def take(self) -> list:
+        """Events of the changes since the last call, in order (a resync: removals, then
+        stores); groups this engine does not have are left out."""
+        events: list = []
+        for run in self.feed.read():
+            if run.group < self.layout.num_groups:
+                events.append(_events((run.present, run.group),
+                                      [C.event_block_hash(d) for d in run.digests],
+                                      self.layout))
+        return events
