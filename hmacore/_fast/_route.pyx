@@ -103,6 +103,60 @@ cdef extern from *:
     int as_u64 "hmacore_as_u64"(PyObject* x, unsigned long long* out) noexcept
     int as_long "hmacore_as_long"(PyObject* x, long* out) noexcept
 
+cdef extern from "structmember.h":
+    ctypedef struct PyMemberDef:
+        const char* name
+        int type
+        Py_ssize_t offset
+        int flags
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+    enum:
+        T_OBJECT
+        T_OBJECT_EX
+        PY_AUDIT_READ
+
+import types as _types
+
+# event fields apply_events reads: per class, stored then removed
+cdef enum:
+    F_HASHES, F_MEDIUM, F_GROUP, F_KIND, F_LOOKAHEAD, N_FIELDS
+_FIELD_NAMES = ("block_hashes", "medium", "group_idx", "kv_cache_spec_kind",
+                "lookahead_token_ids")
+
+
+cdef Py_ssize_t _member_offset(object cls, str name) except -2:
+    """The instance offset of ``cls``'s object slot ``name`` (a member descriptor: msgspec
+    Struct fields, ``__slots__``), read directly as the descriptor's ``__get__`` does; -1 when
+    it is anything else (then read by ``getattr``)."""
+    cdef PyMemberDef* m
+    for base in cls.__mro__:
+        d = base.__dict__.get(name)
+        if d is None:
+            continue
+        if type(d) is not _types.MemberDescriptorType or not isinstance(d.__objclass__, type) \
+                or not issubclass(cls, d.__objclass__):
+            return -1
+        m = (<PyMemberDescrObject*><PyObject*>d).d_member
+        if (m.type != T_OBJECT and m.type != T_OBJECT_EX) or m.flags & PY_AUDIT_READ:
+            return -1
+        return m.offset
+    return -1
+
+
+cdef inline object _read_field(object ev, Py_ssize_t off, str name):
+    """Field ``name`` of ``ev`` (exact type checked by the caller, ``off`` from
+    ``_member_offset`` of that type)."""
+    cdef PyObject* p
+    if off < 0:
+        # optional fields (vLLM 0.32 has no lookahead_token_ids) read as None when absent
+        return getattr(ev, name, None) if name[0] in "kl" else getattr(ev, name)
+    p = (<PyObject**>((<char*><PyObject*>ev) + off))[0]
+    if p == NULL:
+        raise AttributeError(name)
+    return <object>p
+
+
 cdef Py_ssize_t MIN_CAP = 16
 # 2**50 keys: every byte count below (slots x (24..48 + 8 x words)) stays below 2**63
 cdef Py_ssize_t MAX_KEYS = 1 << 50
@@ -206,6 +260,8 @@ cdef class SharedResidency:
     cdef uint8_t* _s_keys
     cdef Py_ssize_t _s_cap
     cdef bint _busy
+    cdef object _ev_types          # the event classes _ev_off was resolved for
+    cdef Py_ssize_t _ev_off[2][N_FIELDS]
 
     def __cinit__(self, int digest_size=16):
         if digest_size not in (8, 16, 32):
@@ -220,6 +276,7 @@ cdef class SharedResidency:
         self._s_keys = NULL
         self._s_cap = 0
         self._busy = False
+        self._ev_types = None
         self._resident = []
         self._dups = []
         self._live = []
@@ -587,6 +644,7 @@ cdef class SharedResidency:
         cdef object ev, hl, item, m, kind
         cdef object t_stored, t_removed, t_cleared     # classes (msgspec: a metaclass)
         cdef uint8_t* key
+        cdef Py_ssize_t* off
         if bit >= 0:
             self._check(bit)
         if medium is not None and type(medium) is not str:
@@ -594,6 +652,11 @@ cdef class SharedResidency:
         if len(types) != 3 or not all(isinstance(t, type) for t in types):
             raise TypeError("types must be the (stored, removed, cleared) event classes")
         t_stored, t_removed, t_cleared = types
+        if types is not self._ev_types:
+            for k in range(N_FIELDS):
+                self._ev_off[0][k] = _member_offset(t_stored, _FIELD_NAMES[k])
+                self._ev_off[1][k] = _member_offset(t_removed, _FIELD_NAMES[k])
+            self._ev_types = types
         if len(refused_kinds) != num_groups or not all(type(r) is dict for r in refused_kinds):
             raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
         if self._busy:
@@ -617,22 +680,25 @@ cdef class SharedResidency:
                     continue
                 if type(ev) is t_stored:
                     op = 1
+                    off = self._ev_off[0]
                 elif type(ev) is t_removed:
                     op = -1
+                    off = self._ev_off[1]
                 else:
                     raise TypeError(f"events[{i}] must be a stored, removed or cleared "
                                     f"event, got {type(ev).__name__}")
-                hl = ev.block_hashes
+                hl = _read_field(ev, off[F_HASHES], "block_hashes")
                 if type(hl) is not list:
                     raise TypeError(f"events[{i}].block_hashes must be a list, got "
                                     f"{type(hl).__name__}")
-                m = ev.medium
-                if m is not None and (type(m) is not str or m != medium):
+                m = _read_field(ev, off[F_MEDIUM], "medium")
+                if m is not None and m is not medium and (
+                        medium is None or type(m) is not str or <str>m != <str>medium):
                     if type(m) is not str:
                         raise TypeError(f"events[{i}].medium must be a str or None")
                     other += len(<list>hl)
                     continue
-                item = ev.group_idx
+                item = _read_field(ev, off[F_GROUP], "group_idx")
                 if item is None:
                     g = 0
                 elif type(item) is not int:
@@ -642,13 +708,13 @@ cdef class SharedResidency:
                     raise ValueError(f"events[{i}].group_idx must be a group id in "
                                      f"[0, {num_groups}), got {item}")
                 if op > 0:
-                    kind = ev.kv_cache_spec_kind
+                    kind = _read_field(ev, off[F_KIND], "kv_cache_spec_kind")
                     if type(kind) is str and kind in <dict>refused_kinds[g]:
                         raise ConfigError(
                             f"events[{i}]: the engine's group {g} is {kind!r} but the index's "
                             f"layout has {(<dict>refused_kinds[g])[kind]}: give the router "
                             "the engines' own KV cache groups, in their order")
-                    if getattr(ev, "lookahead_token_ids", None) is not None:
+                    if _read_field(ev, off[F_LOOKAHEAD], "lookahead_token_ids") is not None:
                         lookahead += len(<list>hl)
                 # no code runs from here to the end of the rows (exact ints / bytes only), so
                 # the list keeps this length
