@@ -3,6 +3,7 @@ same rule (tests/oracle_route.py: a dict (group, hash) -> count per engine + the
 transcription of vLLM's hit rule), in one run, on the same events and queries.
 
     python bench/bench_route.py [--preset gpt-oss-120b] [--engines 16] [--repeat 5]
+                                [--events-only]
 
 Reports (every hmacore answer is checked equal to the Python index's before timing):
 - events applied per second: one vLLM-like event stream (every group's blocks of 16 prompts
@@ -11,6 +12,12 @@ Reports (every hmacore answer is checked equal to the Python index's before timi
   64-bit int hashes vLLM publishes, as msgspec decodes them; converting them is timed), the
   Python index the same lists with pre-folded 8-byte keys (its conversion is not timed);
   each run starts from an emptied engine (``reset_engine`` / a new dict, timed);
+- the subscriber's path (``bench_batches``): the same stream as vLLM emits it (a BlockStored
+  per group per 2048-token prefill chunk, a BlockRemoved per evicted block), encoded and
+  decoded by msgspec (not timed), handed as ``batch.events`` to ``RoutingIndex.apply_events``
+  (one call), against ``py_subscriber`` walking the same decoded events into a dict of counts
+  (its hashes pre-folded to 8-byte keys, not timed); and one engine step's batch (per group a
+  5-block BlockStored, then one BlockRemoved per hash: 20 rows for two groups), 2000 calls;
 - query time for 4k / 32k / 128k-token prompts over N engines, engine i holding the first
   (i+1)/N of the prompt in every group, or engine 0 all of it and the others none: hash
   computation (vLLM's sha256 chain, the same
@@ -284,6 +291,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="gpt-oss-120b")
     ap.add_argument("--engines", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--events-only", action="store_true",
+                    help="only the event tables (no queries, no memory)")
     args = ap.parse_args(argv)
     layout = get_preset(args.preset)
     rng = np.random.default_rng(0)
@@ -301,6 +310,8 @@ def main(argv=None):
         print(f"| {label} | {n_ev} | {n_rows} | {t_hm * 1e6:.1f} us | {t_py * 1e6:.1f} us | "
               f"{n_rows / t_hm:,.0f} | {n_rows / t_py:,.0f} | {t_py / t_hm:.1f}x |")
     print()
+    if args.events_only:
+        return
     print("| prompt tokens | residency | hash rows | hash computation | hmacore lookup | "
           "Python lookup | ratio | best hit |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")

@@ -18,6 +18,8 @@ from hmacore.errors import ArgumentTypeError, ArgumentValueError, ConfigError, H
 from hmacore.presets import get_preset
 from hmacore.route_hashing import BlockHasher
 from hmacore.route_index import OP_CLEAR, OP_REMOVE, OP_STORE, RoutingIndex
+from hmacore.transport import kv_event_wire as W
+from hmacore.transport.kv_events import _EVENT_TYPES, SPEC_KINDS
 
 from hits_scenarios import layouts
 from oracle_route import OracleRoute, fold
@@ -381,8 +383,6 @@ def test_hasher_follows_vllm_algorithm():
 
 
 # -- apply_events: a decoded KV event batch in one call ---------------------------------------
-from hmacore.transport import kv_event_wire as W  # noqa: E402
-from hmacore.transport.kv_events import _EVENT_TYPES, SPEC_KINDS  # noqa: E402
 
 
 def wire_events(events, int_hashes, draw_medium):
