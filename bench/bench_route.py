@@ -219,6 +219,22 @@ def bench_batches(layout, repeat, rng):
     return out
 
 
+def split_events(layout, repeat, rng):
+    """Where ``apply_events``'s time goes on the stream: the compiled call with engine bit -1
+    (walk, validate and pack only) against the whole call from an emptied engine."""
+    from hmacore._fast import _route
+    index = RoutingIndex(layout)
+    ev, _ = as_events(index, *event_stream(index, rng))
+    key = index.add_engine("e")
+    res, bit, refused = index._residency, index._engines[key], index._refused_kinds(SPEC_KINDS)
+    args = (ev, _EVENT_TYPES, W.MEDIUM_GPU, refused, index.num_groups)
+    t_walk, out = timed(lambda: _route.apply_events(res, -1, *args), repeat)
+    t_all, _ = timed(lambda: (res.clear_engine(bit), _route.apply_events(res, bit, *args)),
+                     repeat)
+    t_clear, _ = timed(lambda: res.clear_engine(bit), repeat)
+    return len(ev), out[4], t_walk, t_all - t_walk - t_clear
+
+
 def memory(layout, engines_unused, rng):
     index = RoutingIndex(layout)
     toks = rng.integers(1, 30000, 131072).tolist()
@@ -309,6 +325,10 @@ def main(argv=None):
     for label, n_ev, n_rows, t_hm, t_py in bench_batches(layout, args.repeat, rng):
         print(f"| {label} | {n_ev} | {n_rows} | {t_hm * 1e6:.1f} us | {t_py * 1e6:.1f} us | "
               f"{n_rows / t_hm:,.0f} | {n_rows / t_py:,.0f} | {t_py / t_hm:.1f}x |")
+    n_ev, rows, t_walk, t_table = split_events(layout, args.repeat, rng)
+    print(f"\nstream split ({n_ev} events, {rows} rows): walk + validate + pack "
+          f"{t_walk * 1e6:.0f} us ({t_walk / rows * 1e9:.1f} ns/row), table "
+          f"{t_table * 1e6:.0f} us ({t_table / rows * 1e9:.1f} ns/row)")
     print()
     if args.events_only:
         return
