@@ -330,8 +330,9 @@ class RoutingIndex:
             return cached[1]
         if not isinstance(spec_kinds, dict):
             raise ArgumentTypeError("spec_kinds must be a dict: vLLM kind -> GroupKind")
+        # str keys only: the compiled lookup then runs no Python code of the caller's
         refused = tuple({name: g.kind.name for name, kind in spec_kinds.items()
-                         if kind != g.kind} for g in self.layout.groups)
+                         if type(name) is str and kind != g.kind} for g in self.layout.groups)
         self._refused = (spec_kinds, refused)
         return refused
 

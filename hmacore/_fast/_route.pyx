@@ -743,6 +743,7 @@ cdef class SharedResidency:
             if bit < 0:
                 out[0] = out[1] = out[2] = 0
             else:
+                self._check(bit)        # still in use (nothing above can free it; cheap)
                 self._apply_packed(bit, n, self._s_ops, self._s_groups, self._s_keys, out)
         finally:
             self._busy = False
