@@ -3,6 +3,7 @@ same rule (tests/oracle_route.py: a dict (group, hash) -> count per engine + the
 transcription of vLLM's hit rule), in one run, on the same events and queries.
 
     python bench/bench_route.py [--preset gpt-oss-120b] [--engines 16] [--repeat 5]
+                                [--events-only]
 
 Reports (every hmacore answer is checked equal to the Python index's before timing):
 - events applied per second: one vLLM-like event stream (every group's blocks of 16 prompts
@@ -11,6 +12,12 @@ Reports (every hmacore answer is checked equal to the Python index's before timi
   64-bit int hashes vLLM publishes, as msgspec decodes them; converting them is timed), the
   Python index the same lists with pre-folded 8-byte keys (its conversion is not timed);
   each run starts from an emptied engine (``reset_engine`` / a new dict, timed);
+- the subscriber's path (``bench_batches``): the same stream as vLLM emits it (a BlockStored
+  per group per 2048-token prefill chunk, a BlockRemoved per evicted block), encoded and
+  decoded by msgspec (not timed), handed as ``batch.events`` to ``RoutingIndex.apply_events``
+  (one call), against ``py_subscriber`` walking the same decoded events into a dict of counts
+  (its hashes pre-folded to 8-byte keys, not timed); and one engine step's batch (per group a
+  5-block BlockStored, then one BlockRemoved per hash: 20 rows for two groups), 2000 calls;
 - query time for 4k / 32k / 128k-token prompts over N engines, engine i holding the first
   (i+1)/N of the prompt in every group, or engine 0 all of it and the others none: hash
   computation (vLLM's sha256 chain, the same
@@ -27,6 +34,7 @@ import sys
 import time
 import tracemalloc
 
+import msgspec
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +44,8 @@ from oracle_route import OracleRoute  # noqa: E402
 
 from hmacore.presets import get_preset  # noqa: E402
 from hmacore.route_index import OP_REMOVE, OP_STORE, RoutingIndex  # noqa: E402
+from hmacore.transport import kv_event_wire as W  # noqa: E402
+from hmacore.transport.kv_events import _EVENT_TYPES, SPEC_KINDS  # noqa: E402
 
 SIZES = (4096, 32768, 131072)
 
@@ -110,6 +120,121 @@ def bench_events(layout, engines, repeat, rng):
     return n, n / t_hm, n / t_py
 
 
+CHUNK_TOKENS = 2048     # one prefill chunk: vLLM emits one BlockStored per group per step
+
+
+def as_events(index, ops, groups, ints, chunk_tokens=CHUNK_TOKENS):
+    """The flat rows as vLLM emits them: runs of stores of one group as BlockStored events of
+    one prefill chunk's blocks, each remove its own BlockRemoved (vLLM evicts block by
+    block), medium "GPU"; encoded and decoded as the subscriber does (msgspec). Returns
+    (events with int hashes, the same events with 8-byte keys for the Python index)."""
+    kind = {g: next(k for k, v in SPEC_KINDS.items() if v == s.kind)
+            for g, s in enumerate(index.layout.groups)}
+    evs, i, n = [], 0, len(ops)
+    while i < n:
+        g = int(groups[i])
+        if ops[i] == OP_REMOVE:
+            evs.append(W.BlockRemoved(block_hashes=[int(ints[i])], medium=W.MEDIUM_GPU,
+                                      group_idx=g))
+            i += 1
+            continue
+        per = max(1, chunk_tokens // index.finder.block_sizes[g])
+        j = i
+        while j < n and j - i < per and ops[j] == OP_STORE and groups[j] == g:
+            j += 1
+        evs.append(W.BlockStored(block_hashes=[int(v) for v in ints[i:j]], medium=W.MEDIUM_GPU,
+                                 group_idx=g, kv_cache_spec_kind=kind[g],
+                                 block_size=index.finder.block_sizes[g]))
+        i = j
+    payload = msgspec.msgpack.encode(W.EventBatch(ts=0.0, events=evs))
+    ints_events = W.decoder().decode(payload).events
+    for ev in evs:
+        ev.block_hashes = [v.to_bytes(8, "big") for v in ev.block_hashes]
+    bytes_events = W.decoder().decode(msgspec.msgpack.encode(W.EventBatch(ts=0.0, events=evs)))
+    return ints_events, bytes_events.events
+
+
+def py_subscriber(counts, events):
+    """The Python index's subscriber: walk the decoded events, count (group, key) per hash."""
+    for ev in events:
+        t = type(ev)
+        if t is W.AllBlocksCleared:
+            counts.clear()
+            continue
+        if ev.medium is not None and ev.medium != W.MEDIUM_GPU:
+            continue
+        g = ev.group_idx or 0
+        if t is W.BlockStored:
+            for h in ev.block_hashes:
+                counts[(g, h)] = counts.get((g, h), 0) + 1
+        else:
+            for h in ev.block_hashes:
+                c = counts.get((g, h), 0)
+                if c > 1:
+                    counts[(g, h)] = c - 1
+                elif c == 1:
+                    del counts[(g, h)]
+
+
+def bench_batches(layout, repeat, rng):
+    """The subscriber's path: a decoded batch's events to ``RoutingIndex.apply_events`` (one
+    call), against ``py_subscriber``; the big stream of :func:`bench_events` and one engine
+    step's batch (per group a 5-block BlockStored, then 10 single-hash BlockRemoved)."""
+    index = RoutingIndex(layout)
+    ops, groups, ints = event_stream(index, rng)
+    step_ops, step_groups, step_ints = [], [], []
+    for g in index.finder.group_ids:
+        hs = rng.integers(0, 2**63, 5).tolist()
+        step_ops += [OP_STORE] * 5
+        step_groups += [g] * 5
+        step_ints += hs
+    step_ops += [OP_REMOVE] * len(step_ints)
+    step_groups += step_groups
+    step_ints += step_ints
+    step_ints = step_ints[:len(step_ops)]
+    out = []
+    for label, (o, g, v), reps in (
+            ("stream", (ops, groups, ints), repeat),
+            ("step", (step_ops, step_groups, step_ints), repeat)):
+        ev_int, ev_bytes = as_events(index, o, g, v)
+        key = index.add_engine(label)
+        py_counts: dict = {}
+        calls = 1 if label == "stream" else 2000
+
+        def run_hm():
+            if label == "stream":
+                index.reset_engine(key)
+            for _ in range(calls):
+                index.apply_events(key, ev_int, _EVENT_TYPES, spec_kinds=SPEC_KINDS)
+
+        def run_py():
+            if label == "stream":
+                py_counts.clear()
+            for _ in range(calls):
+                py_subscriber(py_counts, ev_bytes)
+        t_hm, _ = timed(run_hm, reps)
+        t_py, _ = timed(run_py, reps)
+        assert index.resident_blocks(key) == len(py_counts)
+        out.append((label, len(ev_int), len(o), t_hm / calls, t_py / calls))
+    return out
+
+
+def split_events(layout, repeat, rng):
+    """Where ``apply_events``'s time goes on the stream: the compiled call with engine bit -1
+    (walk, validate and pack only) against the whole call from an emptied engine."""
+    from hmacore._fast import _route
+    index = RoutingIndex(layout)
+    ev, _ = as_events(index, *event_stream(index, rng))
+    key = index.add_engine("e")
+    res, bit, refused = index._residency, index._engines[key], index._refused_kinds(SPEC_KINDS)
+    args = (ev, _EVENT_TYPES, W.MEDIUM_GPU, refused, index.num_groups)
+    t_walk, out = timed(lambda: _route.apply_events(res, -1, *args), repeat)
+    t_all, _ = timed(lambda: (res.clear_engine(bit), _route.apply_events(res, bit, *args)),
+                     repeat)
+    t_clear, _ = timed(lambda: res.clear_engine(bit), repeat)
+    return len(ev), out[4], t_walk, t_all - t_walk - t_clear
+
+
 def memory(layout, engines_unused, rng):
     index = RoutingIndex(layout)
     toks = rng.integers(1, 30000, 131072).tolist()
@@ -182,6 +307,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="gpt-oss-120b")
     ap.add_argument("--engines", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--events-only", action="store_true",
+                    help="only the event tables (no queries, no memory)")
     args = ap.parse_args(argv)
     layout = get_preset(args.preset)
     rng = np.random.default_rng(0)
@@ -192,6 +319,19 @@ def main(argv=None):
     print("|---|---:|---:|---:|---:|")
     print(f"| store all + evict half | {n} | {hm_rate:,.0f} | {py_rate:,.0f} | "
           f"{hm_rate / py_rate:.1f}x |\n")
+    print("| decoded batch -> apply_events | events | rows | hmacore | Python subscriber | "
+          "hmacore rows/s | Python rows/s | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, n_ev, n_rows, t_hm, t_py in bench_batches(layout, args.repeat, rng):
+        print(f"| {label} | {n_ev} | {n_rows} | {t_hm * 1e6:.1f} us | {t_py * 1e6:.1f} us | "
+              f"{n_rows / t_hm:,.0f} | {n_rows / t_py:,.0f} | {t_py / t_hm:.1f}x |")
+    n_ev, rows, t_walk, t_table = split_events(layout, args.repeat, rng)
+    print(f"\nstream split ({n_ev} events, {rows} rows): walk + validate + pack "
+          f"{t_walk * 1e6:.0f} us ({t_walk / rows * 1e9:.1f} ns/row), table "
+          f"{t_table * 1e6:.0f} us ({t_table / rows * 1e9:.1f} ns/row)")
+    print()
+    if args.events_only:
+        return
     print("| prompt tokens | residency | hash rows | hash computation | hmacore lookup | "
           "Python lookup | ratio | best hit |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")

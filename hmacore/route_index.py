@@ -28,15 +28,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ._fast import _route
-from .errors import ArgumentTypeError, ArgumentValueError, ConfigError, HashInputError, LayoutError
+from .errors import (ArgumentTypeError, ArgumentValueError, ConfigError, HashInputError,
+                     HmacoreError, LayoutError)
 from .hits import HitFinder
 from .route_hashing import BlockHasher
-from .spec import KVLayout
+from .spec import GroupKind, KVLayout
 
 __all__ = ["RoutingIndex", "RouteResult", "ApplyStats", "OP_STORE", "OP_REMOVE", "OP_CLEAR"]
 
@@ -55,16 +56,20 @@ class RouteResult:
     num_tokens: int
 
 
-@dataclasses.dataclass(frozen=True)
-class ApplyStats:
-    """What one ``apply`` did: stores, removes that lowered a count, removes of keys not
-    resident (no-ops), rows dropped because their engine is unknown, clears."""
+class ApplyStats(NamedTuple):
+    """What one ``apply`` / ``apply_events`` did: stores, removes that lowered a count,
+    removes of keys not resident (no-ops), rows dropped because their engine is unknown,
+    clears; ``apply_events`` also: hashes of events on another medium (left out), hashes of
+    stores with lookahead tokens. (A NamedTuple: a frozen dataclass cost ~0.8 us per call,
+    more than the kernel on one engine step's batch.)"""
 
     stored: int = 0
     removed: int = 0
     ignored: int = 0
     unknown_engine: int = 0
     cleared: int = 0
+    other_medium: int = 0
+    lookahead: int = 0
 
 
 class RoutingIndex:
@@ -113,6 +118,8 @@ class RoutingIndex:
         self._bits = np.zeros(0, np.int64)            # rebuilt when engines come and go
         self._kernel = finder.kernel
         self._lock = threading.Lock()
+        self._no_refusals: tuple = tuple({} for _ in range(self.num_groups))
+        self._refused: tuple | None = None
 
     # -- engines ----------------------------------------------------------------------------
     def add_engine(self, engine_id: str, dp_rank: int = 0) -> tuple[str, int]:
@@ -270,6 +277,64 @@ class RoutingIndex:
             raise ArgumentValueError(f"hashes must have one row per op: {digests.shape[0]} "
                                      f"hashes, {ops_a.size} ops")
         return self._apply(key, ops_a, groups_a, digests, int(ops_a.size - events.sum()))
+
+    def apply_events(self, key: Hashable, events: list, types: tuple[type, type, type], *,
+                     medium: str | None = "GPU",
+                     spec_kinds: dict[str, GroupKind] | None = None) -> ApplyStats:
+        """Apply a decoded KV event batch's events (vLLM's ``KVEventBatch.events``) in one
+        compiled call: no per-row Python, no per-call allocation for small batches.
+
+        Args:
+            key: the engine key.
+            events: the batch's events, in order.
+            types: the (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) classes the
+                events were decoded into (hmacore.transport.kv_event_wire's; the core imports
+                no transport). Stored / removed events are read by attribute:
+                ``block_hashes`` (64-bit ints with ``int_hashes``, else digest bytes),
+                ``group_idx`` (None is group 0), ``medium``, ``kv_cache_spec_kind`` and
+                ``lookahead_token_ids`` (stored).
+            medium: events with ``medium`` None or equal to this are applied; others are
+                left out and their hashes counted in ``other_medium``.
+            spec_kinds: vLLM's ``kv_cache_spec_kind`` values -> the group kind each must be;
+                a stored event contradicting its group's kind refuses the batch
+                (ConfigError). None: not checked.
+
+        The whole batch is validated first; a bad event refuses it (the error names
+        ``events[i]``), nothing applied. Semantics per hash row as :meth:`apply`.
+        """
+        refused = self._refused_kinds(spec_kinds)
+        try:
+            with self._lock:
+                bit = self._engines.get(key, -1)
+                st, rm, ig, cl, rows, other, la = _route.apply_events(
+                    self._residency, bit, events, types, medium, refused, self.num_groups)
+        except OverflowError as e:
+            raise HashInputError(str(e)) from None
+        except HmacoreError:
+            raise
+        except TypeError as e:      # events / types / medium / a row's type (the compiled
+            raise ArgumentTypeError(str(e)) from None      # call checks them all)
+        except ValueError as e:
+            raise ArgumentValueError(str(e)) from None
+        if bit < 0:
+            return ApplyStats(0, 0, 0, rows, 0, other, la)
+        return ApplyStats(st, rm, ig, 0, cl, other, la)
+
+    def _refused_kinds(self, spec_kinds: dict[str, GroupKind] | None) -> tuple:
+        """Per group, the spec-kind strings that contradict it -> its kind's name (cached
+        for the last ``spec_kinds`` object)."""
+        if spec_kinds is None:
+            return self._no_refusals
+        cached = self._refused
+        if cached is not None and cached[0] is spec_kinds:
+            return cached[1]
+        if not isinstance(spec_kinds, dict):
+            raise ArgumentTypeError("spec_kinds must be a dict: vLLM kind -> GroupKind")
+        # str keys only: the compiled lookup then runs no Python code of the caller's
+        refused = tuple({name: g.kind.name for name, kind in spec_kinds.items()
+                         if type(name) is str and kind != g.kind} for g in self.layout.groups)
+        self._refused = (spec_kinds, refused)
+        return refused
 
     def _apply(self, key: Hashable, ops: np.ndarray, groups: np.ndarray, digests: np.ndarray,
                clears: int) -> ApplyStats:

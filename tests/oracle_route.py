@@ -37,6 +37,31 @@ class OracleRoute:
                 if counts[(g, h)] == 0:
                     del counts[(g, h)]
 
+    def apply_events(self, key, events):
+        """A decoded KV event batch's events (kv_event_wire structs), as a Python subscriber
+        would apply them: GPU events only, hashes as 8-byte keys (ints converted) or digests."""
+        counts = self.engines.get(key)
+        if counts is None:
+            return
+        for ev in events:
+            name = type(ev).__name__
+            if name == "AllBlocksCleared":
+                counts.clear()
+                continue
+            if ev.medium not in (None, "GPU"):
+                continue
+            g = ev.group_idx or 0
+            for h in ev.block_hashes:
+                h = h.to_bytes(8, "big") if type(h) is int else h
+                if name == "BlockStored":
+                    counts[(g, h)] = counts.get((g, h), 0) + 1
+                else:
+                    c = counts.get((g, h), 0)
+                    if c > 1:
+                        counts[(g, h)] = c - 1
+                    elif c == 1:
+                        del counts[(g, h)]
+
     def hits(self, digests: list[bytes], num_tokens: int) -> dict:
         names = [fold(h, self.int_hashes) for h in digests]
         max_length = max(num_tokens - 1, 0)

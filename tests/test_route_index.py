@@ -8,6 +8,7 @@ import hashlib
 import os
 import pickle
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,8 @@ from hmacore.errors import ArgumentTypeError, ArgumentValueError, ConfigError, H
 from hmacore.presets import get_preset
 from hmacore.route_hashing import BlockHasher
 from hmacore.route_index import OP_CLEAR, OP_REMOVE, OP_STORE, RoutingIndex
+from hmacore.transport import kv_event_wire as W
+from hmacore.transport.kv_events import _EVENT_TYPES, SPEC_KINDS
 
 from hits_scenarios import layouts
 from oracle_route import OracleRoute, fold
@@ -377,3 +380,133 @@ def test_hasher_follows_vllm_algorithm():
         finally:
             if saved is not None:
                 os.environ["PYTHONHASHSEED"] = saved
+
+
+# -- apply_events: a decoded KV event batch in one call ---------------------------------------
+
+
+def wire_events(events, int_hashes, draw_medium):
+    """The scenario's events as kv_event_wire structs: group 0 sometimes as group_idx None,
+    some events on another medium (which apply_events leaves out)."""
+    out = []
+    for rows in events:
+        op, g = rows[0][0], rows[0][1]
+        if op == OP_CLEAR:
+            out.append(W.AllBlocksCleared())
+            continue
+        hashes = [as_event_hash(d, int_hashes) for _, _, d in rows]
+        medium = draw_medium()
+        gi = None if g == 0 and medium == "GPU" else g
+        cls = W.BlockStored if op == OP_STORE else W.BlockRemoved
+        out.append(cls(block_hashes=hashes, group_idx=gi, medium=medium))
+    return out
+
+
+@settings(max_examples=min(300, int(os.environ.get("HMACORE_EXAMPLES", "2000"))), deadline=None)
+@given(scenarios(), st.data())
+def test_apply_events_matches_oracle(sc, data):
+    """apply_events on the scenario's batches (as structs, or decoded by msgspec) equals the
+    Python subscriber's oracle and the flattened-rows path, hit and residency, every batch."""
+    layout, int_hashes, prompts, engines, batches = sc
+    index = RoutingIndex(layout, int_hashes=int_hashes)
+    rows_index = RoutingIndex(layout, int_hashes=int_hashes)
+    oracle = OracleRoute(layout, int_hashes=int_hashes)
+    for key in engines:
+        index.add_engine(*key)
+        rows_index.add_engine(*key)
+        oracle.add_engine(key)
+    h = layout.hash_block_size
+    medium = lambda: data.draw(st.sampled_from(["GPU", "GPU", "GPU", None, "CPU"]))  # noqa: E731
+    for key, events in batches:
+        evs = wire_events(events, int_hashes, medium)
+        if data.draw(st.booleans()):
+            evs = W.decoder().decode(msgspec.msgpack.encode(W.EventBatch(ts=0.0,
+                                                                           events=evs))).events
+        got = index.apply_events(key, evs, _EVENT_TYPES, spec_kinds=SPEC_KINDS)
+        oracle.apply_events(key, evs)
+        gpu = [ev for ev in evs if isinstance(ev, W.AllBlocksCleared) or ev.medium != "CPU"]
+        flat = [(0 if isinstance(ev, W.AllBlocksCleared) else
+                 (OP_STORE if isinstance(ev, W.BlockStored) else OP_REMOVE), ev.group_idx or 0
+                 if not isinstance(ev, W.AllBlocksCleared) else 0, x)
+                for ev in gpu for x in (ev.block_hashes if not isinstance(ev, W.AllBlocksCleared)
+                                        else [0 if int_hashes else b"\0" * 32])]
+        want = rows_index.apply(key, [r[0] for r in flat], [r[1] for r in flat],
+                                [r[2] for r in flat] if int_hashes else
+                                (np.frombuffer(b"".join(r[2] for r in flat), np.uint8)
+                                 .reshape(-1, 32) if flat else np.zeros((0, 32), np.uint8)))
+        other = sum(len(ev.block_hashes) for ev in evs if not isinstance(ev, W.AllBlocksCleared)
+                    and ev.medium == "CPU")
+        assert got._replace(other_medium=0) == want
+        assert got.other_medium == other
+        prompt = data.draw(st.sampled_from(prompts))
+        n = data.draw(st.integers(0, len(prompt)))
+        num_tokens = n * h + data.draw(st.integers(0, h))
+        assert index.query_hashes(prompt[:n], num_tokens).hits == oracle.hits(prompt[:n],
+                                                                              num_tokens)
+    for key in engines:
+        assert index.resident_blocks(key) == len(oracle.engines[key])
+
+
+def test_apply_events_refuses_a_bad_event_whole():
+    """A bad event anywhere refuses the batch, naming the event (and hash); nothing of the
+    batch is applied, whatever came before the bad event; the scratch rows are reusable."""
+    layout = get_preset("gpt-oss-120b")
+    index = RoutingIndex(layout)
+    key = index.add_engine("e")
+    good = [W.BlockStored(block_hashes=[1, 2, 3], group_idx=1),
+            W.BlockRemoved(block_hashes=[9], group_idx=0)]
+    assert index.apply_events(key, good, _EVENT_TYPES).stored == 3
+    cases = [
+        (W.BlockStored(block_hashes=[4, -1], group_idx=1), HashInputError,
+         r"events\[2\]\.block_hashes\[1\] must be in \[0, 2\*\*64\)"),
+        (W.BlockStored(block_hashes=[4, 2**64], group_idx=1), HashInputError,
+         r"events\[2\]\.block_hashes\[1\]"),
+        (W.BlockStored(block_hashes=[4, b"x" * 8], group_idx=1), ArgumentTypeError,
+         r"events\[2\]\.block_hashes\[1\] must be an int"),
+        (W.BlockRemoved(block_hashes=[4], group_idx=2), ArgumentValueError,
+         r"events\[2\]\.group_idx must be a group id in \[0, 2\)"),
+        (W.BlockRemoved(block_hashes=[4], group_idx=-1), ArgumentValueError,
+         r"events\[2\]\.group_idx"),
+        (W.BlockStored(block_hashes=[4], group_idx=0, kv_cache_spec_kind="full_attention"),
+         ConfigError, r"events\[2\]: the engine's group 0 is 'full_attention'"),
+        (W.EventBatch(ts=0.0, events=[]), ArgumentTypeError, r"events\[2\] must be a stored"),
+    ]
+    for bad, error, match in cases:
+        batch = [W.BlockStored(block_hashes=[5, 6], group_idx=1), W.AllBlocksCleared(), bad,
+                 W.BlockStored(block_hashes=[7], group_idx=0)]
+        with pytest.raises(error, match=match):
+            index.apply_events(key, batch, _EVENT_TYPES, spec_kinds=SPEC_KINDS)
+        assert index.resident_blocks(key) == 3       # neither the clear nor the stores
+    with pytest.raises(ArgumentTypeError, match="types"):
+        index.apply_events(key, good, (W.BlockStored, W.BlockRemoved))
+    with pytest.raises(ArgumentTypeError, match="medium"):
+        index.apply_events(key, good, _EVENT_TYPES, medium=b"GPU")      # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError):
+        index.apply_events(key, tuple(good), _EVENT_TYPES)             # type: ignore[arg-type]
+    # an unknown engine's batch: validated, then counted; a big batch then a small one
+    assert index.apply_events(("x", 0), good + [W.AllBlocksCleared()],
+                              _EVENT_TYPES).unknown_engine == 5
+    big = [W.BlockStored(block_hashes=list(range(10, 100_010)), group_idx=1)]
+    assert index.apply_events(key, big, _EVENT_TYPES).stored == 100_000
+    assert index.apply_events(key, [W.AllBlocksCleared()] + good, _EVENT_TYPES) \
+        == (3, 0, 1, 0, 1, 0, 0)
+    assert index.resident_blocks(key) == 3
+
+
+def test_apply_events_digest_hashes_and_lookahead():
+    """Digest events (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0): bytes of the digest size, an
+    int or a short digest refused; lookahead stores counted."""
+    layout = get_preset("gpt-oss-120b")
+    index = RoutingIndex(layout, int_hashes=False)
+    key = index.add_engine("e")
+    d = chain(3, 1)
+    st_ = index.apply_events(key, [W.BlockStored(block_hashes=d, group_idx=1,
+                                                 lookahead_token_ids=[[1], [2], [3]])],
+                             _EVENT_TYPES)
+    assert (st_.stored, st_.lookahead) == (3, 3) and index.resident_blocks(key) == 3
+    for bad in (5, d[0][:16]):
+        with pytest.raises(ArgumentTypeError, match=r"events\[0\]\.block_hashes\[1\] must be a "
+                                                    r"32-byte digest"):
+            index.apply_events(key, [W.BlockRemoved(block_hashes=[d[0], bad], group_idx=1)],
+                               _EVENT_TYPES)
+    assert index.resident_blocks(key) == 3

@@ -24,6 +24,9 @@ class SharedResidency:
     def num_keys(self) -> int: ...
     def apply_rows(self, bit: int, ops: npt.NDArray[np.int8], groups: npt.NDArray[np.int32],
                    digests: npt.NDArray[np.uint8]) -> tuple[int, int, int, int]: ...
+    def apply_events(self, bit: int, events: list[object], types: tuple[type, type, type],
+                     medium: object, refused_kinds: tuple[dict[str, str], ...],
+                     num_groups: int) -> tuple[int, int, int, int, int, int, int]: ...
     def route(self, kernel: HitKernel, num_groups: int,
               hashes: list[bytes] | npt.NDArray[np.uint8], max_length: int,
               names: tuple[object, ...], bits: npt.NDArray[np.int64]
@@ -32,6 +35,10 @@ class SharedResidency:
 def apply_rows(residency: SharedResidency, bit: int, ops: npt.NDArray[np.int8],
                groups: npt.NDArray[np.int32],
                digests: npt.NDArray[np.uint8]) -> tuple[int, int, int, int]: ...
+def apply_events(residency: SharedResidency, bit: int, events: list[object],
+                 types: tuple[type, type, type], medium: object,
+                 refused_kinds: tuple[dict[str, str], ...],
+                 num_groups: int) -> tuple[int, int, int, int, int, int, int]: ...
 def pack_event_lists(ops: list[int], groups: list[int], hashes: list[int], num_groups: int
                      ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.int32],
                                 npt.NDArray[np.uint8], int]: ...

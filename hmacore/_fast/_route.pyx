@@ -29,7 +29,7 @@ Not thread-safe by itself: RoutingIndex serialises every call with its lock.
 """
 from cpython.ref cimport PyObject
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 
 cimport numpy as cnp
@@ -41,6 +41,8 @@ from hmacore._fast._slots cimport SLOT_DELETED, SLOT_EMPTY, probe_slots
 from hmacore._fast._types cimport group_id_t, token_t
 
 cnp.import_array()
+
+from hmacore.errors import ConfigError
 
 cdef extern from *:
     """
@@ -101,6 +103,60 @@ cdef extern from *:
     int as_u64 "hmacore_as_u64"(PyObject* x, unsigned long long* out) noexcept
     int as_long "hmacore_as_long"(PyObject* x, long* out) noexcept
 
+cdef extern from "structmember.h":
+    ctypedef struct PyMemberDef:
+        const char* name
+        int type
+        Py_ssize_t offset
+        int flags
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+    enum:
+        T_OBJECT
+        T_OBJECT_EX
+        PY_AUDIT_READ
+
+import types as _types
+
+# event fields apply_events reads: per class, stored then removed
+cdef enum:
+    F_HASHES, F_MEDIUM, F_GROUP, F_KIND, F_LOOKAHEAD, N_FIELDS
+_FIELD_NAMES = ("block_hashes", "medium", "group_idx", "kv_cache_spec_kind",
+                "lookahead_token_ids")
+
+
+cdef Py_ssize_t _member_offset(object cls, str name) except -2:
+    """The instance offset of ``cls``'s object slot ``name`` (a member descriptor: msgspec
+    Struct fields, ``__slots__``), read directly as the descriptor's ``__get__`` does; -1 when
+    it is anything else (then read by ``getattr``)."""
+    cdef PyMemberDef* m
+    for base in cls.__mro__:
+        d = base.__dict__.get(name)
+        if d is None:
+            continue
+        if type(d) is not _types.MemberDescriptorType or not isinstance(d.__objclass__, type) \
+                or not issubclass(cls, d.__objclass__):
+            return -1
+        m = (<PyMemberDescrObject*><PyObject*>d).d_member
+        if (m.type != T_OBJECT and m.type != T_OBJECT_EX) or m.flags & PY_AUDIT_READ:
+            return -1
+        return m.offset
+    return -1
+
+
+cdef inline object _read_field(object ev, Py_ssize_t off, str name):
+    """Field ``name`` of ``ev`` (exact type checked by the caller, ``off`` from
+    ``_member_offset`` of that type)."""
+    cdef PyObject* p
+    if off < 0:
+        # optional fields (vLLM 0.32 has no lookahead_token_ids) read as None when absent
+        return getattr(ev, name, None) if name[0] in "kl" else getattr(ev, name)
+    p = (<PyObject**>((<char*><PyObject*>ev) + off))[0]
+    if p == NULL:
+        raise AttributeError(name)
+    return <object>p
+
+
 cdef Py_ssize_t MIN_CAP = 16
 # 2**50 keys: every byte count below (slots x (24..48 + 8 x words)) stays below 2**63
 cdef Py_ssize_t MAX_KEYS = 1 << 50
@@ -111,6 +167,8 @@ memset(ZERO_MASK, 0, sizeof(ZERO_MASK))
 # rows ahead whose home slot an event batch prefetches (a power of two: a ring of hashes)
 cdef enum:
     PREFETCH_AHEAD = 16
+# scratch rows apply_events keeps between calls (more are freed after the call)
+cdef Py_ssize_t SCRATCH_KEEP = 1 << 16
 
 
 cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
@@ -133,6 +191,12 @@ cdef inline uint64_t _key_hash(group_id_t g, const uint8_t* d, int ds) noexcept 
         memcpy(&w0, d + ds - 16, 8)
         memcpy(&w1, d + ds - 8, 8)
     return _mix(w1 ^ _mix(w0 ^ (<uint64_t><uint32_t>g) * 0x9e3779b97f4a7c15ULL))
+
+
+cdef inline void _put_be64(uint8_t* out, uint64_t v) noexcept nogil:
+    cdef int b
+    for b in range(8):
+        out[7 - b] = <uint8_t>(v >> (8 * b))
 
 
 cdef inline Py_ssize_t _slot_bytes(Py_ssize_t words, int ds) noexcept nogil:
@@ -189,6 +253,15 @@ cdef class SharedResidency:
     cdef list _resident            # per bit: distinct keys held (count >= 1)
     cdef list _dups                # per bit: list of ExistenceSet (count >= 2, >= 3, ...)
     cdef list _live                # per bit: in use
+    # apply_events' scratch rows (ops, groups, keys), reused across calls; _busy refuses a
+    # re-entrant call while they are being filled
+    cdef int8_t* _s_ops
+    cdef int32_t* _s_groups
+    cdef uint8_t* _s_keys
+    cdef Py_ssize_t _s_cap
+    cdef bint _busy
+    cdef object _ev_types          # the event classes _ev_off was resolved for
+    cdef Py_ssize_t _ev_off[2][N_FIELDS]
 
     def __cinit__(self, int digest_size=16):
         if digest_size not in (8, 16, 32):
@@ -198,12 +271,51 @@ cdef class SharedResidency:
         self._slot_size = _slot_bytes(1, digest_size)
         self._slots = NULL
         self._cap = self._size = self._used = 0
+        self._s_ops = NULL
+        self._s_groups = NULL
+        self._s_keys = NULL
+        self._s_cap = 0
+        self._busy = False
+        self._ev_types = None
         self._resident = []
         self._dups = []
         self._live = []
 
     def __dealloc__(self):
         free(self._slots)
+        self._free_scratch()
+
+    cdef void _free_scratch(self) noexcept nogil:
+        free(self._s_ops)
+        free(self._s_groups)
+        free(self._s_keys)
+        self._s_ops = NULL
+        self._s_groups = NULL
+        self._s_keys = NULL
+        self._s_cap = 0
+
+    cdef int _grow_scratch(self, Py_ssize_t rows) noexcept nogil:
+        """Room for ``rows`` scratch rows (contents kept); -1 if out of memory."""
+        cdef Py_ssize_t cap = self._s_cap if self._s_cap else 64
+        cdef void* p
+        if rows <= self._s_cap:
+            return 0
+        while cap < rows:
+            cap *= 2
+        p = realloc(self._s_ops, cap)
+        if p == NULL:
+            return -1
+        self._s_ops = <int8_t*>p
+        p = realloc(self._s_groups, cap * 4)
+        if p == NULL:
+            return -1
+        self._s_groups = <int32_t*>p
+        p = realloc(self._s_keys, cap * self.digest_size)
+        if p == NULL:
+            return -1
+        self._s_keys = <uint8_t*>p
+        self._s_cap = cap       # only once all three hold cap rows
+        return 0
 
     def __reduce__(self):
         raise TypeError("SharedResidency cannot be pickled (a raw table owned by one "
@@ -422,9 +534,24 @@ cdef class SharedResidency:
         _check_array(groups_a, cnp.NPY_INT32, 1, 1, "groups", "int32")
         _check_array(digests_a, cnp.NPY_UINT8, 2, ds, "digests", "uint8")
         cdef Py_ssize_t n = cnp.PyArray_DIM(<cnp.ndarray>ops_a, 0)
-        cdef const int8_t* ops = <const int8_t*>cnp.PyArray_DATA(<cnp.ndarray>ops_a)
-        cdef const int32_t* groups = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>groups_a)
-        cdef const uint8_t* digests = <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>digests_a)
+        if cnp.PyArray_DIM(<cnp.ndarray>groups_a, 0) != n \
+                or cnp.PyArray_DIM(<cnp.ndarray>digests_a, 0) != n:
+            raise ValueError("ops, groups and digests must have one row each")
+        if self._busy:
+            raise RuntimeError("routing index: a call is already applying events")
+        cdef int64_t out[3]
+        # the arrays are referenced by this call's arguments for the whole (GIL-held) call
+        self._apply_packed(bit, n, <const int8_t*>cnp.PyArray_DATA(<cnp.ndarray>ops_a),
+                           <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>groups_a),
+                           <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>digests_a), out)
+        return out[0], out[1], out[2], n
+
+    cdef int _apply_packed(self, Py_ssize_t bit, Py_ssize_t n, const int8_t* ops,
+                           const int32_t* groups, const uint8_t* digests,
+                           int64_t* out) except -1:
+        """Apply ``n`` validated rows to engine ``bit`` (in use); ``out`` gets (stored,
+        removed, ignored). The GIL is held: the rows' buffers must stay referenced."""
+        cdef int ds = self.digest_size
         cdef Py_ssize_t i, j, stores = 0, w = bit >> 6, ahead
         cdef uint64_t b = (<uint64_t>1) << (bit & 63)
         cdef int64_t stored = 0, removed = 0, ignored = 0, resident = self._resident[bit]
@@ -434,11 +561,9 @@ cdef class SharedResidency:
         cdef uint64_t ring[PREFETCH_AHEAD]     # key hashes of rows i .. i + AHEAD - 1
         cdef uint64_t h
         cdef uint8_t buf[16]
-        if cnp.PyArray_DIM(<cnp.ndarray>groups_a, 0) != n \
-                or cnp.PyArray_DIM(<cnp.ndarray>digests_a, 0) != n:
-            raise ValueError("ops, groups and digests must have one row each")
+        out[0] = out[1] = out[2] = 0
         if n == 0:
-            return 0, 0, 0, 0
+            return 0
         for i in range(n):
             stores += ops[i] > 0
         if self._reserve(stores) < 0:
@@ -486,7 +611,146 @@ cdef class SharedResidency:
                     resident = 0
         finally:
             self._resident[bit] = resident
-        return stored, removed, ignored, n
+            out[0] = stored
+            out[1] = removed
+            out[2] = ignored
+        return 0
+
+    def apply_events(self, Py_ssize_t bit, list events, tuple types, object medium,
+                     tuple refused_kinds, int num_groups):
+        """Apply a decoded KV event batch's ``events`` to engine ``bit`` in one call; ``bit <
+        0`` validates only (an unknown engine's batch). Returns ``(stored, removed, ignored,
+        cleared, rows, other_rows, lookahead_rows)``.
+
+        ``types``: the (stored, removed, cleared) event classes; every event's exact type is
+        one of them. Stored / removed events are read by attribute (vLLM's schema):
+        ``block_hashes`` (a list of 64-bit ints for 8-byte keys, else ``digest_size``-byte
+        bytes), ``group_idx`` (None is group 0, else in [0, num_groups)), ``medium`` (None or
+        equal to ``medium`` is applied; any other str is left out and counted in
+        ``other_rows``); stored events also ``kv_cache_spec_kind``, refused when in
+        ``refused_kinds[group]`` (a dict: kind -> the layout's kind name; ConfigError), and
+        ``lookahead_token_ids`` (not None: its hashes counted in ``lookahead_rows``).
+
+        Every event is validated and packed into scratch rows this object owns before any is
+        applied: a bad event raises (TypeError / ValueError / OverflowError naming
+        ``events[i]``, ConfigError for a kind) with nothing applied."""
+        cdef Py_ssize_t n = 0, i, k, ne = len(events)
+        cdef int ds = self.digest_size
+        cdef long g
+        cdef unsigned long long v
+        cdef int64_t cleared = 0, other = 0, lookahead = 0, nh
+        cdef int8_t op
+        cdef int64_t out[3]
+        cdef object ev, hl, item, m, kind
+        cdef object t_stored, t_removed, t_cleared     # classes (msgspec: a metaclass)
+        cdef uint8_t* key
+        cdef Py_ssize_t* off
+        if bit >= 0:
+            self._check(bit)
+        if medium is not None and type(medium) is not str:
+            raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
+        if len(types) != 3 or not all(isinstance(t, type) for t in types):
+            raise TypeError("types must be the (stored, removed, cleared) event classes")
+        t_stored, t_removed, t_cleared = types
+        if types is not self._ev_types:
+            for k in range(N_FIELDS):
+                self._ev_off[0][k] = _member_offset(t_stored, _FIELD_NAMES[k])
+                self._ev_off[1][k] = _member_offset(t_removed, _FIELD_NAMES[k])
+            self._ev_types = types
+        if len(refused_kinds) != num_groups or not all(type(r) is dict for r in refused_kinds):
+            raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
+        if self._busy:
+            raise RuntimeError("routing index: a call is already applying events")
+        self._busy = True
+        try:
+            # the event classes are the caller's decoded structs: attribute reads run no
+            # code of ours that could call back; _busy refuses a re-entrant fill regardless
+            for i in range(ne):
+                if i >= len(events):
+                    raise ValueError("events changed while being applied")
+                ev = events[i]
+                if type(ev) is t_cleared:
+                    if self._grow_scratch(n + 1) < 0:
+                        raise MemoryError("KV events: no memory for the batch's rows")
+                    self._s_ops[n] = 0
+                    self._s_groups[n] = 0
+                    memset(self._s_keys + n * ds, 0, ds)
+                    n += 1
+                    cleared += 1
+                    continue
+                if type(ev) is t_stored:
+                    op = 1
+                    off = self._ev_off[0]
+                elif type(ev) is t_removed:
+                    op = -1
+                    off = self._ev_off[1]
+                else:
+                    raise TypeError(f"events[{i}] must be a stored, removed or cleared "
+                                    f"event, got {type(ev).__name__}")
+                hl = _read_field(ev, off[F_HASHES], "block_hashes")
+                if type(hl) is not list:
+                    raise TypeError(f"events[{i}].block_hashes must be a list, got "
+                                    f"{type(hl).__name__}")
+                m = _read_field(ev, off[F_MEDIUM], "medium")
+                if m is not None and m is not medium and (
+                        medium is None or type(m) is not str or <str>m != <str>medium):
+                    if type(m) is not str:
+                        raise TypeError(f"events[{i}].medium must be a str or None")
+                    other += len(<list>hl)
+                    continue
+                item = _read_field(ev, off[F_GROUP], "group_idx")
+                if item is None:
+                    g = 0
+                elif type(item) is not int:
+                    raise TypeError(f"events[{i}].group_idx must be an int, got "
+                                    f"{type(item).__name__}")
+                elif as_long(<PyObject*>item, &g) < 0 or g < 0 or g >= num_groups:
+                    raise ValueError(f"events[{i}].group_idx must be a group id in "
+                                     f"[0, {num_groups}), got {item}")
+                if op > 0:
+                    kind = _read_field(ev, off[F_KIND], "kv_cache_spec_kind")
+                    if type(kind) is str and kind in <dict>refused_kinds[g]:
+                        raise ConfigError(
+                            f"events[{i}]: the engine's group {g} is {kind!r} but the index's "
+                            f"layout has {(<dict>refused_kinds[g])[kind]}: give the router "
+                            "the engines' own KV cache groups, in their order")
+                    if _read_field(ev, off[F_LOOKAHEAD], "lookahead_token_ids") is not None:
+                        lookahead += len(<list>hl)
+                # no code runs from here to the end of the rows (exact ints / bytes only), so
+                # the list keeps this length
+                nh = len(<list>hl)
+                if self._grow_scratch(n + nh) < 0:
+                    raise MemoryError("KV events: no memory for the batch's rows")
+                for k in range(nh):
+                    item = (<list>hl)[k]
+                    key = self._s_keys + (n + k) * ds
+                    if ds == 8:
+                        if type(item) is not int:
+                            raise TypeError(f"events[{i}].block_hashes[{k}] must be an int "
+                                            f"(a 64-bit hash), got {type(item).__name__}")
+                        if as_u64(<PyObject*>item, &v) < 0:
+                            raise OverflowError(f"events[{i}].block_hashes[{k}] must be in "
+                                                f"[0, 2**64), got {item}")
+                        _put_be64(key, v)
+                    else:
+                        if type(item) is not bytes or len(<bytes>item) != ds:
+                            raise TypeError(f"events[{i}].block_hashes[{k}] must be a "
+                                            f"{ds}-byte digest")
+                        memcpy(key, <const char*>(<bytes>item), ds)
+                    self._s_ops[n + k] = op
+                    self._s_groups[n + k] = <int32_t>g
+                n += nh
+            if bit < 0:
+                out[0] = out[1] = out[2] = 0
+            else:
+                self._check(bit)        # still in use (nothing above can free it; cheap)
+                self._apply_packed(bit, n, self._s_ops, self._s_groups, self._s_keys, out)
+        finally:
+            self._busy = False
+            if self._s_cap > SCRATCH_KEEP:      # a replay's or a burst's rows: let them go
+                self._free_scratch()
+        return out[0], out[1], out[2], cleared, n, other, lookahead
+
 
     # -- queries -------------------------------------------------------------------------
     def route(self, kernel, int num_groups, hashes, token_t max_length, tuple names, bits):
@@ -676,11 +940,17 @@ def apply_rows(SharedResidency residency, Py_ssize_t bit, ops, groups, digests):
     return residency.apply_rows(bit, ops, groups, digests)
 
 
+def apply_events(SharedResidency residency, Py_ssize_t bit, list events, tuple types,
+                 object medium, tuple refused_kinds, int num_groups):
+    """``residency.apply_events`` (a module-level hook, like ``apply_rows``)."""
+    return residency.apply_events(bit, events, types, medium, refused_kinds, num_groups)
+
+
 def pack_event_lists(list ops, list groups, list hashes, int num_groups):
     """Event rows as Python lists (as msgspec decodes a batch) -> (ops int8, groups int32,
     (N, 8) uint8 keys: the 64-bit hash big-endian, the number of clears), in one typed pass.
     Raises ValueError / TypeError / OverflowError naming the first bad row."""
-    cdef Py_ssize_t n = len(ops), i, b, clears = 0
+    cdef Py_ssize_t n = len(ops), i, clears = 0
     cdef long op, g
     cdef unsigned long long v
     cdef object item
@@ -719,6 +989,5 @@ def pack_event_lists(list ops, list groups, list hashes, int num_groups):
                             f"{type(item).__name__}")
         if as_u64(<PyObject*>item, &v) < 0:
             raise OverflowError(f"hashes[{i}] must be in [0, 2**64), got {item}")
-        for b in range(8):
-            k[i * 8 + 7 - b] = <uint8_t>(v >> (8 * b))
+        _put_be64(k + i * 8, v)
     return ops_a, groups_a, keys, clears

@@ -4,7 +4,7 @@ One :class:`KVEventSubscriber` follows N engine streams (one per engine and data
 rank, each vLLM's ``--kv-events-config`` ``{"enable_kv_cache_events": true, "publisher":
 "zmq", "endpoint": ..., "replay_endpoint": ...}``) on one background thread, decodes each
 ``KVEventBatch`` (hmacore/transport/kv_event_wire.py, no vLLM import) and applies it to the
-index in one ``RoutingIndex.apply`` call.
+index in one ``RoutingIndex.apply_events`` call (the decoded events as they are).
 
 Exactness needs every batch of a stream once and in order. Per stream the subscriber expects
 sequence number ``expected`` (the publisher counts from 0):
@@ -50,8 +50,8 @@ from collections.abc import Hashable, Sequence
 import msgspec
 import zmq
 
-from ..errors import ArgumentValueError, ConfigError, HmacoreError
-from ..route_index import OP_CLEAR, OP_REMOVE, OP_STORE, RoutingIndex
+from ..errors import ArgumentValueError, HmacoreError
+from ..route_index import OP_REMOVE, OP_STORE, RoutingIndex
 from ..spec import GroupKind
 from . import kv_event_wire as W
 
@@ -65,6 +65,8 @@ SPEC_KINDS = {"full_attention": GroupKind.FULL, "mla_attention": GroupKind.FULL,
               "chunked_local_attention": GroupKind.CHUNKED_LOCAL, "mamba": GroupKind.MAMBA}
 
 logger = logging.getLogger("hmacore.kv_events")
+#: the wire classes RoutingIndex.apply_events reads a decoded batch's events as
+_EVENT_TYPES = (W.BlockStored, W.BlockRemoved, W.AllBlocksCleared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +196,6 @@ class KVEventSubscriber:
         self._recent = recent
         self._max_drain = max_drain
         self._poll_ms = max(1, int(poll_interval * 1000))
-        self._kinds = [g.kind for g in index.layout.groups]
-        self._blank: int | bytes = 0 if index.int_hashes else bytes(index.digest_size)
         self._ctx: zmq.Context | None = None
         self._streams: dict[zmq.Socket, _Stream] = {}
         self._by_key: dict[tuple[str, int], _Stream] = {}
@@ -382,10 +382,13 @@ class KVEventSubscriber:
             if rank != st.spec.dp_rank:
                 raise ArgumentValueError(f"batch of data-parallel rank {rank} on the stream of "
                                          f"rank {st.spec.dp_rank}")
-            ops, groups, hashes, tier, other, lookahead = self._rows(batch)
-            result = self.index.apply(st.spec.key, ops, groups, hashes)
-            if tier is not None and self.tier_index is not None and tier[0]:
+            result = self.index.apply_events(st.spec.key, batch.events, _EVENT_TYPES,
+                                             medium=W.MEDIUM_GPU, spec_kinds=SPEC_KINDS)
+            tier_rows = 0
+            if result.other_medium and self.tier_index is not None:
+                tier = self._tier_rows(batch)
                 self.tier_index.apply(st.spec.key, *tier)
+                tier_rows = len(tier[0])
         except (msgspec.DecodeError, msgspec.ValidationError, HmacoreError) as e:
             logger.warning("engine %s: KV event batch %d dropped (%s): reset", st.spec.key,
                            seq, e)
@@ -400,9 +403,9 @@ class KVEventSubscriber:
             s.removed += result.removed
             s.ignored += result.ignored
             s.cleared += result.cleared
-            s.tier_rows += len(tier[0]) if tier is not None and self.tier_index is not None else 0
-            s.other_medium += other
-            s.lookahead += lookahead
+            s.tier_rows += tier_rows
+            s.other_medium += 0 if self.tier_index is not None else result.other_medium
+            s.lookahead += result.lookahead
             s.next_seq = seq + 1
             self._cond.notify_all()
         self._remember(st, seq, payload)
@@ -412,42 +415,19 @@ class KVEventSubscriber:
         while len(st.recent) > self._recent:
             st.recent.popitem(last=False)
 
-    def _rows(self, batch: W.EventBatch) -> tuple[list, list, list, tuple | None, int, int]:
-        """(ops, groups, hashes) of the GPU events in order, the tier's rows, how many rows
-        of other media were dropped (no tier index), how many stores used lookahead."""
+    def _tier_rows(self, batch: W.EventBatch) -> tuple[list, list, list]:
+        """(ops, groups, hashes) of the events on another medium than the GPU, flattened to
+        one row per hash, in order (the GPU events were applied by ``apply_events``, which
+        validated the whole batch)."""
         ops: list[int] = []
         groups: list[int] = []
         hashes: list[Hashable] = []
-        t_ops: list[int] = []
-        t_groups: list[int] = []
-        t_hashes: list[Hashable] = []
-        other = lookahead = 0
         for ev in batch.events:
-            if isinstance(ev, W.AllBlocksCleared):
-                ops.append(OP_CLEAR)
-                groups.append(0)
-                hashes.append(self._blank)
+            if isinstance(ev, W.AllBlocksCleared) or ev.medium is None \
+                    or ev.medium == W.MEDIUM_GPU:
                 continue
-            op = OP_STORE if isinstance(ev, W.BlockStored) else OP_REMOVE
             n = len(ev.block_hashes)
-            group = 0 if ev.group_idx is None else ev.group_idx
-            if isinstance(ev, W.BlockStored) and ev.lookahead_token_ids is not None:
-                lookahead += n
-            if isinstance(ev, W.BlockStored) and ev.kv_cache_spec_kind in SPEC_KINDS \
-                    and 0 <= group < len(self._kinds) \
-                    and SPEC_KINDS[ev.kv_cache_spec_kind] != self._kinds[group]:
-                raise ConfigError(f"the engine's group {group} is {ev.kv_cache_spec_kind!r} "
-                                  f"but the index's layout has {self._kinds[group].name}: "
-                                  "give the router the engines' own KV cache groups, in "
-                                  "their order")
-            if ev.medium is None or ev.medium == W.MEDIUM_GPU:
-                ops.extend([op] * n)
-                groups.extend([group] * n)
-                hashes.extend(ev.block_hashes)
-            elif self.tier_index is not None:
-                t_ops.extend([op] * n)
-                t_groups.extend([group] * n)
-                t_hashes.extend(ev.block_hashes)
-            else:
-                other += n
-        return ops, groups, hashes, (t_ops, t_groups, t_hashes), other, lookahead
+            ops.extend([OP_STORE if isinstance(ev, W.BlockStored) else OP_REMOVE] * n)
+            groups.extend([0 if ev.group_idx is None else ev.group_idx] * n)
+            hashes.extend(ev.block_hashes)
+        return ops, groups, hashes

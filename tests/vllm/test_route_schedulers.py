@@ -17,19 +17,21 @@ import random
 import pytest
 
 import harness as H
-from route_events import event_rows
 from vllm.config import KVEventsConfig
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from hmacore.hits import HitFinder
 from hmacore.integrations.vllm import _compat as C
 from hmacore.integrations.vllm.layout import layout_from_kv_cache_config
 from hmacore.route_hashing import BlockHasher
 from hmacore.route_index import RoutingIndex
+from hmacore.transport.kv_events import SPEC_KINDS
 
 pytestmark = pytest.mark.vllm
 
 REQUESTS = int(os.environ.get("HMACORE_ROUTE_REQUESTS", "350"))
 ENGINES = 3
+VLLM_EVENT_TYPES = (BlockStored, BlockRemoved, AllBlocksCleared)
 
 # (vllm_config kwargs, KV cache config factory, prompt length range, max output tokens): pools
 # sized so that traffic evicts cached blocks and preempts running requests
@@ -86,7 +88,8 @@ class Fleet:
     def feed(self, key, events):
         if not events:
             return
-        st = self.index.apply(key, *event_rows(events, self.int_hashes))
+        # vLLM's own event objects, as the subscriber hands its decoded batch: one call
+        st = self.index.apply_events(key, list(events), VLLM_EVENT_TYPES, spec_kinds=SPEC_KINDS)
         self.stored += st.stored
         self.removed += st.removed
 
