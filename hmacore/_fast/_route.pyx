@@ -521,29 +521,29 @@ cdef class SharedResidency:
         return self._size
 
     # -- events --------------------------------------------------------------------------
-    def apply_rows(self, Py_ssize_t bit, ops_a, groups_a, digests_a):
-        """Apply rows to engine ``bit``: ``ops_a`` int8 (N,), ``groups_a`` int32 (N,),
-        ``digests_a`` uint8 (N, digest_size), C-contiguous arrays. Returns ``(stored, removed,
+    def apply_rows(self, Py_ssize_t bit, ops, groups, digests):
+        """Apply rows to engine ``bit``: ``ops`` int8 (N,), ``groups`` int32 (N,),
+        ``digests`` uint8 (N, digest_size), C-contiguous arrays. Returns ``(stored, removed,
         ignored, applied)``: stores (every store counts), removes that lowered a count, removes
         of a key not resident (no-ops), rows applied (== N; if memory runs out MemoryError is
         raised, naming the rows applied before it). Raw pointers, not memoryviews: a small
         batch (one engine step) pays no buffer acquisition."""
         self._check(bit)
         cdef int ds = self.digest_size
-        _check_array(ops_a, cnp.NPY_INT8, 1, 1, "ops", "int8")
-        _check_array(groups_a, cnp.NPY_INT32, 1, 1, "groups", "int32")
-        _check_array(digests_a, cnp.NPY_UINT8, 2, ds, "digests", "uint8")
-        cdef Py_ssize_t n = cnp.PyArray_DIM(<cnp.ndarray>ops_a, 0)
-        if cnp.PyArray_DIM(<cnp.ndarray>groups_a, 0) != n \
-                or cnp.PyArray_DIM(<cnp.ndarray>digests_a, 0) != n:
+        _check_array(ops, cnp.NPY_INT8, 1, 1, "ops", "int8")
+        _check_array(groups, cnp.NPY_INT32, 1, 1, "groups", "int32")
+        _check_array(digests, cnp.NPY_UINT8, 2, ds, "digests", "uint8")
+        cdef Py_ssize_t n = cnp.PyArray_DIM(<cnp.ndarray>ops, 0)
+        if cnp.PyArray_DIM(<cnp.ndarray>groups, 0) != n \
+                or cnp.PyArray_DIM(<cnp.ndarray>digests, 0) != n:
             raise ValueError("ops, groups and digests must have one row each")
         if self._busy:
             raise RuntimeError("routing index: a call is already applying events")
         cdef int64_t out[3]
         # the arrays are referenced by this call's arguments for the whole (GIL-held) call
-        self._apply_packed(bit, n, <const int8_t*>cnp.PyArray_DATA(<cnp.ndarray>ops_a),
-                           <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>groups_a),
-                           <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>digests_a), out)
+        self._apply_packed(bit, n, <const int8_t*>cnp.PyArray_DATA(<cnp.ndarray>ops),
+                           <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>groups),
+                           <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>digests), out)
         return out[0], out[1], out[2], n
 
     cdef int _apply_packed(self, Py_ssize_t bit, Py_ssize_t n, const int8_t* ops,
