@@ -805,6 +805,12 @@ class TrackerSet:
         The pairs of request r are :func:`pair_block_spans` of its appended table and
         ``theirs[r]`` over ``spans[r]`` (same rule, same order).
 
+        Sparse appends: with a span, request r's new ids are read (and checked) only at the
+        positions where ``theirs[r]`` holds a block, the only positions ever paired; the
+        others are stored as 0. So ``theirs[r]`` must be the same table at every step of a
+        request (a push registration is): a position skipped at one step is never re-read.
+        Without a span every new id is read and checked.
+
         Returns ``(local, remote, offsets)``: every pair of the step in two int32 arrays
         (request by request, group by group) and int64 ``offsets`` of ``len(req_ids) * G + 1``
         entries: request r's group g pairs are ``local[offsets[r*G + g]:offsets[r*G + g + 1]]``

@@ -43,7 +43,7 @@ def test_step_pairs_matches_per_request_pairing_and_oracle(data, li, nreq, steps
     G, sizes = layout.num_groups, layout.block_sizes
     ids = st.lists(st.integers(0, NB - 1), max_size=6)
     batched, per_request = TrackerSet(layout), TrackerSet(layout)
-    tables, sparse = {}, {}
+    tables, sparse, registered = {}, {}, {}
     for r in range(nreq):
         table = [data.draw(ids) for _ in range(G)]
         for ts in (batched, per_request):
@@ -55,13 +55,17 @@ def test_step_pairs_matches_per_request_pairing_and_oracle(data, li, nreq, steps
                          .filter(lambda x: "-" not in x))
         new = [data.draw(st.none() | st.lists(ids, min_size=G, max_size=G)) for _ in rids]
         theirs, spans = [], []
-        for _ in rids:
+        for r in rids:
             if data.draw(st.booleans()):
                 theirs.append(None)
                 spans.append(None)
                 continue
-            t = [np.array(data.draw(st.lists(st.integers(0, 3), max_size=14)), np.int32)
-                 for _ in range(G)]
+            # the consumer's registration: drawn once per request, the same table at every
+            # step (a push registration is; the sparse appends rely on it)
+            if r not in registered:
+                registered[r] = [np.array(data.draw(st.lists(st.integers(0, 3), max_size=14)),
+                                          np.int32) for _ in range(G)]
+            t = registered[r]
             theirs.append(tuple(t) if data.draw(st.booleans()) else [x.tolist() for x in t])
             a = data.draw(st.integers(0, 3000))
             spans.append((a, a + data.draw(st.integers(0, 3000))))
