@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_TARGET_DEVICE := cpu
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv deps build test test-te-tp test-vllm033 test-fast lint demo plan bench bench-transfer bench-te bench-gate bench-gate-short sanitize sanitize-short fuzz fuzz-replay reliability soak clean
+.PHONY: venv deps build test test-te-tp test-vllm033 test-fast lint demo plan bench bench-transfer bench-te bench-gate bench-gate-short bench-gate-short-run sanitize sanitize-short fuzz fuzz-replay reliability soak clean
 
 $(VENV)/.stamp-base: requirements/test.txt requirements/nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -113,10 +113,19 @@ bench-gate:
 	$(PY) bench/gate.py --baseline bench/baseline.json --results bench/results/latest.json --fraction $(GATE_FRACTION)
 
 # CI's short form: the 4k cases only, few rounds, a wide threshold for a noisy 2-core machine.
+# A failed gate is measured once more with longer rounds before it fails: a 3 us call timed for
+# 0.1 s on a loaded machine fell below its floor once (desc_ids gpt-oss 2.69 vs 3; 4.74 re-run);
+# a real regression fails both measurements.
 bench-gate-short: deps build
 	mkdir -p bench/results
+	$(MAKE) --no-print-directory bench-gate-short-run BENCH_MAX_TIME=0.1 || { \
+	  echo "bench-gate-short: re-measuring once with 0.5 s rounds"; \
+	  $(MAKE) --no-print-directory bench-gate-short-run BENCH_MAX_TIME=0.5; }
+
+BENCH_MAX_TIME ?= 0.1
+bench-gate-short-run:
 	$(PY) -m pytest -q bench --benchmark-only -k "4096 or 4k" --benchmark-json=bench/results/short.json \
-	  --benchmark-max-time=0.1 --benchmark-min-rounds=3
+	  --benchmark-max-time=$(BENCH_MAX_TIME) --benchmark-min-rounds=3
 	$(PY) bench/report.py bench/results/short.json -o bench/results/short-latest.json
 	$(PY) bench/gate.py --baseline bench/baseline.json --results bench/results/short-latest.json --fraction 0.25 \
 	  --select "(4096|4k)"
