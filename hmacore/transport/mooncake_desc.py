@@ -78,7 +78,7 @@ class TeDescAgent(TeEngineLifetime):
         #: per posted transfer: (entries given to the engine, per-block descriptors, runs)
         self.last_post: tuple[int, int, int] = (0, 0, 0)
         self._posted = PostCounts()
-        self._notify = NotifyQueues(self._doorbell_write, f"mooncake-desc-{name}")
+        self._senders = NotifyQueues(self._doorbell_write, f"mooncake-desc-{name}")
         self._closed = False
 
     # -- peers ---------------------------------------------------------------------------
@@ -130,7 +130,7 @@ class TeDescAgent(TeEngineLifetime):
         if any(p.remote == name for p in self._pairs.values()):
             raise TransferError(f"remote agent {name!r} still has a prepared descriptor pair")
         self._remotes.pop(name, None)
-        self._notify.forget(name)
+        self._senders.forget(name)
 
     # -- transfers -----------------------------------------------------------------------
     def post(self, op: str, key: str, local_ids: np.ndarray, remote_ids: np.ndarray,
@@ -227,16 +227,7 @@ class TeDescAgent(TeEngineLifetime):
         ep = self._remotes.get(remote)
         if ep is None:
             raise TransferError(f"unknown remote agent {remote!r} (add_remote first)")
-        self._notify.send(remote, ep[0], ep[1], self._note(bytes(msg)))
-
-    def notif_failures(self) -> list[tuple[str, str]]:
-        """``(remote, error)`` of the peers a queued notification failed to reach since the
-        last call (each reported once)."""
-        return self._notify.take_failures()
-
-    def notifs_pending(self, remote: str) -> int:
-        """Notifications to ``remote`` queued or being sent."""
-        return self._notify.pending(remote)
+        self._senders.send(remote, ep[0], ep[1], self._note(bytes(msg)))
 
     def notifs(self) -> list[bytes]:
         """New notification messages (from every peer), consumed."""
@@ -249,7 +240,7 @@ class TeDescAgent(TeEngineLifetime):
 
     # -- lifetime ------------------------------------------------------------------------
     def _forget_peers(self) -> None:
-        self._notify.close()
+        self._senders.close()
         self._pairs.clear()
         self._remotes.clear()
 

@@ -186,9 +186,19 @@ class TeEngineLifetime:
     _pool: cf.ThreadPoolExecutor
     _engine: Any
     _reg: list
+    _senders: NotifyQueues      # standalone notifications, one sender thread per peer
 
     def _forget_peers(self) -> None:
         raise NotImplementedError
+
+    def notif_failures(self) -> list[tuple[str, str]]:
+        """``(peer, error)`` of the peers a queued notification failed to reach since the
+        last call (each reported once)."""
+        return self._senders.take_failures()
+
+    def notifs_pending(self, peer: str) -> int:
+        """Notifications to ``peer`` queued or being sent."""
+        return self._senders.pending(peer)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -487,15 +497,6 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
             self._senders.send(peer, p.session, p.doorbell, self._notify(request_id, msg))
         except TransferError as e:
             raise TransferError(str(e), request_id=request_id) from None
-
-    def notif_failures(self) -> list[tuple[str, str]]:
-        """``(peer, error)`` of the peers a queued notification failed to reach since the
-        last call (each reported once)."""
-        return self._senders.take_failures()
-
-    def notifs_pending(self, peer: str) -> int:
-        """Notifications to ``peer`` queued or being sent."""
-        return self._senders.pending(peer)
 
     def _doorbell_write(self, session: str, doorbell: int, note: Any) -> int:
         from mooncake.engine import TransferOpcode
