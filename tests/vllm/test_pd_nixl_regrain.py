@@ -79,6 +79,30 @@ CASES = {
 }
 
 
+def _expect_tokens(want, lay, page_bytes, geo, table, lo, hi) -> int:
+    """Write P's tags for tokens [lo[g], hi[g]) into ``want`` (D's storages) at D's blocks
+    ``table``; the bytes written."""
+    moved = 0
+    for g, spec in enumerate(lay.groups):
+        bs, row = rows(lay, g, page_bytes[g])
+        for j, name in enumerate(spec.layer_names):
+            (s, off, stride, _), = geo[name]
+            for t in range(lo[g], hi[g]):
+                b = table[g][t // bs]
+                assert b, f"group {g}: D has no block for token {t}"
+                a = off + b * stride + (t % bs) * row
+                want[s][a:a + row] = tag(g, j, t, row)
+                moved += row
+    return moved
+
+
+def _assert_storages(case, storages, want, moved) -> None:
+    for k, (a, w) in enumerate(zip(storages, want)):
+        bad = np.flatnonzero(a != w)
+        assert bad.size == 0, f"{case}: storage {k}: {bad.size} bytes differ"
+    assert moved > 0
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_pd_pull_other_block_sizes_every_byte(case):
     pkw, pk, dkw, dk, n = CASES[case]
@@ -125,21 +149,8 @@ def test_pd_pull_other_block_sizes_every_byte(case):
         d_table = D.s.kv_cache_manager.get_block_ids("d-req")
         end = rr.load_start + rr.num_external_tokens
         lo, hi = token_ranges(lay, end, rr.load_start)
-        moved = 0
-        for g, spec in enumerate(lay.groups):
-            bs, row = rows(lay, g, D.paged.page_bytes[g])
-            for j, name in enumerate(spec.layer_names):
-                (s, off, stride, _), = geo[name]
-                for t in range(lo[g], hi[g]):
-                    b = d_table[g][t // bs]
-                    assert b, f"group {g}: D holds no block for token {t}"
-                    a = off + b * stride + (t % bs) * row
-                    want[s][a:a + row] = tag(g, j, t, row)
-                    moved += row
-        for k, (a, w) in enumerate(zip(D.paged.storages, want)):
-            bad = np.flatnonzero(a != w)
-            assert bad.size == 0, f"{case}: storage {k}: {bad.size} bytes differ"
-        assert moved > 0
+        moved = _expect_tokens(want, lay, D.paged.page_bytes, geo, d_table, lo, hi)
+        _assert_storages(case, D.paged.storages, want, moved)
         D.d.run()
         H.assert_no_leak(D.s)
         deadline = time.monotonic() + 20
@@ -265,20 +276,8 @@ def test_pd_push_other_block_sizes_every_byte(case):
         for k in range(len(lengths)):
             reg = PH.registration(D, f"d-{k}")
             lo, hi = token_ranges(lay, reg.num_tokens, reg.start_tokens)
-            for g, spec in enumerate(lay.groups):
-                bs, row = rows(lay, g, D.paged.page_bytes[g])
-                for j, name in enumerate(spec.layer_names):
-                    (s, off, stride, _), = geo[name]
-                    for t in range(lo[g], hi[g]):
-                        b = reg.block_ids[g][t // bs]
-                        assert b, f"group {g}: D registered no block for token {t}"
-                        a = off + b * stride + (t % bs) * row
-                        want[s][a:a + row] = tag(g, j, t, row)
-                        moved += row
-        for k, (a, w) in enumerate(zip(D.paged.storages, want)):
-            bad = np.flatnonzero(a != w)
-            assert bad.size == 0, f"{case}: storage {k}: {bad.size} bytes differ"
-        assert moved > 0
+            moved += _expect_tokens(want, lay, D.paged.page_bytes, geo, reg.block_ids, lo, hi)
+        _assert_storages(case, D.paged.storages, want, moved)
         PH.step_until(lambda: not D.s.requests, [D], what="D finishes")
         H.assert_no_leak(D.s)
         PH.step_until(lambda: not P.s.requests, [P], what="P frees its blocks")
