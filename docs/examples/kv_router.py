@@ -15,7 +15,9 @@ text prompt cannot be scored and goes to the least loaded engine.
     ``kv_transfer_params = {"do_remote_decode": true}`` (hmacore's NIXL connector, pull mode;
     see pd_proxy.py); the decode engine, picked the same way among the ``--engine`` ones, gets
     the request with the prefill answer's ``kv_transfer_params``. A failed prefill leg falls
-    back to the decode engine alone.
+    back to the decode engine alone. P/D answers carry ``x-pd-path`` (``pull``, or
+    ``decode-only`` when the prefill leg failed) and, after a prefill leg that worked,
+    ``x-prefilled-by`` and ``x-prefill-hit`` (the prefill engine's predicted hit).
   * ``POST /router/score`` ``{"prompt": [ids]}``: every engine's predicted hit (no request).
   * ``GET /router/stats``: the event streams' counters. ``GET /health``: 200 while at least
     one decode engine answers its ``/health``.
@@ -184,9 +186,12 @@ class Handler(BaseHTTPRequestHandler):
                 params = self._prefill(pre, body)
             finally:
                 r.done(pre)
-            headers["x-prefilled-by"] = pre.name
             if params is not None:
                 body = dict(body, kv_transfer_params=params)
+                headers.update({"x-pd-path": "pull", "x-prefilled-by": pre.name,
+                                "x-prefill-hit": str(pre_hit)})
+            else:       # the decode engine computes the prompt: nothing was prefilled
+                headers["x-pd-path"] = "decode-only"
         engine, hit = r.pick("decode", scores)
         headers.update({"x-routed-to": engine.name, "x-predicted-hit": str(hit)})
         try:
