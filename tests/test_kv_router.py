@@ -190,12 +190,14 @@ def test_pd_mode_picks_prefill_and_decode_by_hit(fleet):
     engines, router, url, pubs = fleet(pd=True)
     store(router, pubs, "b", PROMPT)
     store(router, pubs, "p", PROMPT)
-    h, _ = post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "stream": False})
-    assert (h["x-prefilled-by"], h["x-routed-to"]) == ("p", "b")
+    h, _ = post(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "min_tokens": 4,
+                                          "stream": False})
+    assert (h["x-prefilled-by"], h["x-routed-to"], h["x-pd-path"]) == ("p", "b", "pull")
     (pre,) = engines["p"].bodies
     assert pre["max_tokens"] == 1 and pre["kv_transfer_params"] == {"do_remote_decode": True}
+    assert "min_tokens" not in pre          # vLLM refuses min_tokens > max_tokens
     (dec,) = engines["b"].bodies
-    assert dec["max_tokens"] == 8
+    assert dec["max_tokens"] == 8 and dec["min_tokens"] == 4
     assert dec["kv_transfer_params"] == {"do_remote_prefill": True, "from": "p"}
     assert engines["a"].bodies == []
 

@@ -203,7 +203,9 @@ class Handler(BaseHTTPRequestHandler):
         """The prefill leg; its kv_transfer_params, or None (decode computes the prompt)."""
         leg = dict(body, max_tokens=1, stream=False,
                    kv_transfer_params={"do_remote_decode": True})
-        leg.pop("stream_options", None)
+        # min_tokens > 1 would make the engine refuse the 1-token leg (a silent decode-only)
+        for key in ("stream_options", "min_tokens"):
+            leg.pop(key, None)
         try:
             c = self.router.connect(engine)
             c.request("POST", self.path, json.dumps(leg), {"Content-Type": "application/json"})
