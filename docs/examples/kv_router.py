@@ -112,7 +112,7 @@ class Router:
 
     def connect(self, engine: Engine) -> http.client.HTTPConnection:
         u = urlsplit(engine.url)
-        return http.client.HTTPConnection(u.hostname, u.port or 80, timeout=self.timeout)
+        return http.client.HTTPConnection(str(u.hostname), u.port or 80, timeout=self.timeout)
 
 
 class Handler(BaseHTTPRequestHandler):
