@@ -550,9 +550,9 @@ def test_a_load_failing_at_the_handshake_frees_the_prefill_engine(how):
     # blocks, D 16 with block_size_remap off; the params, stripped of the fields that would
     # have told D's scheduler, by a proxy say), so no READ is posted: D still tells P "done"
     # from P's handshake reply and P frees at once, not at its 30 s lease end.
-    # unreachable: nobody answers at P's address, nothing can be sent: P's lease (2 s here)
+    # unreachable: nobody answers at P's address, nothing can be sent: P's lease (1 s here)
     # is what frees the blocks.
-    lease = 30 if how == "refused" else 2
+    lease = 30 if how == "refused" else 1
     P = Engine(lambda: H.gemma_like(num_blocks=64, bs=32 if how == "refused" else 16),
                extra={"kv_lease_duration": lease}, block_size=32 if how == "refused" else 16,
                page_bytes=128 if how == "refused" else 64)     # equal bytes per token
