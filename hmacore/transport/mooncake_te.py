@@ -43,6 +43,7 @@ from ..plan import TransferPlan
 from ..runs import DescTable, desc_table, find_runs
 from .base import Transfer, TransferPosting
 from .handshake import HandshakePayload
+from .notif_queues import NotifQueues
 from .te_notify import NotifyQueues
 
 __all__ = ["MAX_SLICES_PER_CALL", "MooncakeTeAgent", "TE_POSTINGS", "TE_SLICE_BYTES",
@@ -265,7 +266,7 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         self._peers: dict[str, _Peer] = {}
         self._valid: dict[str, tuple[np.ndarray, ...]] = {}
         self._failed: dict[str, TransferError] = {}
-        self._notifs: dict[str, list[tuple[str, bytes]]] = {}   # rid -> (sender, body)
+        self._notifs = NotifQueues()    # rid -> [(sender, body), ...]
         self._senders = NotifyQueues(self._doorbell_write, f"mooncake-te-{name}")
         self._closed = False
 
@@ -504,13 +505,18 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
                                                     [doorbell], [1], TransferOpcode.Write,
                                                     note))
 
+    def drop_unclaimed_notifs(self, older_than: float, live, cap: int) -> int:
+        """Drop queued messages nobody claimed (:meth:`NotifQueues.drop_unclaimed`): queues
+        of requests not in ``live`` first filled before ``older_than`` (``time.monotonic()``),
+        and the oldest such while more than ``cap`` queues remain. Returns messages dropped."""
+        return self._notifs.drop_unclaimed(older_than, live, cap)
+
     def fetch_notifs(self) -> None:
         """Move the engine's new notifications into the per-request queues."""
         self._check_open()
         for n in self._engine.get_notifies():
             rid, sep, body = str(n.msg).partition(":")
-            self._notifs.setdefault(rid, []).append(
-                (str(n.name), body.encode("latin-1") if sep else b""))
+            self._notifs.add(rid, str(n.name), body.encode("latin-1") if sep else b"")
 
     def notifications(self, request_id: str, *, fetch: bool = True) -> list[bytes]:
         """Messages received so far for a request (consumed)."""
@@ -522,7 +528,7 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         ``TransferNotify`` name it sent)."""
         if fetch:
             self.fetch_notifs()
-        return self._notifs.pop(request_id, [])
+        return self._notifs.pop(request_id)
 
     def has_notifications(self, request_id: str) -> bool:
         """True when messages for ``request_id`` are queued (nothing fetched or consumed)."""
@@ -533,9 +539,9 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         deadline = time.monotonic() + timeout
         while True:
             self.fetch_notifs()
-            queue = self._notifs.get(request_id)
-            if queue:
-                return queue.pop(0)[1]
+            first = self._notifs.pop_first(request_id)
+            if first is not None:
+                return first[1]
             if time.monotonic() >= deadline:
                 raise TransferError(f"no notification for request {request_id!r} within "
                                     f"{timeout} s", request_id=request_id)

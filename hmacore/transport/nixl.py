@@ -26,6 +26,7 @@ from ..runs import DescTable, desc_table
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 from .base import Transfer, TransferPosting
 from .handshake import HandshakePayload
+from .notif_queues import NotifQueues
 from .nixl_post import check_posting, post_xfer
 
 __all__ = ["NixlAgent", "Transfer", "registration_args"]
@@ -124,7 +125,7 @@ class NixlAgent(TransferPosting):
         self._peers: dict[str, _Peer] = {}
         self._valid: dict[str, tuple[np.ndarray, ...]] = {}
         self._failed: dict[str, TransferError] = {}
-        self._notifs: dict[str, list[tuple[str, bytes]]] = {}   # rid -> (sender, body)
+        self._notifs = NotifQueues()    # rid -> [(sender, body), ...]
         self._closed = False
 
     def _rows_table(self, rows: np.ndarray, ranges) -> DescTable | None:
@@ -575,8 +576,7 @@ class NixlAgent(TransferPosting):
             name = sender.decode(errors="replace") if isinstance(sender, bytes) else str(sender)
             for m in msgs:
                 rid, sep, body = bytes(m).partition(b":")
-                self._notifs.setdefault(rid.decode(errors="replace"), []).append(
-                    (name, body if sep else b""))
+                self._notifs.add(rid.decode(errors="replace"), name, body if sep else b"")
 
     def notifications(self, request_id: str, *, fetch: bool = True) -> list[bytes]:
         """Messages received so far for a request (consumed). ``fetch=False`` skips asking
@@ -589,11 +589,17 @@ class NixlAgent(TransferPosting):
         answer can go back to it."""
         if fetch:
             self._drain_notifs()
-        return self._notifs.pop(request_id, [])
+        return self._notifs.pop(request_id)
 
     def has_notifications(self, request_id: str) -> bool:
         """True when messages for ``request_id`` are queued (nothing fetched or consumed)."""
         return request_id in self._notifs
+
+    def drop_unclaimed_notifs(self, older_than: float, live, cap: int) -> int:
+        """Drop queued messages nobody claimed (:meth:`NotifQueues.drop_unclaimed`): queues
+        of requests not in ``live`` first filled before ``older_than`` (``time.monotonic()``),
+        and the oldest such while more than ``cap`` queues remain. Returns messages dropped."""
+        return self._notifs.drop_unclaimed(older_than, live, cap)
 
     def fetch_notifs(self) -> None:
         """Move NIXL's new notifications into the per-request queues."""
@@ -605,9 +611,9 @@ class NixlAgent(TransferPosting):
         deadline = time.monotonic() + timeout
         while True:
             self._drain_notifs()
-            queue = self._notifs.get(request_id)
-            if queue:
-                return queue.pop(0)[1]
+            first = self._notifs.pop_first(request_id)
+            if first is not None:
+                return first[1]
             if time.monotonic() >= deadline:
                 raise TransferError(f"no notification for request {request_id!r} within {timeout} s",
                                     request_id=request_id)

@@ -166,3 +166,22 @@ def test_wide_dlists_take_the_checked_path(pair):
         assert t.state == "DONE" and t.block_descriptors == 2 * 18
     finally:
         p.ids32 = True
+
+
+def test_unclaimed_notifications_expire_but_live_ones_stay(pair):
+    # a late message (its request no longer tracked) waits in its queue until the receiver's
+    # grace period ends; a live request's queue stays whatever its age
+    import time
+    a, b, _, _ = pair
+    for rid in ("late-x", "live-y"):
+        a.send_notif("agent-b", rid, b"done@0/1")
+    deadline = time.monotonic() + 10
+    while not (b.has_notifications("late-x") and b.has_notifications("live-y")):
+        assert time.monotonic() < deadline, "notifications never arrived"
+        b.fetch_notifs()
+        time.sleep(0.001)
+    past = time.monotonic() - 60
+    assert b.drop_unclaimed_notifs(past, set(), cap=100) == 0     # younger than the grace
+    assert b.drop_unclaimed_notifs(time.monotonic() + 1, {"live-y"}, cap=100) == 1
+    assert not b.has_notifications("late-x")
+    assert b.notifications("live-y", fetch=False) == [b"done@0/1"]

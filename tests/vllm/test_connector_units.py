@@ -65,12 +65,13 @@ def test_bad_remote_params_fall_back_to_local_compute(bad):
     d.step()
     assert r.status == RequestStatus.RUNNING
     recv = d.metas[-1].reqs_to_recv
-    if "remote_block_ids" in bad:   # endpoint sound, lists refused: only tell P to free
-        m = recv["a"]
+    if "remote_host" in bad:        # P cannot be named: nothing queued
+        assert not recv
+    else:   # only tell P to free: by handshake when the endpoint and layout are sound,
+        m = recv["a"]               # else only through an agent of P already loaded
         assert m.remote is not None and not m.awaiting
         assert not any(m.remote.block_ids) and not any(m.local_block_ids)
-    else:                           # no usable endpoint or another layout: nothing queued
-        assert not recv
+        assert m.remote.known_only == ("remote_block_ids" not in bad)
     d.run()
     H.assert_no_leak(s)
 

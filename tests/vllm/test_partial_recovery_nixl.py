@@ -14,7 +14,7 @@ import pytest
 
 import harness as H
 from test_partial_recovery import LAYERS
-from test_pd_nixl import Engine, p_prefill
+from test_pd_nixl import Engine, drain_p, p_prefill
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from hmacore.errors import TransferError
@@ -124,6 +124,42 @@ def test_multi_group_failed_read_is_per_request_and_restarts_from_zero():
         D.d.run()
         assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
         H.assert_no_leak(D.s)
+    finally:
+        P.close()
+        D.close()
+
+
+def test_failed_sync_load_tells_the_prefill_engine_to_free_at_once(monkeypatch):
+    # a sync load's READ fails (NIXL reports an error once the real READ left flight; a
+    # failed READ delivers no done to P, modelled by posting it without one): vLLM restarts
+    # the request, and D tells P "done" so P frees its blocks now, not at its 30 s lease end
+    P = Engine(full_only)
+    D = Engine(full_only, load_failure_policy="recompute", extra={"sync_load": True})
+    try:
+        prompt, params = p_prefill(P, 150)
+        agent = D.w.worker.agent
+        read, poll = agent.read, agent.poll
+
+        def read_without_done(*args, **kwargs):
+            return read(*args, **{**kwargs, "notif": None})
+
+        def failing(t, *args, **kwargs):
+            deadline = time.monotonic() + 20
+            while poll(t) == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.001)
+            raise TransferError("injected: READ reported an error")
+        monkeypatch.setattr(agent, "read", read_without_done)
+        monkeypatch.setattr(agent, "poll", failing)
+        monkeypatch.setattr(agent, "wait", failing)
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        D.d.run()                                    # READ posted, failed, recomputed
+        assert D.w.worker.recoveries["d"].lands_at == 0
+        assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        H.assert_no_leak(D.s)
+        drain_p(P)                                   # bounded by 20 s < the 30 s lease
+        P.d.step()
+        assert not any(m.expired for m in P.d.metas)     # D's done freed them
     finally:
         P.close()
         D.close()

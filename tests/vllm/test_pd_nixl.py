@@ -26,14 +26,14 @@ TRANSPORT = {"transport": os.environ["HMACORE_TEST_TRANSPORT"]} \
 
 
 class Engine:
-    def __init__(self, make_kcc, extra=None, **vkw):
+    def __init__(self, make_kcc, extra=None, page_bytes=64, **vkw):
         self.vc = H.vllm_config(extra={"side_channel_port": free_port(),
                                        "kv_lease_duration": 30, **TRANSPORT,
                                        **(extra or {})}, **vkw)
         self.kcc = make_kcc()
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
-        self.paged = allocate_paged_kv(self.w.layout, self.kcc.num_blocks, page_bytes=64)
+        self.paged = allocate_paged_kv(self.w.layout, self.kcc.num_blocks, page_bytes=page_bytes)
         self.w.register_kv_caches(self.paged.kv_caches)
         # the driver the connector built is the configured one
         assert type(self.w.worker.agent).__name__ == (
@@ -485,18 +485,27 @@ def test_failed_read_tells_the_prefill_engine_to_free_at_once(monkeypatch):
         D.close()
 
 
-@pytest.mark.parametrize("refused", ["too_many_ids", "bad_first", "expired"])
+@pytest.mark.parametrize("refused", ["too_many_ids", "bad_first", "expired", "layout_known",
+                                     "layout_unknown"])
 def test_refused_params_tell_the_prefill_engine_to_free_at_once(refused):
     # D refuses P's block lists (more ids than remote_num_tokens allows; a malformed
     # remote_block_first): no load, the request computes locally, and a notify-only entry
     # tells P to free its blocks now instead of at its 30 s lease end. Params whose lease
-    # already ended send nothing (P freed them; a "done" would wait unmatched at P).
+    # already ended send nothing (P freed them; a "done" would wait unmatched at P). Params
+    # refused for P's layout (fingerprint): D's worker tells P only through P's agent it
+    # already holds (layout_known: an earlier load from P), never by a handshake on the
+    # refused params' word (layout_unknown: P keeps its lease).
     P = Engine(lambda: H.gemma_like(num_blocks=64))
     D = Engine(lambda: H.gemma_like(num_blocks=64))
     try:
+        if refused == "layout_known":
+            assert _load_from(P, D, "earlier", 150) == (True, True)
+            drain_p(P)
         prompt, params = p_prefill(P, 150)
         params = dict(params)
-        if refused == "too_many_ids":
+        if refused.startswith("layout"):
+            params["hma_layout_fingerprint"] = "0" * 32
+        elif refused == "too_many_ids":
             params["remote_block_ids"] = [list(g) + list(g) * 4 for g in
                                           params["remote_block_ids"]]
         elif refused == "bad_first":
@@ -504,17 +513,112 @@ def test_refused_params_tell_the_prefill_engine_to_free_at_once(refused):
         else:
             params["remote_blocks_expiry_time"] = time.time() - 1
         r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        moved = D.w.worker.counters._data.get("transfers", 0)     # by the earlier load
         D.s.add_request(r)
         D.d.run()                                    # computed locally, no load
-        assert D.w.worker.counters._data.get("transfers", 0) == 0
+        assert D.w.worker.counters._data.get("transfers", 0) == moved
         H.assert_no_leak(D.s)
-        if refused == "expired":                     # nothing sent: P's lease frees them
+        if refused in ("expired", "layout_unknown"):  # nothing sent: P's lease frees them
             for _ in range(50):
                 P.d.step()
             assert P.s.connector.scheduler.leases()
+            assert D.w.worker.agent.peers == ()       # no handshake on refused params
         else:
             drain_p(P)                               # bounded by 20 s < the 30 s lease
             assert P.s.connector.scheduler.leases() == {}
+            P.d.step()
+            assert not any(m.expired for m in P.d.metas)      # D's done freed them
+    finally:
+        P.close()
+        D.close()
+
+
+def _prefill_at(P, n, rid):
+    """P prefills an ``n``-token prompt in its own hash block size; (prompt, params)."""
+    prompt = [1 + i % 900 for i in range(n)]
+    hbs = H.C.resolve_kv_cache_block_sizes(P.kcc, P.vc)[1]
+    P.s.add_request(H.make_request(rid, prompt, hbs, params={"do_remote_decode": True},
+                                   max_tokens=1))
+    while rid not in P.d.finished_params():
+        P.d.step()
+    return prompt, dict(P.d.finished_params()[rid])
+
+
+@pytest.mark.parametrize("how", ["refused", "unreachable"])
+def test_a_load_failing_at_the_handshake_frees_the_prefill_engine(how):
+    # refused: P answers the handshake and D's worker refuses the pairing (P runs 32-token
+    # blocks, D 16 with block_size_remap off; the params, stripped of the fields that would
+    # have told D's scheduler, by a proxy say), so no READ is posted: D still tells P "done"
+    # from P's handshake reply and P frees at once, not at its 30 s lease end.
+    # unreachable: nobody answers at P's address, nothing can be sent: P's lease (1 s here)
+    # is what frees the blocks.
+    lease = 30 if how == "refused" else 1
+    P = Engine(lambda: H.gemma_like(num_blocks=64, bs=32 if how == "refused" else 16),
+               extra={"kv_lease_duration": lease}, block_size=32 if how == "refused" else 16,
+               page_bytes=128 if how == "refused" else 64)     # equal bytes per token
+    D = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute",
+               extra={"block_size_remap": False})
+    try:
+        prompt, params = _prefill_at(P, 150, "req")
+        if how == "refused":
+            for k in ("remote_block_sizes", "remote_num_tokens", "hma_layout_fingerprint",
+                      "hma_regrain_fingerprint"):
+                params.pop(k)
+        else:
+            params["remote_port"] = free_port()       # nobody listens there
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        deadline = time.monotonic() + 20
+        while "d" not in D.s.connector.scheduler.failed_recving:
+            assert time.monotonic() < deadline, "the failed handshake was never reported"
+            D.d.step()
+        assert D.w.worker.counters._data.get("transfers", 0) == 0     # no READ posted
+        D.d.run()
+        assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED     # recomputed
+        H.assert_no_leak(D.s)
+        drain_p(P)                                   # bounded by 20 s < the 30 s lease
+        P.d.step()                                   # its metadata names an expired lease
+        expired = any("req" in m.expired for m in P.d.metas)
+        assert expired == (how == "unreachable")     # freed by D's done / by the lease
+    finally:
+        P.close()
+        D.close()
+
+
+def test_late_notifications_are_dropped_once_unclaimed():
+    # a "done" for a request P no longer tracks (sent after P freed it) waits in P's queue
+    # only until the grace period ends (kv_lease_duration; shortened here), then is
+    # dropped and counted; P's live lease is served all the while
+    P = Engine(lambda: H.gemma_like(num_blocks=64))
+    D = Engine(lambda: H.gemma_like(num_blocks=64))
+    try:
+        assert _load_from(P, D, "a", 150) == (True, True)
+        drain_p(P)
+        for peer in D.w.worker._engine_peers[P.s.connector.scheduler.engine_id]:
+            D.w.worker.agent.send_notif(peer, "a", b"done@0/1")     # late: P freed "a"
+        P.w.worker.unclaimed_grace_s = 0.5
+        prompt, params = p_prefill(P, 150, rid="b")  # P holds a lease: it reads its queue
+        deadline = time.monotonic() + 20
+        while not P.w.worker.counters._data.get("late_messages_dropped"):
+            assert time.monotonic() < deadline, "the late message was never dropped"
+            P.d.step()
+            time.sleep(0.01)
+        assert P.w.worker.counters._data["late_messages_dropped"] == 1
+        assert "a" not in P.w.worker.agent._notifs
+        assert P.s.connector.scheduler.leases()      # "b" still held, and still served:
+        r = H.make_request("d-b", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        D.d.step()                                   # READ posted
+        deadline = time.monotonic() + 20
+        while r.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
+            assert time.monotonic() < deadline, "the load of b never ended"
+            D.d.step()
+            P.d.step()
+        assert "d-b" not in D.s.connector.scheduler.failed_recving
+        D.d.run()
+        drain_p(P)
+        P.d.step()
+        assert not any(m.expired for m in P.d.metas)
     finally:
         P.close()
         D.close()

@@ -180,7 +180,8 @@ def test_remap_off_refuses_other_block_sizes(caplog):
                                params=params, max_tokens=2)
         D.s.add_request(d_req)
         D.d.step()
-        assert "d-req" not in D.d.metas[-1].reqs_to_recv
+        rr = D.d.metas[-1].reqs_to_recv["d-req"]    # nothing read; P is told "done" only
+        assert rr.remote.known_only and not any(rr.local_block_ids)   # if D holds its agent
         assert "P's block sizes [16, 16] differ from ours [32, 32] and kv_connector_extra_" \
                "config.block_size_remap is false" in caplog.text
         D.d.run()

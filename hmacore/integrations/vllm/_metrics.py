@@ -33,6 +33,9 @@ COUNTERS: dict[str, str] = {
                   "(its blocks may have been reused): reported failed",
     "loads_abandoned": "Failed KV loads after which the decode side told the prefill side "
                        "to free its blocks at once (instead of at its lease's end)",
+    "late_messages_dropped": "Transfer notifications for a request this rank no longer tracks "
+                             "(arrived after its release or timeout), dropped unclaimed after "
+                             "kv_lease_duration",
     "read_confirm_timeouts": "KV loads whose READ finished but whose prefill rank never "
                              "confirmed its lease within kv_lease_duration: reported failed",
     "push_cancels_acknowledged": "Pushes the decode side cancelled whose blocks it held until "

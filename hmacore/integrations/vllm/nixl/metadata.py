@@ -30,6 +30,9 @@ class RemotePeer:
     tp_size: int = 1
     block_sizes: list[int] | None = None    # P's block size per group (None: equal to D's)
     block_first: list[int] | None = None    # P's table position of block_ids[g][0]
+    # a notify-only entry for params D refused for their layout or endpoint: tell P "done"
+    # only through an agent of engine_id already loaded, never handshake on their word
+    known_only: bool = False
 
 
 @dataclasses.dataclass

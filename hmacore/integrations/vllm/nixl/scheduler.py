@@ -144,7 +144,8 @@ class HmaNixlScheduler:
         """Parse and validate P's params; None (with a warning) if unusable. With
         ``release``, params whose endpoint and layout are sound but whose block lists are
         refused give P's endpoint alone (no block ids): a notify-only entry then tells P to
-        free those blocks at once instead of at its lease end."""
+        free those blocks at once instead of at its lease end; params refused for P's layout
+        or endpoint give a ``known_only`` entry (sent only to an engine already connected)."""
         if params.get("transfer_mode", "pull") != "pull":
             logger.warning("kv_transfer_params.transfer_mode is %r but this engine runs "
                            "kv_connector_extra_config.transfer_mode='pull'; no remote load",
@@ -159,30 +160,30 @@ class HmaNixlScheduler:
         except (ConfigError, TypeError, ValueError) as e:
             logger.warning("kv_transfer_params.remote_block_sizes rejected (%s); no remote "
                            "load", e)
-            return None
+            return self._known_only(params, release)
         if p_layout is not self.layout and not self.block_size_remap:
             logger.warning("P's block sizes %s differ from ours %s and kv_connector_extra_"
                            "config.block_size_remap is false (remove it to remap); no remote "
                            "load", params.get("remote_block_sizes"),
                            list(self.layout.block_sizes))
-            return None
+            return self._known_only(params, release)
         if p_layout is not self.layout:    # a block-size remap: P says what it agrees on
             fp = params.get("hma_regrain_fingerprint")
             if fp is None:
                 logger.warning("P's block sizes %s differ from ours %s and its params carry no "
                                "hma_regrain_fingerprint; no remote load",
                                params.get("remote_block_sizes"), list(self.layout.block_sizes))
-                return None
+                return self._known_only(params, release)
             if fp != self.layout.regrain_fingerprint():
                 logger.warning("P's KV layout differs from ours beyond block sizes (regrain "
                                "fingerprint %s vs %s); no remote load", fp,
                                self.layout.regrain_fingerprint())
-                return None
+                return self._known_only(params, release)
         elif fp is not None and fp != self.layout.pairing_fingerprint():
             logger.warning("P's KV layout fingerprint %s differs from ours %s (groups, block "
                            "sizes or windows disagree); no remote load", fp,
                            self.layout.pairing_fingerprint())
-            return None
+            return self._known_only(params, release)
         try:
             table = from_wire(params.get("remote_block_ids") or [], self.layout.num_groups)
             self._check_remote(table, params, p_layout)
@@ -207,7 +208,18 @@ class HmaNixlScheduler:
                 params) else None
             logger.warning("kv_transfer_params rejected (%s); no remote load%s", e,
                            "; telling P to free its blocks" if peer is not None else "")
-            return peer
+            return peer if peer is not None else self._known_only(params, release)
+
+    def _known_only(self, params: dict, release: bool) -> RemotePeer | None:
+        """With ``release``, params refused for P's layout or endpoint: a notify-only entry
+        the worker sends only through an agent of P's engine id it already holds (these
+        params are not trusted for a handshake); None if their lease already ended."""
+        if not release or self._lease_over(params):
+            return None
+        return RemotePeer(engine_id=str(params["remote_engine_id"]),
+                          request_id=str(params["remote_request_id"]),
+                          host=str(params["remote_host"]), port=0, block_ids=self._empty(),
+                          known_only=True)
 
     @staticmethod
     def _lease_over(params: dict) -> bool:

@@ -116,6 +116,36 @@ STALE_PEER_GRACE_S = 2.0
 #: P's answers to a reader's ``done`` (see :meth:`HmaNixlWorker._answer_done`)
 ALIVE, LATE = b"alive", b"late"
 
+#: queued notifications of requests this rank does not track, beyond which the oldest go at
+#: once (before their grace period, ``kv_lease_duration``, ends)
+UNCLAIMED_NOTIF_CAP = 4096
+
+
+class _Tracked:
+    """The request ids a worker still tracks (P: leases, ended leases still answered; D:
+    loads and their late answers), as a container: asked only about old queues."""
+
+    def __init__(self, worker: HmaNixlWorker) -> None:
+        self.worker = worker
+        self._loads: set[str] | None = None
+
+    def __contains__(self, rid: object) -> bool:
+        w = self.worker
+        if rid in w._sending or rid in w._late or rid in w._stale_answers:
+            return True
+        if self._loads is None:
+            self._loads = {load.remote_rid for load in w._recving.values()}
+        return rid in self._loads
+
+
+class _Refused(HandshakeError):
+    """Every rank of P answered the handshake but this rank refused to pair with it (block
+    sizes, TP rank, transfer mode, ...): ``payloads`` still let it tell P to free."""
+
+    def __init__(self, msg: str, payloads: list[HandshakePayload]) -> None:
+        super().__init__(msg)
+        self.payloads = tuple(payloads)
+
 
 @dataclasses.dataclass
 class _Load:
@@ -134,6 +164,7 @@ class _Load:
     confirm_by: float = 0.0                        # time.monotonic() deadline for answers
     late: bool = False                             # a source answered LATE (not a link fault)
     recv: Any = None                               # the RecvRequest (its restart point)
+    peers: tuple[str, ...] = ()                    # every rank of P: told "done" if it fails
 
 
 class HmaNixlWorker:
@@ -195,6 +226,9 @@ class HmaNixlWorker:
         self.recoveries: dict[str, VllmReport] = {}   # rid -> last block-level report
         self._stale_peers: dict[str, float] = {}  # agents of dropped sources -> removable at
         self.counters = StatsCounter()           # vLLM's stats / /metrics (_metrics.py)
+        # a queued notification no tracked request claims is dropped after this (s): a
+        # request's first message reaches this rank within a step of its tracking starting
+        self.unclaimed_grace_s = self.confirm_timeout
 
     # -- registration -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> TransferPlan:
@@ -273,17 +307,26 @@ class HmaNixlWorker:
 
     def _connect(self, host: str, port: int, remote_tp: int) -> _Source:
         """Handshake with every rank of a remote engine (rank r at ``port + r``); add the
-        ranks this rank reads from as transfer peers, the others as notify-only peers."""
+        ranks this rank reads from as transfer peers, the others as notify-only peers.
+        :class:`_Refused` when every rank answered and this rank still refuses the pairing."""
         mamba = [g for g, s in enumerate(self.layout.groups) if s.kind == GroupKind.MAMBA]
         if mamba and remote_tp != self.tp_size:
             raise HandshakeError(f"groups {mamba} are Mamba state; their pages pair only between "
                                  f"equal TP sizes (this rank: TP {self.tp_size}, engine at "
                                  f"{host}:{port}: TP {remote_tp})")
         me = self.agent.handshake_payload()
-        got: list[HandshakePayload] = []
+        got = [exchange_handshake(host, port + r, me) for r in range(remote_tp)]
+        try:
+            return self._pair(host, port, me, got)
+        except HmacoreError as e:
+            raise _Refused(str(e), got) from e
+
+    def _pair(self, host: str, port: int, me: HandshakePayload,
+              got: list[HandshakePayload]) -> _Source:
+        """:meth:`_connect` once every rank of P answered (``got``, in rank order)."""
+        remote_tp = len(got)
         regrain = False
-        for r in range(remote_tp):
-            p = exchange_handshake(host, port + r, me)
+        for r, p in enumerate(got):
             if p.agent_name.endswith(PUSH_AGENT_SUFFIX):
                 raise HandshakeError(
                     f"transfer_mode mismatch: peer {p.agent_name!r} at {host}:{port + r} runs "
@@ -296,7 +339,6 @@ class HmaNixlWorker:
             check_rank_peer(p, r, remote_tp, f"{host}:{port + r}", sizes,
                             f"kv_transfer_params said TP {remote_tp}, so port {port + r} "
                             f"must be rank {r}")
-            got.append(p)
         if regrain:
             return self._connect_regrain(got)
         if remote_tp == self.tp_size:
@@ -403,7 +445,19 @@ class HmaNixlWorker:
         if err is None and not load.failed:
             err = self._await_answers(load)
         if err is not None or load.failed:
+            if not load.late and not self._in_flight(load):
+                self._abandon(load)          # P's lease still holds: let it free them now
             self._sync_failed(rid, load.recv, err or "a READ failed", load.source)
+
+    def _in_flight(self, load: _Load) -> bool:
+        """True while one of the load's READs may still be reading P's blocks."""
+        for t in load.transfers:
+            try:
+                if self.agent.poll(t) == "PROC":
+                    return True
+            except TransferError:
+                pass             # failed: out of flight
+        return False
 
     def _await_answers(self, load: _Load) -> str | None:
         """A sync load's READs are done: wait (at most ``sync_timeout`` s) for the sources'
@@ -495,9 +549,18 @@ class HmaNixlWorker:
         remote = rr.remote
         if remote is None:
             return
+        if remote.known_only:     # refused params: no handshake on their word
+            peers = self._engine_peers.get(remote.engine_id)
+            if peers:
+                self._tell_done(remote.request_id, peers)
+            else:
+                logger.info("request %s: prefill engine %s is not connected; its lease frees "
+                            "the blocks", remote.request_id, remote.engine_id)
+            return
         posted: list[Transfer] = []
         key = self._key(remote)
         nothing = not any(len(g) for g in rr.local_block_ids)
+        src: _Source | None = None
         try:
             src = self._source(remote)
             if nothing:
@@ -520,7 +583,7 @@ class HmaNixlWorker:
                     self.agent.send_notif(peer, remote.request_id, self._done_msg)
             self._recving[rid] = _Load(posted, source=key, local_ids=tuple(local), recv=rr,
                                        confirm=set(src.readers),
-                                       remote_rid=remote.request_id)
+                                       remote_rid=remote.request_id, peers=src.peers)
             c = self.counters
             for t in posted:
                 c.add("transfers")
@@ -536,12 +599,18 @@ class HmaNixlWorker:
             self._drop_source(key)          # the next load handshakes again
             if not nothing:
                 self.counters.add("transfer_failures")
-            if nothing:      # only P's "free your blocks" was lost: its lease frees them
+            if not posted:   # no READ in flight: P may free its blocks now, if it can be told
+                peers = src.peers if src is not None else self._refused_peers(e)
+                if peers:
+                    self._tell_done(remote.request_id, peers)
+                    if not nothing:
+                        self.counters.add("loads_abandoned")
+            if nothing:
                 if rr.awaiting:
                     self._done_recving.add(rid)
             elif posted:       # READs already in flight write into our blocks: let them end
                 self._recving[rid] = _Load(posted, failed=True, local_ids=tuple(
-                    rr.local_block_ids), recv=rr)
+                    rr.local_block_ids), recv=rr, peers=src.peers if src is not None else ())
                 if not rr.awaiting:
                     self._finish_sync(rid, self._recving.pop(rid))
             elif rr.awaiting:
@@ -579,6 +648,8 @@ class HmaNixlWorker:
                 self.agent.fetch_notifs()     # once per step, not once per request
             except TransferError as e:        # leases still end by expiry
                 logger.warning("notifications not read this step: %s", e)
+            else:
+                self._drop_unclaimed(now)
         if answering:
             self._take_answers(now, recving, failed)
         sending = set()
@@ -594,6 +665,17 @@ class HmaNixlWorker:
         if self._stale_peers:
             self._reap_stale_peers()
         return sending, recving, failed
+
+    def _drop_unclaimed(self, now: float) -> None:
+        """Drop queued notifications no tracked request will claim (late messages: a
+        ``done`` after the lease ended and its LATE window closed, an answer after the load
+        gave up), once older than ``unclaimed_grace_s`` or past :data:`UNCLAIMED_NOTIF_CAP`
+        queues. A request this rank tracks keeps its queue whatever its age."""
+        n = self.agent.drop_unclaimed_notifs(now - self.unclaimed_grace_s, _Tracked(self),
+                                             UNCLAIMED_NOTIF_CAP)
+        if n:
+            self.counters.add("late_messages_dropped", n)
+            logger.info("dropped %d notification(s) no tracked request claimed", n)
 
     def _end_load(self, rid: str, load: _Load, recving: set[str], failed: set[str]) -> None:
         del self._recving[rid]
@@ -621,17 +703,41 @@ class HmaNixlWorker:
         ``done`` so it frees its blocks now rather than at its lease's end (a failed READ
         carries no ``done``; vLLM recomputes, nobody reads them again). Best effort: a lost
         message leaves the lease to free them."""
-        src = self._sources.get(load.source) if load.source is not None else None
         remote = getattr(load.recv, "remote", None)
-        if src is None or remote is None:
+        if not load.peers or remote is None:
             return
-        for peer in src.peers:
-            try:
-                self.agent.send_notif(peer, remote.request_id, self._done_msg)
-            except HmacoreError as e:
-                logger.warning("abandoned load of %s: done to %s not sent: %s",
-                               remote.request_id, peer, e)
+        self._tell_done(remote.request_id, load.peers)
         self.counters.add("loads_abandoned")
+
+    def _tell_done(self, remote_rid: str, peers) -> None:
+        """Tell every rank of P this rank is done with ``remote_rid`` (best effort: a lost
+        message leaves P's lease to free the blocks)."""
+        for peer in peers:
+            try:
+                self.agent.send_notif(peer, remote_rid, self._done_msg)
+            except HmacoreError as e:
+                logger.warning("done for %s to %s not sent: %s", remote_rid, peer, e)
+
+    def _refused_peers(self, err: BaseException) -> tuple[str, ...]:
+        """P's ranks as notify-only peers when the handshake was refused after every rank of
+        P answered (:class:`_Refused`); () otherwise (P unreachable: nothing can be sent).
+        They are dropped like a stale source's agents, once the ``done`` has left."""
+        payloads = err.payloads if isinstance(err, _Refused) else ()
+        if not payloads or any(p.agent_name.endswith(PUSH_AGENT_SUFFIX) for p in payloads):
+            return ()       # a push-mode engine holds no pull lease for this request
+        names = []
+        at = time.monotonic() + STALE_PEER_GRACE_S
+        try:
+            for p in payloads:
+                name = p.agent_name
+                if name not in self.agent.peers:
+                    name = self.agent.add_notify_peer(p)
+                self._stale_peers.setdefault(name, at)
+                names.append(name)
+        except HmacoreError as e:
+            logger.warning("refused prefill engine cannot be told to free: %s", e)
+            return ()
+        return tuple(names)
 
     def _take_answers(self, now: float, recving: set[str], failed: set[str]) -> None:
         """D: end the loads whose READs are done once every source answered (any LATE, or
