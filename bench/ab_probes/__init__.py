@@ -1,0 +1,1 @@
+"""Connector variants for bench/product_ab.py (each module exports the class it replaces)."""
