@@ -5,7 +5,10 @@ it) inside vLLM 0.32's real Scheduler, per KV cache group layout:
   (``recompute``: num_computed_tokens == the local hit, the suffix recomputed) or fails the
   request alone (``fail``), async and sync loads alike;
 * several groups: vLLM 0.32 takes no block ids, the load is reported per request and vLLM
-  restarts it from 0; the engine stays up.
+  restarts it from 0; the engine stays up. Under ``recompute`` D then loads it again from P's
+  blocks (``load_retries``, default 1; P keeps them leased meanwhile): every group arrives
+  again and nothing is recomputed; with ``load_retries: 0``, or when the retry fails too,
+  the prompt is recomputed.
 """
 import os
 import time
@@ -17,7 +20,9 @@ from test_partial_recovery import LAYERS
 from test_pd_nixl import Engine, drain_p, p_prefill
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from hmacore.demo.paged_memory import read_pages
 from hmacore.errors import TransferError
+from hmacore.windows import trim_remote_to_local
 
 pytestmark = pytest.mark.nixl
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -39,6 +44,35 @@ def inject_read_error(D):
     agent.poll = poll
     agent.wait = poll
     return hit
+
+
+def inject_one_read_error(D):
+    """The first READ D polls reports a NIXL error; later ones are real."""
+    agent = D.w.worker.agent
+    hit = []
+
+    def poll(t, *a, **k):
+        if not hit:
+            hit.append(t)
+            del agent.poll, agent.wait            # the class's methods again
+            raise TransferError("injected: remote peer gone mid-transfer")
+        return type(agent).poll(agent, t, *a, **k)
+    agent.poll = poll
+    agent.wait = poll
+    return hit
+
+
+def count(counters, names):
+    """Record every ``counters.add`` of ``names`` (the metrics path takes them per step)."""
+    seen = {n: 0 for n in names}
+    add = counters.add
+
+    def recording(name, value=1):
+        if name in seen:
+            seen[name] += value
+        add(name, value)
+    counters.add = recording
+    return seen
 
 
 def warm_local_prefix(D, prompt, tokens):
@@ -160,6 +194,69 @@ def test_failed_sync_load_tells_the_prefill_engine_to_free_at_once(monkeypatch):
         drain_p(P)                                   # bounded by 20 s < the 30 s lease
         P.d.step()
         assert not any(m.expired for m in P.d.metas)     # D's done freed them
+    finally:
+        P.close()
+        D.close()
+
+
+@pytest.mark.parametrize("retries", [1, 0])
+def test_multi_group_failed_read_is_loaded_again_from_the_prefill_engine(retries):
+    """A READ of a gemma-like (sliding + full) load fails once: with a retry, vLLM restarts
+    the request from 0, D loads every group again from P's still-leased blocks (the same
+    bytes as P's) and computes no prompt token itself; without, it recomputes all 150."""
+    P = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute")
+    D = Engine(lambda: H.gemma_like(num_blocks=64), load_failure_policy="recompute",
+               extra={"load_retries": retries})
+    try:
+        n = 150
+        prompt, params = p_prefill(P, n)
+        sched = count(D.s.connector.scheduler.counters, ["load_retries"])
+        work = count(D.w.worker.counters, ["loads_abandoned", "loads", "transfer_failures"])
+        r = H.make_request("d", prompt, 16, params=params, max_tokens=2)
+        D.s.add_request(r)
+        hit = inject_one_read_error(D)
+        steps, loads, checked = [], [], False
+        deadline = time.monotonic() + 60
+        while D.s.has_unfinished_requests():
+            assert time.monotonic() < deadline, f"the request never finished: {steps}"
+            steps.append(D.d.step().num_scheduled_tokens.get("d", 0))
+            rr = D.d.metas[-1].reqs_to_recv.get("d")
+            if rr is not None:
+                loads.append(rr)
+            P.d.step()          # P answers READs' done
+            if len(loads) == 2 and r.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            if len(loads) == 2 and not checked and r.num_computed_tokens >= n - 1:
+                # the retry's blocks hold P's bytes, group by group, position by position
+                local, remote = trim_remote_to_local(loads[1].local_block_ids,
+                                                     loads[1].remote.block_ids, D.w.layout)
+                for g, spec in enumerate(D.w.layout.groups):
+                    for name in spec.layer_names:
+                        assert (read_pages(D.paged.kv_caches[name], local[g]) ==
+                                read_pages(P.paged.kv_caches[name], remote[g])).all()
+                checked = True
+        assert hit, "the injected READ error never fired"
+        prefill = [x for x in steps if x > 1]
+        assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        if retries:
+            assert len(loads) == 2 and loads[0].retry and not loads[1].retry
+            assert sched["load_retries"] == 1
+            assert checked, "the retried load's bytes were not checked"
+            assert prefill == [], steps                    # nothing recomputed
+            assert (work["transfer_failures"], work["loads"]) == (1, 1)
+            assert work["loads_abandoned"] == 0            # P kept its blocks for the retry
+        else:
+            assert len(loads) == 1 and not loads[0].retry
+            assert sched["load_retries"] == 0
+            assert prefill == [n], steps                   # the whole prompt recomputed
+            assert work["loads_abandoned"] == 1            # P told to free at once
+        H.assert_no_leak(D.s)
+        deadline = time.monotonic() + 20
+        while P.s.requests:                                # D's done (either way) frees P
+            assert time.monotonic() < deadline, "P never freed its blocks"
+            P.d.step()
+        H.assert_no_leak(P.s)
+        assert P.s.connector.scheduler.leases() == {}
     finally:
         P.close()
         D.close()

@@ -20,7 +20,7 @@ __all__ = ["NIXL_KEYS", "STORE_KEYS", "check_keys", "number", "flag", "text", "s
 #: every key HmaNixlConnector reads (pull and push)
 NIXL_KEYS = frozenset({
     "kv_lease_duration", "side_channel_host", "side_channel_listen_host", "side_channel_port",
-    "sync_load", "block_size_remap",
+    "sync_load", "block_size_remap", "load_retries",
     "nixl_progress_delay_us", "nixl_posting", "transfer_mode", "push_register_timeout", "push_recv_timeout",
     "push_cancel_ack_timeout",
     "transport",

@@ -49,6 +49,8 @@ COUNTERS: dict[str, str] = {
     "store_hit_tokens": "Tokens found in the store by lookups that led to a load",
     "store_loads": "Store loads scheduled",
     "store_load_retries": "Fresh store lookups for requests whose async load failed as a whole",
+    "load_retries": "NIXL loads started again from the prefill engine after a load failed "
+                    "as a whole",
     "store_load_failures": "Store loads where some block did not arrive (key missing or "
                            "evicted since the lookup, short or failed get)",
     "store_saves": "Store saves scheduled (one per request and step)",

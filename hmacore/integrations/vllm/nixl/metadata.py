@@ -55,6 +55,9 @@ class RecvRequest:
     start_tokens: int | None = None     # tokens computed before the load (its local hit)
     load_start: int = 0                 # first token loaded (D's local hit), tokens
     local_first: tuple[int, ...] = ()   # D's table position of local_block_ids[g][0]
+    # a failure of the whole load is retried (scheduler's load_retries): D keeps P's blocks
+    # leased (no "done" to P) so the retry can read them
+    retry: bool = False
 
 
 @dataclasses.dataclass

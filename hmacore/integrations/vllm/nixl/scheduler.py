@@ -71,7 +71,10 @@ class HmaNixlScheduler:
             ``nixl_progress_delay_us`` (the workers' NIXL progress-thread poll delay, default
             1000; 0 restores NIXL's own thread, which spins a core), ``nixl_posting`` (how
             a transfer's descriptors reach NIXL: ``auto`` (default), ``dynamic``,
-            ``prepped`` or ``blocks``; :mod:`hmacore.transport.nixl_post`).
+            ``prepped`` or ``blocks``; :mod:`hmacore.transport.nixl_post`),
+            ``load_retries`` (default 1: loads of a request that failed as a whole, under
+            ``kv_load_failure_policy: recompute``, that D starts again from P's blocks before
+            it computes the prompt itself; 0: recompute at once).
         kv_cache_config: the scheduler's ``KVCacheConfig``.
         clock: monotonic seconds; injectable for lease tests.
     """
@@ -102,6 +105,13 @@ class HmaNixlScheduler:
                               f"in [1, 65535], got {self.port}")
         self.tp_size = int(pc.tensor_parallel_size)
         self.sync_load = flag(extra, "sync_load", False)
+        # A load that fails as a whole (several groups: vLLM 0.32 restarts the request from 0,
+        # freeing every block) is started again from P's blocks, which P still holds under its
+        # lease: every group is loaded again, none recomputed. Only under recompute (fail ends
+        # the request) and only async loads (a sync load's failure is reported by block ids).
+        self.load_retries = number(extra, "load_retries", 1, integer=True, minimum=0)
+        self._tries: dict[str, int] = {}         # req -> loads retried so far
+        self._retry_params: dict[str, dict] = {}  # req -> its params, while a retry is open
         # pair with a prefill engine of other block sizes (hmacore.regrain, docs/vllm.md);
         # false: refused as before the remap existed
         self.block_size_remap = flag(extra, "block_size_remap", True)
@@ -397,6 +407,8 @@ class HmaNixlScheduler:
                 first = tuple(len(t) - len(x) for t, x in zip(table, local))
                 if not self.sync_load:  # a sync load completes inside the step
                     self._awaiting[rid] = (remote.engine_id, remote.request_id)
+                    if self.recompute and self._tries.get(rid, 0) < self.load_retries:
+                        self._retry_params[rid] = params
             else:  # full local prefix hit: nothing to read, only let P free its blocks
                 local = self._empty()
                 first = ()
@@ -406,7 +418,8 @@ class HmaNixlScheduler:
                 awaiting=num_external_tokens > 0 and not self.sync_load,
                 num_external_tokens=int(num_external_tokens),
                 start_tokens=None if start is None else int(start),
-                load_start=int(start or 0), local_first=first)
+                load_start=int(start or 0), local_first=first,
+                retry=rid in self._retry_params)
         params["do_remote_prefill"] = False
         params["_hma_remote_processed"] = True
 
@@ -451,6 +464,19 @@ class HmaNixlScheduler:
         for rid in connector_output.failed_recving or ():
             self._awaiting.pop(rid, None)
             self.failed_recving.add(rid)
+            params = self._retry_params.pop(rid, None)
+            if params is not None:
+                # vLLM (recompute) restarts the request from 0 and asks us again: load it again
+                # (the worker did not tell P to free; P's lease still holds its blocks)
+                self._tries[rid] = self._tries.get(rid, 0) + 1
+                params["do_remote_prefill"] = True
+                params.pop("_hma_remote_processed", None)
+                self.counters.add("load_retries")
+                logger.warning("KV load of %s failed as a whole; loading it again from the "
+                               "prefill engine (retry %d of %d)", rid, self._tries[rid],
+                               self.load_retries)
+        for rid in connector_output.finished_recving or ():
+            self._retry_params.pop(rid, None)     # done (a failed one was handled above)
 
     def report_due(self, now: float) -> bool:
         """True when :meth:`update_connector_output` has a deadline to enforce by ``now``:
@@ -491,6 +517,8 @@ class HmaNixlScheduler:
         rid = request.request_id
         self._local_tokens.pop(rid, None)
         self.failed_recving.discard(rid)
+        self._tries.pop(rid, None)
+        self._retry_params.pop(rid, None)
         if not params:
             return False, None
         self._awaiting.pop(rid, None)

@@ -682,9 +682,11 @@ class HmaNixlWorker:
         recving.add(rid)
         if load.failed:
             self.counters.add("transfer_failures")
-            if self._async_failed(rid, load.recv):
+            per_request = self._async_failed(rid, load.recv)
+            if per_request:
                 failed.add(rid)
-            if not load.late:
+            # a per-request failure the scheduler retries reads P's blocks again: keep them
+            if not load.late and not (per_request and getattr(load.recv, "retry", False)):
                 self._abandon(load)
             if load.confirm_by and load.remote_rid:
                 # answers may still come (a late or slow source): drop them when they do
