@@ -277,12 +277,26 @@ def test_renewed_lease_does_not_shield_an_older_one():
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_failed_recving_recompute_policy(case):
-    s, kcc, n = setup(case, load_failure_policy="recompute")
+@pytest.mark.parametrize("retries", [0, 1, 2])
+def test_failed_recving_recompute_policy(case, retries):
+    # a load failed as a whole: vLLM restarts the request from 0; the connector loads it
+    # again `load_retries` times (the worker keeps P's blocks for every load but the last),
+    # then the request computes its prompt
+    s, kcc, n = setup(case, load_failure_policy="recompute", extra={"load_retries": retries})
     d = H.Driver(s)
     r = req(s, "a", n, params=H.remote_params("a", kcc, n))
     d.step()
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    loads = [d.metas[-1].reqs_to_recv["a"]]
+    for _ in range(retries):
+        d.step(finished_recving={"a"}, failed_recving={"a"})
+        assert "a" in d.conn.failed_recving
+        if "a" not in d.metas[-1].reqs_to_recv:
+            d.step()
+        assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS    # loading again
+        loads.append(d.metas[-1].reqs_to_recv["a"])
+    assert [x.retry for x in loads] == [True] * retries + [False]
+    assert all(x.local_block_ids and x.remote == loads[0].remote for x in loads)
     d.step(finished_recving={"a"}, failed_recving={"a"})
     assert "a" in d.conn.failed_recving
     d.step()
