@@ -599,7 +599,11 @@ class HmaNixlWorker:
             self._drop_source(key)          # the next load handshakes again
             if not nothing:
                 self.counters.add("transfer_failures")
-            if not posted:   # no READ in flight: P may free its blocks now, if it can be told
+            whole = retried = False
+            if not posted and not nothing and rr.awaiting:
+                whole = self._async_failed(rid, rr)
+                retried = whole and rr.retry     # the retry reads P's blocks: keep them
+            if not posted and not retried:   # no READ in flight: P may free its blocks now
                 peers = src.peers if src is not None else self._refused_peers(e)
                 if peers:
                     self._tell_done(remote.request_id, peers)
@@ -615,7 +619,7 @@ class HmaNixlWorker:
                     self._finish_sync(rid, self._recving.pop(rid))
             elif rr.awaiting:
                 self._done_recving.add(rid)
-                if self._async_failed(rid, rr):
+                if whole:
                     self._failed_recving.add(rid)
             else:
                 self._sync_failed(rid, rr, e, None)
