@@ -27,6 +27,7 @@ Rows are applied in order: op 1 stores (count + 1), op -1 removes (count - 1, a 
 op 0 clears the engine (``AllBlocksCleared``). The caller validated ops, groups and digests.
 Not thread-safe by itself: RoutingIndex serialises every call with its lock.
 """
+cimport cython
 from cpython.ref cimport PyObject
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
@@ -103,6 +104,33 @@ cdef extern from *:
     int as_u64 "hmacore_as_u64"(PyObject* x, unsigned long long* out) noexcept
     int as_long "hmacore_as_long"(PyObject* x, long* out) noexcept
 
+cdef extern from *:
+    """
+    /* Two exact str objects with equal contents: length, kind and bytes (no hashing, no
+       error path; PyUnicode_Compare is several times the cost per event). */
+    static inline int hmacore_str_eq(PyObject* a, PyObject* b) {
+        Py_ssize_t n;
+        if (a == b) return 1;
+    #if PY_VERSION_HEX < 0x030C0000
+        if (!PyUnicode_IS_READY(a) || !PyUnicode_IS_READY(b)) {
+            int r = PyUnicode_Compare(a, b);
+            if (r == -1 && PyErr_Occurred()) PyErr_Clear();
+            return r == 0;
+        }
+    #endif
+        n = PyUnicode_GET_LENGTH(a);
+        if (n != PyUnicode_GET_LENGTH(b) || PyUnicode_KIND(a) != PyUnicode_KIND(b)) return 0;
+        return memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n * PyUnicode_KIND(a)) == 0;
+    }
+    #define hmacore_type_of(o) ((PyObject*)Py_TYPE(o))
+    """
+    int str_eq "hmacore_str_eq"(PyObject* a, PyObject* b) noexcept
+    PyObject* type_of "hmacore_type_of"(PyObject* o) noexcept nogil
+    PyObject* list_item "PyList_GET_ITEM"(PyObject* l, Py_ssize_t i) noexcept nogil
+    Py_ssize_t list_size "PyList_GET_SIZE"(PyObject* l) noexcept nogil
+    Py_ssize_t bytes_size "PyBytes_GET_SIZE"(PyObject* o) noexcept nogil
+    char* bytes_data "PyBytes_AS_STRING"(PyObject* o) noexcept nogil
+
 cdef extern from "structmember.h":
     ctypedef struct PyMemberDef:
         const char* name
@@ -157,6 +185,15 @@ cdef inline object _read_field(object ev, Py_ssize_t off, str name):
     return <object>p
 
 
+cdef inline PyObject* _slot_field(PyObject* ev, Py_ssize_t off, str name) except NULL:
+    """Field at object-slot offset ``off`` (>= 0) of ``ev``, borrowed: valid while ``ev`` is
+    and the slot is not reassigned (no code runs between the read and its use)."""
+    cdef PyObject* p = (<PyObject**>((<char*>ev) + off))[0]
+    if p == NULL:
+        raise AttributeError(name)
+    return p
+
+
 cdef Py_ssize_t MIN_CAP = 16
 # 2**50 keys: every byte count below (slots x (24..48 + 8 x words)) stays below 2**63
 cdef Py_ssize_t MAX_KEYS = 1 << 50
@@ -183,10 +220,12 @@ cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
 
 cdef inline uint64_t _key_hash(group_id_t g, const uint8_t* d, int ds) noexcept nogil:
     """Hash of (group, key): an 8-byte key whole, else the last 16 digest bytes, mixed with
-    the group id."""
+    the group id. An 8-byte key is already a uniform hash (the tail of vLLM's sha256 / xxhash
+    digest): one mixing round spreads the group into it (half the latency per event row)."""
     cdef uint64_t w0 = 0, w1
     if ds == 8:
         memcpy(&w1, d, 8)
+        return _mix(w1 ^ (<uint64_t><uint32_t>g) * 0x9e3779b97f4a7c15ULL)
     else:
         memcpy(&w0, d + ds - 16, 8)
         memcpy(&w1, d + ds - 8, 8)
@@ -243,6 +282,7 @@ cdef const uint64_t* _fill(void* state, group_id_t g, Py_ssize_t row) noexcept n
         j = (j + 1) & mask
 
 
+@cython.final
 cdef class SharedResidency:
     """Every engine's counted (group, hash) residency: one key table with an engine mask per
     key (see the module docstring). Engines are mask bits from :meth:`add_engine`.
@@ -262,6 +302,8 @@ cdef class SharedResidency:
     cdef bint _busy
     cdef object _ev_types          # the event classes _ev_off was resolved for
     cdef Py_ssize_t _ev_off[2][N_FIELDS]
+    cdef bint _ev_direct           # every field apply_events reads is an object slot
+    cdef object _ev_refused        # the last refused_kinds tuple found well-formed
 
     def __cinit__(self, int digest_size=16):
         if digest_size not in (8, 16, 32):
@@ -277,6 +319,8 @@ cdef class SharedResidency:
         self._s_cap = 0
         self._busy = False
         self._ev_types = None
+        self._ev_refused = None
+        self._ev_direct = False
         self._resident = []
         self._dups = []
         self._live = []
@@ -394,7 +438,7 @@ cdef class SharedResidency:
             cap = self._cap          # only tombstones to clear
         return self._rehash(cap, self._words)
 
-    cdef int _set(self, group_id_t g, const uint8_t* d, uint64_t h, Py_ssize_t w,
+    cdef inline int _set(self, group_id_t g, const uint8_t* d, uint64_t h, Py_ssize_t w,
                   uint64_t b) noexcept nogil:
         """Set the engine bit of key (g, d) (hash h): 1 if newly set, 0 if it was set, -1 no
         memory."""
@@ -425,7 +469,7 @@ cdef class SharedResidency:
         self._size += 1
         return 1
 
-    cdef void _unset_slot(self, Py_ssize_t j, Py_ssize_t w, uint64_t b) noexcept nogil:
+    cdef inline void _unset_slot(self, Py_ssize_t j, Py_ssize_t w, uint64_t b) noexcept nogil:
         """Clear the engine bit of slot j; a slot no engine holds any more is deleted: made
         empty (with the tombstones just before it) when the next slot is empty, since no
         probe passes through it then, else a tombstone."""
@@ -616,6 +660,116 @@ cdef class SharedResidency:
             out[2] = ignored
         return 0
 
+    cdef Py_ssize_t _pack_direct(self, list events, object t_stored, object t_removed,
+                                 object t_cleared, object medium, tuple refused_kinds,
+                                 int num_groups, int64_t* cleared, int64_t* other,
+                                 int64_t* lookahead) except -1:
+        """``apply_events``' walk when every field it reads is an object slot: the events,
+        their fields and the hashes are read as borrowed pointers (no reference counting, no
+        attribute lookup). Safe because nothing in the loop runs Python code: exact types are
+        checked before every read, a dict lookup with a str key compares strs only, and the
+        errors are raised (and their messages built) only when the walk stops. Returns the
+        rows packed; same checks, order and messages as the general walk."""
+        cdef PyObject* lst = <PyObject*>events
+        cdef PyObject* ps = <PyObject*>t_stored
+        cdef PyObject* pr = <PyObject*>t_removed
+        cdef PyObject* pc = <PyObject*>t_cleared
+        cdef PyObject* p_none = <PyObject*>None
+        cdef PyObject* p_int = <PyObject*>int
+        cdef PyObject* p_str = <PyObject*>str
+        cdef PyObject* p_bytes = <PyObject*>bytes
+        cdef PyObject* p_list = <PyObject*>list
+        cdef PyObject* p_med = <PyObject*>medium
+        cdef PyObject* ev
+        cdef PyObject* hl
+        cdef PyObject* m
+        cdef PyObject* item
+        cdef PyObject* kind
+        cdef PyObject* t
+        cdef Py_ssize_t n = 0, i, k, nh, ne = list_size(lst)
+        cdef Py_ssize_t* off
+        cdef int ds = self.digest_size
+        cdef long g
+        cdef unsigned long long v
+        cdef int8_t op
+        cdef uint8_t* key
+        for i in range(ne):
+            ev = list_item(lst, i)
+            t = type_of(ev)
+            if t == pc:
+                if self._grow_scratch(n + 1) < 0:
+                    raise MemoryError("KV events: no memory for the batch's rows")
+                self._s_ops[n] = 0
+                self._s_groups[n] = 0
+                memset(self._s_keys + n * ds, 0, ds)
+                n += 1
+                cleared[0] += 1
+                continue
+            if t == ps:
+                op = 1
+                off = self._ev_off[0]
+            elif t == pr:
+                op = -1
+                off = self._ev_off[1]
+            else:
+                raise TypeError(f"events[{i}] must be a stored, removed or cleared "
+                                f"event, got {(<object>t).__name__}")
+            hl = _slot_field(ev, off[F_HASHES], "block_hashes")
+            if type_of(hl) != p_list:
+                raise TypeError(f"events[{i}].block_hashes must be a list, got "
+                                f"{(<object>type_of(hl)).__name__}")
+            nh = list_size(hl)
+            m = _slot_field(ev, off[F_MEDIUM], "medium")
+            if m != p_none and m != p_med and (
+                    p_med == p_none or type_of(m) != p_str or not str_eq(m, p_med)):
+                if type_of(m) != p_str:
+                    raise TypeError(f"events[{i}].medium must be a str or None")
+                other[0] += nh
+                continue
+            item = _slot_field(ev, off[F_GROUP], "group_idx")
+            if item == p_none:
+                g = 0
+            elif type_of(item) != p_int:
+                raise TypeError(f"events[{i}].group_idx must be an int, got "
+                                f"{(<object>type_of(item)).__name__}")
+            elif as_long(item, &g) < 0 or g < 0 or g >= num_groups:
+                raise ValueError(f"events[{i}].group_idx must be a group id in "
+                                 f"[0, {num_groups}), got {<object>item}")
+            if op > 0:
+                kind = _slot_field(ev, off[F_KIND], "kv_cache_spec_kind")
+                if type_of(kind) == p_str and (<dict>refused_kinds[g]) and \
+                        <object>kind in <dict>refused_kinds[g]:
+                    raise ConfigError(
+                        f"events[{i}]: the engine's group {g} is {<object>kind!r} but the "
+                        f"index's layout has {(<dict>refused_kinds[g])[<object>kind]}: give "
+                        "the router the engines' own KV cache groups, in their order")
+                if _slot_field(ev, off[F_LOOKAHEAD], "lookahead_token_ids") != p_none:
+                    lookahead[0] += nh
+            if self._grow_scratch(n + nh) < 0:
+                raise MemoryError("KV events: no memory for the batch's rows")
+            key = self._s_keys + n * ds
+            for k in range(nh):
+                item = list_item(hl, k)
+                if ds == 8:
+                    if type_of(item) != p_int:
+                        raise TypeError(f"events[{i}].block_hashes[{k}] must be an int "
+                                        f"(a 64-bit hash), got {(<object>type_of(item)).__name__}")
+                    if as_u64(item, &v) < 0:
+                        raise OverflowError(f"events[{i}].block_hashes[{k}] must be in "
+                                            f"[0, 2**64), got {<object>item}")
+                    _put_be64(key, v)
+                else:
+                    if type_of(item) != p_bytes or bytes_size(item) != ds:
+                        raise TypeError(f"events[{i}].block_hashes[{k}] must be a "
+                                        f"{ds}-byte digest")
+                    memcpy(key, bytes_data(item), ds)
+                key += ds
+            memset(self._s_ops + n, op, nh)
+            for k in range(nh):
+                self._s_groups[n + k] = <int32_t>g
+            n += nh
+        return n
+
     def apply_events(self, Py_ssize_t bit, list events, tuple types, object medium,
                      tuple refused_kinds, int num_groups):
         """Apply a decoded KV event batch's ``events`` to engine ``bit`` in one call; ``bit <
@@ -649,20 +803,32 @@ cdef class SharedResidency:
             self._check(bit)
         if medium is not None and type(medium) is not str:
             raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
-        if len(types) != 3 or not all(isinstance(t, type) for t in types):
-            raise TypeError("types must be the (stored, removed, cleared) event classes")
-        t_stored, t_removed, t_cleared = types
+        # the checks of `types` and `refused_kinds` run once per tuple object (tuples are
+        # immutable; a small batch's fixed cost was mostly these generator expressions)
         if types is not self._ev_types:
+            if len(types) != 3 or not all(isinstance(t, type) for t in types):
+                raise TypeError("types must be the (stored, removed, cleared) event classes")
             for k in range(N_FIELDS):
-                self._ev_off[0][k] = _member_offset(t_stored, _FIELD_NAMES[k])
-                self._ev_off[1][k] = _member_offset(t_removed, _FIELD_NAMES[k])
+                self._ev_off[0][k] = _member_offset(types[0], _FIELD_NAMES[k])
+                self._ev_off[1][k] = _member_offset(types[1], _FIELD_NAMES[k])
+            self._ev_direct = all(self._ev_off[0][k] >= 0 for k in range(N_FIELDS)) and all(
+                self._ev_off[1][k] >= 0 for k in (F_HASHES, F_MEDIUM, F_GROUP))
             self._ev_types = types
-        if len(refused_kinds) != num_groups or not all(type(r) is dict for r in refused_kinds):
+        t_stored, t_removed, t_cleared = types
+        if len(refused_kinds) != num_groups:
             raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
+        if refused_kinds is not self._ev_refused:
+            if not all(type(r) is dict for r in refused_kinds):
+                raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
+            self._ev_refused = refused_kinds
         if self._busy:
             raise RuntimeError("routing index: a call is already applying events")
         self._busy = True
         try:
+            if self._ev_direct:
+                n = self._pack_direct(events, t_stored, t_removed, t_cleared, medium,
+                                      refused_kinds, num_groups, &cleared, &other, &lookahead)
+                ne = 0          # packed: skip the general walk below
             # the event classes are the caller's decoded structs: attribute reads run no
             # code of ours that could call back; _busy refuses a re-entrant fill regardless
             for i in range(ne):
