@@ -605,6 +605,13 @@ cdef class SharedResidency:
         cdef uint64_t ring[PREFETCH_AHEAD]     # key hashes of rows i .. i + AHEAD - 1
         cdef uint64_t h
         cdef uint8_t buf[16]
+        cdef bint fast
+        cdef uint8_t* slots
+        cdef uint8_t* slot
+        cdef uint64_t cm, k64, s64
+        cdef Py_ssize_t free_at
+        cdef group_id_t tag
+        cdef int32_t g
         out[0] = out[1] = out[2] = 0
         if n == 0:
             return 0
@@ -614,6 +621,9 @@ cdef class SharedResidency:
             raise MemoryError(f"KV events: no room for {stores} more keys (nothing applied)")
         for i in range(min(n, PREFETCH_AHEAD)):
             ring[i] = _key_hash(groups[i], digests + i * ds, ds)
+        fast = ds == 8 and self._words == 1 and self._cap > 0    # then slots are 24 bytes
+        slots = self._slots
+        cm = <uint64_t>(self._cap - 1)
         try:
             for i in range(n):
                 h = ring[i & (PREFETCH_AHEAD - 1)]
@@ -626,6 +636,60 @@ cdef class SharedResidency:
                             ring[ahead & (PREFETCH_AHEAD - 1)] & <uint64_t>(self._cap - 1))
                             * self._slot_size)
                 op = ops[i]
+                if fast:
+                    # 8-byte keys, one mask word: the probe inlined on hoisted locals (the
+                    # table does not move inside a batch: its room was reserved above)
+                    memcpy(&k64, digests + i * 8, 8)
+                    g = groups[i]
+                    if op != 0:
+                        j = <Py_ssize_t>(h & cm)
+                        free_at = -1
+                        while True:
+                            slot = slots + j * 24
+                            memcpy(&tag, slot + 8, 4)
+                            if tag == SLOT_EMPTY:
+                                break
+                            if tag == SLOT_DELETED:
+                                if free_at < 0:
+                                    free_at = j
+                            else:
+                                memcpy(&s64, slot + 12, 8)
+                                if tag == g and s64 == k64:
+                                    break
+                            j = (j + 1) & cm
+                        if op > 0:
+                            if tag != SLOT_EMPTY:           # the key is in the table
+                                if (<uint64_t*>slot)[0] & b:
+                                    if _store_duplicate(dups, 8, g, _dup_key(8, digests + i * 8,
+                                                                             buf)) < 0:
+                                        raise MemoryError(f"KV event row {i}: out of memory "
+                                                          f"({i} rows applied)")
+                                else:
+                                    (<uint64_t*>slot)[0] |= b
+                                    resident += 1
+                            else:
+                                if free_at >= 0:
+                                    j = free_at
+                                    slot = slots + j * 24
+                                else:
+                                    self._used += 1
+                                (<uint64_t*>slot)[0] = b
+                                memcpy(slot + 8, &g, 4)
+                                memcpy(slot + 12, &k64, 8)
+                                self._size += 1
+                                resident += 1
+                            stored += 1
+                            continue
+                        if tag == SLOT_EMPTY or not ((<uint64_t*>slot)[0] & b):
+                            ignored += 1
+                            continue
+                        removed += 1
+                        if dups and _remove_duplicate(dups, g, _dup_key(8, digests + i * 8,
+                                                                        buf)):
+                            continue
+                        self._unset_slot(j, 0, b)
+                        resident -= 1
+                        continue
                 if op > 0:
                     rc = self._set(groups[i], digests + i * ds, h, w, b)
                     if rc < 0:
