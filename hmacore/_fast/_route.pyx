@@ -629,7 +629,7 @@ cdef class SharedResidency:
         cdef uint8_t* slots
         cdef uint8_t* slot
         cdef uint64_t cm, k64, s64
-        cdef Py_ssize_t free_at
+        cdef Py_ssize_t free_at, slot_size
         cdef group_id_t tag
         cdef int32_t g
         out[0] = out[1] = out[2] = 0
@@ -642,8 +642,10 @@ cdef class SharedResidency:
         for i in range(min(n, PREFETCH_AHEAD)):
             ring[i] = _key_hash(groups[i], digests + i * ds, ds)
         fast = ds == 8 and self._words == 1 and self._cap > 0    # then slots are 24 bytes
+        # the table does not move during the batch (room reserved above; a clear keeps it)
         slots = self._slots
         cm = <uint64_t>(self._cap - 1)
+        slot_size = self._slot_size
         try:
             for i in range(n):
                 h = ring[i & (PREFETCH_AHEAD - 1)]
@@ -651,10 +653,9 @@ cdef class SharedResidency:
                 if ahead < n:
                     ring[ahead & (PREFETCH_AHEAD - 1)] = _key_hash(groups[ahead],
                                                                    digests + ahead * ds, ds)
-                    if self._cap > 0:
-                        prefetch(self._slots + <Py_ssize_t>(
-                            ring[ahead & (PREFETCH_AHEAD - 1)] & <uint64_t>(self._cap - 1))
-                            * self._slot_size)
+                    if slots != NULL:
+                        prefetch(slots + <Py_ssize_t>(ring[ahead & (PREFETCH_AHEAD - 1)] & cm)
+                                 * slot_size)
                 op = ops[i]
                 if fast:
                     # 8-byte keys, one mask word: the probe inlined on hoisted locals (the
