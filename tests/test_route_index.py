@@ -604,3 +604,42 @@ def test_apply_events_paths_match_rows_one_by_one(int_hashes, wide, seed, data):
         assert [got.stored, got.removed, got.ignored, got.cleared] == one
         after = [state(ix) for ix in indexes]
         assert after[0] == after[1] == after[2]
+
+
+def test_apply_events_survives_caller_code_in_the_kind_lookup():
+    """The spec-kind lookup is the one place the compiled walk can run the caller's code (a
+    non-str key's ``__eq__`` in ``refused_kinds``, which ``_route.apply_events`` takes as
+    given): a key that swaps the event's hashes applies the new ones, one that empties the
+    batch is a clear error with nothing applied; no read of a freed list (ASan runs this
+    file in ``make sanitize-short``)."""
+    from hmacore._fast import _route
+    res = _route.SharedResidency(8)
+    bit = res.add_engine()
+    events: list = []
+
+    class Hostile:
+        def __init__(self, empty_batch):
+            self.empty_batch = empty_batch
+
+        def __hash__(self):
+            return hash("full_attention")
+
+        def __eq__(self, other):
+            if events:
+                events[0].block_hashes = [7]        # frees the list the walk had read
+                if self.empty_batch:
+                    del events[:]
+            return False
+
+    for empty_batch, want in ((False, 1), (True, None)):
+        events[:] = [W.BlockStored(block_hashes=list(range(1, 50)), group_idx=0,
+                                   kv_cache_spec_kind="full_attention")]
+        refused = ({Hostile(empty_batch): "sliding window"}, {})
+        if want is None:
+            with pytest.raises(ValueError, match="events changed while being applied"):
+                _route.apply_events(res, bit, events, _EVENT_TYPES, "GPU", refused, 2)
+            assert res.resident(bit) == 1           # as before the call
+        else:
+            assert _route.apply_events(res, bit, events, _EVENT_TYPES, "GPU", refused,
+                                       2)[0] == want
+            assert res.resident(bit) == 1

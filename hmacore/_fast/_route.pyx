@@ -751,10 +751,13 @@ cdef class SharedResidency:
                                  int64_t* lookahead) except -1:
         """``apply_events``' walk when every field it reads is an object slot: the events,
         their fields and the hashes are read as borrowed pointers (no reference counting, no
-        attribute lookup). Safe because nothing in the loop runs Python code: exact types are
-        checked before every read, a dict lookup with a str key compares strs only, and the
-        errors are raised (and their messages built) only when the walk stops. Returns the
-        rows packed; same checks, order and messages as the general walk."""
+        attribute lookup). Safe because no Python code runs between a read and its use:
+        exact types are checked before every read, errors are raised (and their messages
+        built) only when the walk stops, and the one call that can run code, the spec-kind
+        lookup (``refused_kinds`` is the caller's: a non-str key's ``__eq__`` runs), holds
+        strong references to the event and the kind across it and re-reads the list and the
+        hashes after it. Returns the rows packed; same checks, order and messages as the
+        general walk."""
         cdef PyObject* lst = <PyObject*>events
         cdef PyObject* ps = <PyObject*>t_stored
         cdef PyObject* pr = <PyObject*>t_removed
@@ -771,15 +774,19 @@ cdef class SharedResidency:
         cdef PyObject* item
         cdef PyObject* kind
         cdef PyObject* t
-        cdef Py_ssize_t n = 0, i, k, nh, ne = list_size(lst)
+        cdef object ev_ref, kind_ref
+        cdef Py_ssize_t e
+        cdef Py_ssize_t n = 0, i = 0, k, nh
         cdef Py_ssize_t* off
         cdef int ds = self.digest_size
         cdef long g
         cdef unsigned long long v
         cdef int8_t op
         cdef uint8_t* key
-        for i in range(ne):
+        while i < list_size(lst):
+            e = i
             ev = list_item(lst, i)
+            i += 1
             t = type_of(ev)
             if t == pc:
                 if self._grow_scratch(n + 1) < 0:
@@ -797,37 +804,47 @@ cdef class SharedResidency:
                 op = -1
                 off = self._ev_off[1]
             else:
-                raise TypeError(f"events[{i}] must be a stored, removed or cleared "
+                raise TypeError(f"events[{e}] must be a stored, removed or cleared "
                                 f"event, got {(<object>t).__name__}")
             hl = _slot_field(ev, off[F_HASHES], "block_hashes")
             if type_of(hl) != p_list:
-                raise TypeError(f"events[{i}].block_hashes must be a list, got "
+                raise TypeError(f"events[{e}].block_hashes must be a list, got "
                                 f"{(<object>type_of(hl)).__name__}")
             nh = list_size(hl)
             m = _slot_field(ev, off[F_MEDIUM], "medium")
             if m != p_none and m != p_med and (
                     p_med == p_none or type_of(m) != p_str or not str_eq(m, p_med)):
                 if type_of(m) != p_str:
-                    raise TypeError(f"events[{i}].medium must be a str or None")
+                    raise TypeError(f"events[{e}].medium must be a str or None")
                 other[0] += nh
                 continue
             item = _slot_field(ev, off[F_GROUP], "group_idx")
             if item == p_none:
                 g = 0
             elif type_of(item) != p_int:
-                raise TypeError(f"events[{i}].group_idx must be an int, got "
+                raise TypeError(f"events[{e}].group_idx must be an int, got "
                                 f"{(<object>type_of(item)).__name__}")
             elif as_long(item, &g) < 0 or g < 0 or g >= num_groups:
-                raise ValueError(f"events[{i}].group_idx must be a group id in "
+                raise ValueError(f"events[{e}].group_idx must be a group id in "
                                  f"[0, {num_groups}), got {<object>item}")
             if op > 0:
                 kind = _slot_field(ev, off[F_KIND], "kv_cache_spec_kind")
-                if type_of(kind) == p_str and (<dict>refused_kinds[g]) and \
-                        <object>kind in <dict>refused_kinds[g]:
-                    raise ConfigError(
-                        f"events[{i}]: the engine's group {g} is {<object>kind!r} but the "
-                        f"index's layout has {(<dict>refused_kinds[g])[<object>kind]}: give "
-                        "the router the engines' own KV cache groups, in their order")
+                if type_of(kind) == p_str and (<dict>refused_kinds[g]):
+                    ev_ref = <object>ev             # alive across the lookup's code
+                    kind_ref = <object>kind
+                    if kind_ref in <dict>refused_kinds[g]:
+                        raise ConfigError(
+                            f"events[{e}]: the engine's group {g} is {kind_ref!r} but the "
+                            f"index's layout has {(<dict>refused_kinds[g])[kind_ref]}: give "
+                            "the router the engines' own KV cache groups, in their order")
+                    if i > list_size(lst) or list_item(lst, e) != ev:
+                        raise ValueError("events changed while being applied")
+                    hl = _slot_field(ev, off[F_HASHES], "block_hashes")
+                    if type_of(hl) != p_list:
+                        raise TypeError(f"events[{e}].block_hashes must be a list, got "
+                                        f"{(<object>type_of(hl)).__name__}")
+                    nh = list_size(hl)
+                    ev_ref = kind_ref = None
                 if _slot_field(ev, off[F_LOOKAHEAD], "lookahead_token_ids") != p_none:
                     lookahead[0] += nh
             if self._grow_scratch(n + nh) < 0:
@@ -837,15 +854,15 @@ cdef class SharedResidency:
                 item = list_item(hl, k)
                 if ds == 8:
                     if type_of(item) != p_int:
-                        raise TypeError(f"events[{i}].block_hashes[{k}] must be an int "
+                        raise TypeError(f"events[{e}].block_hashes[{k}] must be an int "
                                         f"(a 64-bit hash), got {(<object>type_of(item)).__name__}")
                     if as_u64(item, &v) < 0:
-                        raise OverflowError(f"events[{i}].block_hashes[{k}] must be in "
+                        raise OverflowError(f"events[{e}].block_hashes[{k}] must be in "
                                             f"[0, 2**64), got {<object>item}")
                     _put_be64(key, v)
                 else:
                     if type_of(item) != p_bytes or bytes_size(item) != ds:
-                        raise TypeError(f"events[{i}].block_hashes[{k}] must be a "
+                        raise TypeError(f"events[{e}].block_hashes[{k}] must be a "
                                         f"{ds}-byte digest")
                     memcpy(key, bytes_data(item), ds)
                 key += ds
