@@ -510,3 +510,136 @@ def test_apply_events_digest_hashes_and_lookahead():
             index.apply_events(key, [W.BlockRemoved(block_hashes=[d[0], bad], group_idx=1)],
                                _EVENT_TYPES)
     assert index.resident_blocks(key) == 3
+
+
+def _attribute_event_types():
+    """(stored, removed, cleared) classes named as vLLM's whose fields live in the instance
+    ``__dict__``: ``apply_events`` reads them by ``getattr`` (its general walk) instead of
+    in place (the object-slot walk it takes for msgspec structs)."""
+    def make(name, fields):
+        def __init__(self, **kw):
+            for f in fields:
+                setattr(self, f, kw.get(f))
+        return type(name, (), {"__init__": __init__})
+    return (make("BlockStored", ("block_hashes", "medium", "group_idx", "kv_cache_spec_kind",
+                                 "lookahead_token_ids")),
+            make("BlockRemoved", ("block_hashes", "medium", "group_idx")),
+            make("AllBlocksCleared", ()))
+
+
+ATTRIBUTE_TYPES = _attribute_event_types()
+
+
+@settings(max_examples=min(150, int(os.environ.get("HMACORE_EXAMPLES", "2000"))), deadline=None)
+@given(st.booleans(), st.booleans(), st.integers(0, 2**32 - 1), st.data())
+def test_apply_events_paths_match_rows_one_by_one(int_hashes, wide, seed, data):
+    """``apply_events`` through both walks (fields read in place from msgspec structs, or by
+    getattr) and both table paths (8-byte keys with one mask word: the inlined probe; digests
+    or two mask words: the general one) leaves the same index, with the same answers, as
+    applying the same rows one call per row. Batches are drawn from 8 keys per group, so a key
+    stored then removed, stored twice or removed unheld inside one batch is common, and
+    AllBlocksCleared lands mid-batch; a bad event anywhere refuses its whole batch and leaves
+    the index as it was."""
+    layout = get_preset("gpt-oss-120b")
+    h = layout.hash_block_size
+    prompt = chain(8, seed)
+    indexes = [RoutingIndex(layout, int_hashes=int_hashes) for _ in range(3)]
+    engines = [("e", d) for d in range(66 if wide else 2)]    # 66: two mask words
+    for ix in indexes:
+        for key in engines:
+            ix.add_engine(*key)
+    used = [engines[0], engines[-1]]
+    k_of = {g: indexes[0].finder.block_sizes[g] // h for g in range(layout.num_groups)}
+
+    def state(ix):
+        return (tuple(ix.resident_blocks(key) for key in used),
+                tuple(tuple(sorted(ix.query_hashes(prompt[:n], n * h).hits.items()))
+                      for n in (1, 3, 5, 8)))
+
+    for _ in range(data.draw(st.integers(1, 6))):
+        key = data.draw(st.sampled_from(used))
+        spec = data.draw(st.lists(st.tuples(
+            st.sampled_from([OP_STORE, OP_STORE, OP_REMOVE, OP_REMOVE, OP_CLEAR]),
+            st.integers(0, layout.num_groups - 1),
+            st.lists(st.integers(0, 7), min_size=1, max_size=3)), max_size=8))
+        rows, direct, by_attr = [], [], []
+        for op, g, blocks in spec:
+            if op == OP_CLEAR:
+                rows.append((op, 0, None))
+                direct.append(W.AllBlocksCleared())
+                by_attr.append(ATTRIBUTE_TYPES[2]())
+                continue
+            hashes = [as_event_hash(prompt[(b + 1) * k_of[g] - 1], int_hashes) for b in blocks
+                      if (b + 1) * k_of[g] <= len(prompt)]
+            rows += [(op, g, x) for x in hashes]
+            medium = data.draw(st.sampled_from(["GPU", None]))
+            w_cls, a_cls = ((W.BlockStored, ATTRIBUTE_TYPES[0]) if op == OP_STORE
+                            else (W.BlockRemoved, ATTRIBUTE_TYPES[1]))
+            direct.append(w_cls(block_hashes=hashes, group_idx=g, medium=medium))
+            by_attr.append(a_cls(block_hashes=hashes, group_idx=g, medium=medium))
+        before = [state(ix) for ix in indexes]
+        assert before[0] == before[1] == before[2]
+        bad_at = data.draw(st.none() | st.integers(0, len(spec)))
+        if bad_at is not None:
+            bad = dict(block_hashes=[as_event_hash(prompt[0], int_hashes)], group_idx=2)
+            direct.insert(bad_at, W.BlockRemoved(**bad))
+            by_attr.insert(bad_at, ATTRIBUTE_TYPES[1](**bad))
+            for ix, evs, types in ((indexes[0], direct, _EVENT_TYPES),
+                                   (indexes[1], by_attr, ATTRIBUTE_TYPES)):
+                with pytest.raises(ArgumentValueError, match=rf"events\[{bad_at}\]\.group_idx"):
+                    ix.apply_events(key, evs, types)
+                assert state(ix) == before[0]
+            continue
+        got = indexes[0].apply_events(key, direct, _EVENT_TYPES)
+        assert indexes[1].apply_events(key, by_attr, ATTRIBUTE_TYPES) == got
+        one = [0, 0, 0, 0]
+        for op, g, x in rows:
+            if op == OP_CLEAR:
+                st_ = indexes[2].clear(key)
+            else:
+                x = [x] if int_hashes else np.frombuffer(x, np.uint8).reshape(1, -1)
+                st_ = indexes[2].apply(key, [op], [g], x)
+            one = [a + b for a, b in zip(one, (st_.stored, st_.removed, st_.ignored,
+                                               st_.cleared))]
+        assert [got.stored, got.removed, got.ignored, got.cleared] == one
+        after = [state(ix) for ix in indexes]
+        assert after[0] == after[1] == after[2]
+
+
+def test_apply_events_survives_caller_code_in_the_kind_lookup():
+    """The spec-kind lookup is the one place the compiled walk can run the caller's code (a
+    non-str key's ``__eq__`` in ``refused_kinds``, which ``_route.apply_events`` takes as
+    given): a key that swaps the event's hashes applies the new ones, one that empties the
+    batch is a clear error with nothing applied; no read of a freed list (ASan runs this
+    file in ``make sanitize-short``)."""
+    from hmacore._fast import _route
+    res = _route.SharedResidency(8)
+    bit = res.add_engine()
+    events: list = []
+
+    class Hostile:
+        def __init__(self, empty_batch):
+            self.empty_batch = empty_batch
+
+        def __hash__(self):
+            return hash("full_attention")
+
+        def __eq__(self, other):
+            if events:
+                events[0].block_hashes = [7]        # frees the list the walk had read
+                if self.empty_batch:
+                    del events[:]
+            return False
+
+    for empty_batch, want in ((False, 1), (True, None)):
+        events[:] = [W.BlockStored(block_hashes=list(range(1, 50)), group_idx=0,
+                                   kv_cache_spec_kind="full_attention")]
+        refused = ({Hostile(empty_batch): "sliding window"}, {})
+        if want is None:
+            with pytest.raises(ValueError, match="events changed while being applied"):
+                _route.apply_events(res, bit, events, _EVENT_TYPES, "GPU", refused, 2)
+            assert res.resident(bit) == 1           # as before the call
+        else:
+            assert _route.apply_events(res, bit, events, _EVENT_TYPES, "GPU", refused,
+                                       2)[0] == want
+            assert res.resident(bit) == 1

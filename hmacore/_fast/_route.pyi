@@ -1,14 +1,15 @@
 """Engines' counted residency in one shared (group, hash) -> engine-mask table, and the
 routing query (see _route.pyx)."""
+from typing import final
+
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import disjoint_base
 
 from ._hits import HitKernel
 
 MAX_ENGINES: int
 
-@disjoint_base
+@final
 class SharedResidency:
     digest_size: int
     def __new__(cls, digest_size: int = 16) -> SharedResidency: ...

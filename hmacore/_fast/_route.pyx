@@ -27,6 +27,7 @@ Rows are applied in order: op 1 stores (count + 1), op -1 removes (count - 1, a 
 op 0 clears the engine (``AllBlocksCleared``). The caller validated ops, groups and digests.
 Not thread-safe by itself: RoutingIndex serialises every call with its lock.
 """
+cimport cython
 from cpython.ref cimport PyObject
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
@@ -103,6 +104,41 @@ cdef extern from *:
     int as_u64 "hmacore_as_u64"(PyObject* x, unsigned long long* out) noexcept
     int as_long "hmacore_as_long"(PyObject* x, long* out) noexcept
 
+cdef extern from *:
+    """
+    /* Two exact str objects with equal contents: length, kind and bytes (no hashing, no
+       error path; PyUnicode_Compare is several times the cost per event). */
+    static inline int hmacore_str_eq(PyObject* a, PyObject* b) {
+        Py_ssize_t n;
+        if (a == b) return 1;
+    #if PY_VERSION_HEX < 0x030C0000
+        if (!PyUnicode_IS_READY(a) || !PyUnicode_IS_READY(b)) {
+            int r = PyUnicode_Compare(a, b);
+            if (r == -1 && PyErr_Occurred()) PyErr_Clear();
+            return r == 0;
+        }
+    #endif
+        n = PyUnicode_GET_LENGTH(a);
+        if (n != PyUnicode_GET_LENGTH(b) || PyUnicode_KIND(a) != PyUnicode_KIND(b)) return 0;
+        n *= PyUnicode_KIND(a);
+        if (n <= 16) {       /* a medium name: compared in line, not through a libc call */
+            const unsigned char* x = (const unsigned char*)PyUnicode_DATA(a);
+            const unsigned char* y = (const unsigned char*)PyUnicode_DATA(b);
+            Py_ssize_t i;
+            for (i = 0; i < n; i++) if (x[i] != y[i]) return 0;
+            return 1;
+        }
+        return memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n) == 0;
+    }
+    #define hmacore_type_of(o) ((PyObject*)Py_TYPE(o))
+    """
+    int str_eq "hmacore_str_eq"(PyObject* a, PyObject* b) noexcept
+    PyObject* type_of "hmacore_type_of"(PyObject* o) noexcept nogil
+    PyObject* list_item "PyList_GET_ITEM"(PyObject* l, Py_ssize_t i) noexcept nogil
+    Py_ssize_t list_size "PyList_GET_SIZE"(PyObject* l) noexcept nogil
+    Py_ssize_t bytes_size "PyBytes_GET_SIZE"(PyObject* o) noexcept nogil
+    char* bytes_data "PyBytes_AS_STRING"(PyObject* o) noexcept nogil
+
 cdef extern from "structmember.h":
     ctypedef struct PyMemberDef:
         const char* name
@@ -157,6 +193,15 @@ cdef inline object _read_field(object ev, Py_ssize_t off, str name):
     return <object>p
 
 
+cdef inline PyObject* _slot_field(PyObject* ev, Py_ssize_t off, str name) except NULL:
+    """Field at object-slot offset ``off`` (>= 0) of ``ev``, borrowed: valid while ``ev`` is
+    and the slot is not reassigned (no code runs between the read and its use)."""
+    cdef PyObject* p = (<PyObject**>((<char*>ev) + off))[0]
+    if p == NULL:
+        raise AttributeError(name)
+    return p
+
+
 cdef Py_ssize_t MIN_CAP = 16
 # 2**50 keys: every byte count below (slots x (24..48 + 8 x words)) stays below 2**63
 cdef Py_ssize_t MAX_KEYS = 1 << 50
@@ -183,20 +228,34 @@ cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
 
 cdef inline uint64_t _key_hash(group_id_t g, const uint8_t* d, int ds) noexcept nogil:
     """Hash of (group, key): an 8-byte key whole, else the last 16 digest bytes, mixed with
-    the group id."""
+    the group id. An 8-byte key is already a uniform hash (the tail of vLLM's sha256 / xxhash
+    digest): one mixing round spreads the group into it (half the latency per event row)."""
     cdef uint64_t w0 = 0, w1
     if ds == 8:
         memcpy(&w1, d, 8)
+        return _mix(w1 ^ (<uint64_t><uint32_t>g) * 0x9e3779b97f4a7c15ULL)
     else:
         memcpy(&w0, d + ds - 16, 8)
         memcpy(&w1, d + ds - 8, 8)
     return _mix(w1 ^ _mix(w0 ^ (<uint64_t><uint32_t>g) * 0x9e3779b97f4a7c15ULL))
 
 
-cdef inline void _put_be64(uint8_t* out, uint64_t v) noexcept nogil:
-    cdef int b
-    for b in range(8):
-        out[7 - b] = <uint8_t>(v >> (8 * b))
+cdef extern from *:
+    """
+    /* v's 8 bytes big-endian at out: one byte swap and store (the byte loop it replaces
+       was not folded into one by the compiler: a third of a batch's packing). */
+    static inline void hmacore_put_be64(unsigned char* out, unsigned long long v) {
+    #if (defined(__GNUC__) || defined(__clang__)) && defined(__BYTE_ORDER__) \
+            && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        v = __builtin_bswap64(v);
+        memcpy(out, &v, 8);
+    #else
+        int b;
+        for (b = 0; b < 8; b++) out[7 - b] = (unsigned char)(v >> (8 * b));
+    #endif
+    }
+    """
+    void _put_be64 "hmacore_put_be64"(uint8_t* out, uint64_t v) noexcept nogil
 
 
 cdef inline Py_ssize_t _slot_bytes(Py_ssize_t words, int ds) noexcept nogil:
@@ -243,6 +302,7 @@ cdef const uint64_t* _fill(void* state, group_id_t g, Py_ssize_t row) noexcept n
         j = (j + 1) & mask
 
 
+@cython.final
 cdef class SharedResidency:
     """Every engine's counted (group, hash) residency: one key table with an engine mask per
     key (see the module docstring). Engines are mask bits from :meth:`add_engine`.
@@ -262,6 +322,8 @@ cdef class SharedResidency:
     cdef bint _busy
     cdef object _ev_types          # the event classes _ev_off was resolved for
     cdef Py_ssize_t _ev_off[2][N_FIELDS]
+    cdef bint _ev_direct           # every field apply_events reads is an object slot
+    cdef object _ev_refused        # the last refused_kinds tuple found well-formed
 
     def __cinit__(self, int digest_size=16):
         if digest_size not in (8, 16, 32):
@@ -277,6 +339,8 @@ cdef class SharedResidency:
         self._s_cap = 0
         self._busy = False
         self._ev_types = None
+        self._ev_refused = None
+        self._ev_direct = False
         self._resident = []
         self._dups = []
         self._live = []
@@ -394,7 +458,7 @@ cdef class SharedResidency:
             cap = self._cap          # only tombstones to clear
         return self._rehash(cap, self._words)
 
-    cdef int _set(self, group_id_t g, const uint8_t* d, uint64_t h, Py_ssize_t w,
+    cdef inline int _set(self, group_id_t g, const uint8_t* d, uint64_t h, Py_ssize_t w,
                   uint64_t b) noexcept nogil:
         """Set the engine bit of key (g, d) (hash h): 1 if newly set, 0 if it was set, -1 no
         memory."""
@@ -425,7 +489,7 @@ cdef class SharedResidency:
         self._size += 1
         return 1
 
-    cdef void _unset_slot(self, Py_ssize_t j, Py_ssize_t w, uint64_t b) noexcept nogil:
+    cdef inline void _unset_slot(self, Py_ssize_t j, Py_ssize_t w, uint64_t b) noexcept nogil:
         """Clear the engine bit of slot j; a slot no engine holds any more is deleted: made
         empty (with the tombstones just before it) when the next slot is empty, since no
         probe passes through it then, else a tombstone."""
@@ -561,6 +625,13 @@ cdef class SharedResidency:
         cdef uint64_t ring[PREFETCH_AHEAD]     # key hashes of rows i .. i + AHEAD - 1
         cdef uint64_t h
         cdef uint8_t buf[16]
+        cdef bint fast
+        cdef uint8_t* slots
+        cdef uint8_t* slot
+        cdef uint64_t cm, k64, s64
+        cdef Py_ssize_t free_at, slot_size
+        cdef group_id_t tag
+        cdef int32_t g
         out[0] = out[1] = out[2] = 0
         if n == 0:
             return 0
@@ -570,6 +641,11 @@ cdef class SharedResidency:
             raise MemoryError(f"KV events: no room for {stores} more keys (nothing applied)")
         for i in range(min(n, PREFETCH_AHEAD)):
             ring[i] = _key_hash(groups[i], digests + i * ds, ds)
+        fast = ds == 8 and self._words == 1 and self._cap > 0    # then slots are 24 bytes
+        # the table does not move during the batch (room reserved above; a clear keeps it)
+        slots = self._slots
+        cm = <uint64_t>(self._cap - 1)
+        slot_size = self._slot_size
         try:
             for i in range(n):
                 h = ring[i & (PREFETCH_AHEAD - 1)]
@@ -577,11 +653,64 @@ cdef class SharedResidency:
                 if ahead < n:
                     ring[ahead & (PREFETCH_AHEAD - 1)] = _key_hash(groups[ahead],
                                                                    digests + ahead * ds, ds)
-                    if self._cap > 0:
-                        prefetch(self._slots + <Py_ssize_t>(
-                            ring[ahead & (PREFETCH_AHEAD - 1)] & <uint64_t>(self._cap - 1))
-                            * self._slot_size)
+                    if slots != NULL:
+                        prefetch(slots + <Py_ssize_t>(ring[ahead & (PREFETCH_AHEAD - 1)] & cm)
+                                 * slot_size)
                 op = ops[i]
+                if fast:
+                    # 8-byte keys, one mask word: the probe inlined on hoisted locals (the
+                    # table does not move inside a batch: its room was reserved above)
+                    memcpy(&k64, digests + i * 8, 8)
+                    g = groups[i]
+                    if op != 0:
+                        j = <Py_ssize_t>(h & cm)
+                        free_at = -1
+                        while True:
+                            slot = slots + j * 24
+                            memcpy(&tag, slot + 8, 4)
+                            if tag == SLOT_EMPTY:
+                                break
+                            if tag == SLOT_DELETED:
+                                if free_at < 0:
+                                    free_at = j
+                            else:
+                                memcpy(&s64, slot + 12, 8)
+                                if tag == g and s64 == k64:
+                                    break
+                            j = (j + 1) & cm
+                        if op > 0:
+                            if tag != SLOT_EMPTY:           # the key is in the table
+                                if (<uint64_t*>slot)[0] & b:
+                                    if _store_duplicate(dups, 8, g, _dup_key(8, digests + i * 8,
+                                                                             buf)) < 0:
+                                        raise MemoryError(f"KV event row {i}: out of memory "
+                                                          f"({i} rows applied)")
+                                else:
+                                    (<uint64_t*>slot)[0] |= b
+                                    resident += 1
+                            else:
+                                if free_at >= 0:
+                                    j = free_at
+                                    slot = slots + j * 24
+                                else:
+                                    self._used += 1
+                                (<uint64_t*>slot)[0] = b
+                                memcpy(slot + 8, &g, 4)
+                                memcpy(slot + 12, &k64, 8)
+                                self._size += 1
+                                resident += 1
+                            stored += 1
+                            continue
+                        if tag == SLOT_EMPTY or not ((<uint64_t*>slot)[0] & b):
+                            ignored += 1
+                            continue
+                        removed += 1
+                        if dups and _remove_duplicate(dups, g, _dup_key(8, digests + i * 8,
+                                                                        buf)):
+                            continue
+                        self._unset_slot(j, 0, b)
+                        resident -= 1
+                        continue
                 if op > 0:
                     rc = self._set(groups[i], digests + i * ds, h, w, b)
                     if rc < 0:
@@ -616,6 +745,133 @@ cdef class SharedResidency:
             out[2] = ignored
         return 0
 
+    cdef Py_ssize_t _pack_direct(self, list events, object t_stored, object t_removed,
+                                 object t_cleared, object medium, tuple refused_kinds,
+                                 int num_groups, int64_t* cleared, int64_t* other,
+                                 int64_t* lookahead) except -1:
+        """``apply_events``' walk when every field it reads is an object slot: the events,
+        their fields and the hashes are read as borrowed pointers (no reference counting, no
+        attribute lookup). Safe because no Python code runs between a read and its use:
+        exact types are checked before every read, errors are raised (and their messages
+        built) only when the walk stops, and the one call that can run code, the spec-kind
+        lookup (``refused_kinds`` is the caller's: a non-str key's ``__eq__`` runs), holds
+        strong references to the event and the kind across it and re-reads the list and the
+        hashes after it. Returns the rows packed; same checks, order and messages as the
+        general walk."""
+        cdef PyObject* lst = <PyObject*>events
+        cdef PyObject* ps = <PyObject*>t_stored
+        cdef PyObject* pr = <PyObject*>t_removed
+        cdef PyObject* pc = <PyObject*>t_cleared
+        cdef PyObject* p_none = <PyObject*>None
+        cdef PyObject* p_int = <PyObject*>int
+        cdef PyObject* p_str = <PyObject*>str
+        cdef PyObject* p_bytes = <PyObject*>bytes
+        cdef PyObject* p_list = <PyObject*>list
+        cdef PyObject* p_med = <PyObject*>medium
+        cdef PyObject* ev
+        cdef PyObject* hl
+        cdef PyObject* m
+        cdef PyObject* item
+        cdef PyObject* kind
+        cdef PyObject* t
+        cdef object ev_ref, kind_ref
+        cdef Py_ssize_t e
+        cdef Py_ssize_t n = 0, i = 0, k, nh
+        cdef Py_ssize_t* off
+        cdef int ds = self.digest_size
+        cdef long g
+        cdef unsigned long long v
+        cdef int8_t op
+        cdef uint8_t* key
+        while i < list_size(lst):
+            e = i
+            ev = list_item(lst, i)
+            i += 1
+            t = type_of(ev)
+            if t == pc:
+                if self._grow_scratch(n + 1) < 0:
+                    raise MemoryError("KV events: no memory for the batch's rows")
+                self._s_ops[n] = 0
+                self._s_groups[n] = 0
+                memset(self._s_keys + n * ds, 0, ds)
+                n += 1
+                cleared[0] += 1
+                continue
+            if t == ps:
+                op = 1
+                off = self._ev_off[0]
+            elif t == pr:
+                op = -1
+                off = self._ev_off[1]
+            else:
+                raise TypeError(f"events[{e}] must be a stored, removed or cleared "
+                                f"event, got {(<object>t).__name__}")
+            hl = _slot_field(ev, off[F_HASHES], "block_hashes")
+            if type_of(hl) != p_list:
+                raise TypeError(f"events[{e}].block_hashes must be a list, got "
+                                f"{(<object>type_of(hl)).__name__}")
+            nh = list_size(hl)
+            m = _slot_field(ev, off[F_MEDIUM], "medium")
+            if m != p_none and m != p_med and (
+                    p_med == p_none or type_of(m) != p_str or not str_eq(m, p_med)):
+                if type_of(m) != p_str:
+                    raise TypeError(f"events[{e}].medium must be a str or None")
+                other[0] += nh
+                continue
+            item = _slot_field(ev, off[F_GROUP], "group_idx")
+            if item == p_none:
+                g = 0
+            elif type_of(item) != p_int:
+                raise TypeError(f"events[{e}].group_idx must be an int, got "
+                                f"{(<object>type_of(item)).__name__}")
+            elif as_long(item, &g) < 0 or g < 0 or g >= num_groups:
+                raise ValueError(f"events[{e}].group_idx must be a group id in "
+                                 f"[0, {num_groups}), got {<object>item}")
+            if op > 0:
+                kind = _slot_field(ev, off[F_KIND], "kv_cache_spec_kind")
+                if type_of(kind) == p_str and (<dict>refused_kinds[g]):
+                    ev_ref = <object>ev             # alive across the lookup's code
+                    kind_ref = <object>kind
+                    if kind_ref in <dict>refused_kinds[g]:
+                        raise ConfigError(
+                            f"events[{e}]: the engine's group {g} is {kind_ref!r} but the "
+                            f"index's layout has {(<dict>refused_kinds[g])[kind_ref]}: give "
+                            "the router the engines' own KV cache groups, in their order")
+                    if i > list_size(lst) or list_item(lst, e) != ev:
+                        raise ValueError("events changed while being applied")
+                    hl = _slot_field(ev, off[F_HASHES], "block_hashes")
+                    if type_of(hl) != p_list:
+                        raise TypeError(f"events[{e}].block_hashes must be a list, got "
+                                        f"{(<object>type_of(hl)).__name__}")
+                    nh = list_size(hl)
+                    ev_ref = kind_ref = None
+                if _slot_field(ev, off[F_LOOKAHEAD], "lookahead_token_ids") != p_none:
+                    lookahead[0] += nh
+            if self._grow_scratch(n + nh) < 0:
+                raise MemoryError("KV events: no memory for the batch's rows")
+            key = self._s_keys + n * ds
+            for k in range(nh):
+                item = list_item(hl, k)
+                if ds == 8:
+                    if type_of(item) != p_int:
+                        raise TypeError(f"events[{e}].block_hashes[{k}] must be an int "
+                                        f"(a 64-bit hash), got {(<object>type_of(item)).__name__}")
+                    if as_u64(item, &v) < 0:
+                        raise OverflowError(f"events[{e}].block_hashes[{k}] must be in "
+                                            f"[0, 2**64), got {<object>item}")
+                    _put_be64(key, v)
+                else:
+                    if type_of(item) != p_bytes or bytes_size(item) != ds:
+                        raise TypeError(f"events[{e}].block_hashes[{k}] must be a "
+                                        f"{ds}-byte digest")
+                    memcpy(key, bytes_data(item), ds)
+                key += ds
+            for k in range(nh):
+                self._s_ops[n + k] = op
+                self._s_groups[n + k] = <int32_t>g
+            n += nh
+        return n
+
     def apply_events(self, Py_ssize_t bit, list events, tuple types, object medium,
                      tuple refused_kinds, int num_groups):
         """Apply a decoded KV event batch's ``events`` to engine ``bit`` in one call; ``bit <
@@ -649,20 +905,32 @@ cdef class SharedResidency:
             self._check(bit)
         if medium is not None and type(medium) is not str:
             raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
-        if len(types) != 3 or not all(isinstance(t, type) for t in types):
-            raise TypeError("types must be the (stored, removed, cleared) event classes")
-        t_stored, t_removed, t_cleared = types
+        # the checks of `types` and `refused_kinds` run once per tuple object (tuples are
+        # immutable; a small batch's fixed cost was mostly these generator expressions)
         if types is not self._ev_types:
+            if len(types) != 3 or not all(isinstance(t, type) for t in types):
+                raise TypeError("types must be the (stored, removed, cleared) event classes")
             for k in range(N_FIELDS):
-                self._ev_off[0][k] = _member_offset(t_stored, _FIELD_NAMES[k])
-                self._ev_off[1][k] = _member_offset(t_removed, _FIELD_NAMES[k])
+                self._ev_off[0][k] = _member_offset(types[0], _FIELD_NAMES[k])
+                self._ev_off[1][k] = _member_offset(types[1], _FIELD_NAMES[k])
+            self._ev_direct = all(self._ev_off[0][k] >= 0 for k in range(N_FIELDS)) and all(
+                self._ev_off[1][k] >= 0 for k in (F_HASHES, F_MEDIUM, F_GROUP))
             self._ev_types = types
-        if len(refused_kinds) != num_groups or not all(type(r) is dict for r in refused_kinds):
+        t_stored, t_removed, t_cleared = types
+        if len(refused_kinds) != num_groups:
             raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
+        if refused_kinds is not self._ev_refused:
+            if not all(type(r) is dict for r in refused_kinds):
+                raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
+            self._ev_refused = refused_kinds
         if self._busy:
             raise RuntimeError("routing index: a call is already applying events")
         self._busy = True
         try:
+            if self._ev_direct:
+                n = self._pack_direct(events, t_stored, t_removed, t_cleared, medium,
+                                      refused_kinds, num_groups, &cleared, &other, &lookahead)
+                ne = 0          # packed: skip the general walk below
             # the event classes are the caller's decoded structs: attribute reads run no
             # code of ours that could call back; _busy refuses a re-entrant fill regardless
             for i in range(ne):
