@@ -363,18 +363,18 @@ def _push_worker(**kw):
 
 
 def test_push_remap_refusals_name_the_key_and_the_rule():
-    """Push mode: a decode rank of other block sizes pairs through a remap at equal TP sizes
-    only (pull remaps across TP sizes), and not when block_size_remap is false."""
+    """Push mode: a decode rank of other block sizes pairs through a remap (at any pair of TP
+    sizes), not when block_size_remap is false, not over a transport posting no byte runs."""
     from hmacore.errors import HandshakeError
-    w = _push_worker()
-    w._check_remap([32, 32], 2)                 # equal TP: remapped
-    with pytest.raises(HandshakeError, match=r"the TP sizes differ too \(1 vs 2\): "
-                       r"transfer_mode='push' remaps block sizes between equal TP sizes only; "
-                       r"use transfer_mode='pull'"):
-        w._check_remap([32, 32], 1)
+    _push_worker()._check_remap([32, 32])       # remapped
     with pytest.raises(HandshakeError, match=r"block sizes \[32, 32\] differ from this engine's "
                        r"\[16, 16\] and kv_connector_extra_config.block_size_remap is false"):
-        _push_worker(block_size_remap=False)._check_remap([32, 32], 2)
+        _push_worker(block_size_remap=False)._check_remap([32, 32])
+    w = _push_worker()
+    w.transport = "mooncake"
+    with pytest.raises(HandshakeError, match=r"a block-size remap needs transport 'nixl' \(this "
+                       r"engine runs 'mooncake', which posts no byte runs\)"):
+        w._check_remap([32, 32])
 
 
 def test_push_remap_step_that_cannot_be_planned_ends_the_push():
