@@ -454,9 +454,10 @@ class HmaPushWorker:
 
     def _check_regrain_sources(self, got: list[HandshakePayload], from_ranks: tuple[int, ...],
                                mapping: Any) -> None:
-        """D, on the handshake thread: P will WRITE through a block-size remap; build the plan
-        each source rank will build, so that one P cannot plan fails this engine's requests
-        now with the reason (P refuses the same peer) instead of at push_recv_timeout."""
+        """D, on the handshake thread: P will WRITE through a block-size remap. Build the plan
+        each source rank builds for this rank: a pair that cannot be planned fails this
+        engine's requests now, with the reason (P refuses the same peer), not at
+        push_recv_timeout."""
         assert self.tp is not None and self.plan is not None
         mine = worker_pages(self.layout, self.plan, self.tp)
         for r in from_ranks:
