@@ -364,18 +364,50 @@ def _push_worker(**kw):
 
 
 def test_push_remap_refusals_name_the_key_and_the_rule():
-    """Push mode: a decode rank of other block sizes pairs through a remap at equal TP sizes
-    only (pull remaps across TP sizes), and not when block_size_remap is false."""
+    """Push mode: a decode rank of other block sizes pairs through a remap (at any pair of TP
+    sizes), not when block_size_remap is false, not over a transport posting no byte runs."""
     from hmacore.errors import HandshakeError
-    w = _push_worker()
-    w._check_remap([32, 32], 2)                 # equal TP: remapped
-    with pytest.raises(HandshakeError, match=r"the TP sizes differ too \(1 vs 2\): "
-                       r"transfer_mode='push' remaps block sizes between equal TP sizes only; "
-                       r"use transfer_mode='pull'"):
-        w._check_remap([32, 32], 1)
+    _push_worker()._check_remap([32, 32])       # remapped
     with pytest.raises(HandshakeError, match=r"block sizes \[32, 32\] differ from this engine's "
                        r"\[16, 16\] and kv_connector_extra_config.block_size_remap is false"):
-        _push_worker(block_size_remap=False)._check_remap([32, 32], 2)
+        _push_worker(block_size_remap=False)._check_remap([32, 32])
+    w = _push_worker()
+    w.transport = "mooncake"
+    with pytest.raises(HandshakeError, match=r"a block-size remap needs transport 'nixl' \(this "
+                       r"engine runs 'mooncake', which posts no byte runs\)"):
+        w._check_remap([32, 32])
+
+
+def test_push_remap_across_tp_names_what_cannot_be_planned():
+    """Push across TP and block sizes: the plan of one (P rank, D rank) pair is the pull
+    side's RegrainPlan with tp=(D rank's TpMapping, P rank); pages that cannot be paired row
+    for row (NHD: a token row holds all of the rank's heads, 1 head on P rank 1, 2 on D) are
+    a HandshakeError naming the peer and the rule; LBHNC pages of the same ranks plan."""
+    from hmacore.errors import HandshakeError
+    from hmacore.integrations.vllm.nixl.push_worker import _regrain_plan_with
+    from hmacore.plan import TransferPlan
+    from hmacore.regrain import token_page
+    from hmacore.tp import GroupSharding, TpMapping
+
+    def side(bs, heads):
+        lay = KVLayout(groups=(GroupSpec(GroupKind.FULL, bs, ("a.0",)),))
+        kv = {"a.0": np.zeros((8, heads, bs, 32), np.uint8)}
+        return lay, TransferPlan.from_kv_caches(lay, kv, num_blocks=8)
+
+    (play, pplan), (dlay, dplan) = side(16, 1), side(32, 2)
+    mapping = TpMapping(dlay, [GroupSharding(2, 1)], local_tp=1, local_rank=0, remote_tp=2)
+    lbhnc = [token_page("LBHNC", block_size=16, heads=1, head_start=1, head_bytes=16)], \
+        [token_page("LBHNC", block_size=32, heads=2, head_bytes=16)]
+    plan = _regrain_plan_with(play, pplan, lbhnc[0], dlay, dplan, lbhnc[1], mapping, 1,
+                              "prefill rank 1 ('p#tp1@push')", log=False)
+    assert [c for p in plan.pairs for c in p.chunks] == [(0, 1024, 32)]   # head 1 only
+    nhd = [token_page("NHD", block_size=16, heads=1, head_start=1, head_bytes=16)], \
+        [token_page("NHD", block_size=32, heads=2, head_bytes=16)]
+    with pytest.raises(HandshakeError, match=r"block-size remap with prefill rank 1 "
+                       r"\('p#tp1@push'\): group 0: chunk \(0, None\) is 16 B per token on "
+                       r"the source \(NHD\) and 32 B on the destination"):
+        _regrain_plan_with(play, pplan, nhd[0], dlay, dplan, nhd[1], mapping, 1,
+                           "prefill rank 1 ('p#tp1@push')", log=False)
 
 
 def test_push_remap_step_that_cannot_be_planned_ends_the_push():

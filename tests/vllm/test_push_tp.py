@@ -8,8 +8,11 @@ Real NIXL (UCX, loopback). D registers its blocks with every P rank; P's forward
 layer by layer, the pattern of (layer, token, global head) into the scheduled blocks and calls
 ``save_kv_layer`` per layer, which WRITEs that layer's head slices into D's blocks. Checked on
 every D rank: every byte of every pushed block equals the pattern of that rank's heads,
-nothing else was written; no block leaked on either engine; P freed its blocks.
+nothing else was written; no block leaked on either engine; P freed its blocks. The same
+with a block-size remap between the TP sizes (P and D of other block sizes): D's blocks hold
+exactly the token rows it needs, written as byte runs per (P rank, D rank).
 """
+import os
 import time
 
 import pytest
@@ -18,14 +21,23 @@ import harness as H
 import push_harness as PH
 from tp_harness import PAIRS, engine_pool
 
+from hmacore.regrain import token_ranges
+
 pytestmark = pytest.mark.nixl
 
 PUSH = {"transfer_mode": "push", "push_register_timeout": 4, "push_recv_timeout": 8}
 
+#: engine sets other than a case's TP 1 / TP 2 / TP 2 (tp_harness.engine_pool): the dsv4 set
+#: gains a TP 1 engine of half the block sizes (1 rank process more); "remap-gemma" is TP 2
+#: with 32-token blocks and TP 1 with 64-token blocks, vec-kernel pages (3 rank processes)
+POOLS = {"dsv4": (("tp1", "dsv4", 1), ("tp2", "dsv4", 2), ("tp2b", "dsv4", 2),
+                  ("tp1h", "dsv4-half", 1)),
+         "remap-gemma": (("tp2", "gemma-vec32", 2), ("tp1", "gemma-vec64", 1))}
+
 
 @pytest.fixture(scope="module")
 def engines():
-    yield from engine_pool("push-", extra=PUSH)
+    yield from engine_pool("push-", extra=PUSH, pools=POOLS)
 
 
 # per (case, P TP, D TP): the D ranks each P rank WRITEs to (written out, not computed)
@@ -43,10 +55,11 @@ CONSUMERS = {
 
 
 def _start(P, D, prompt, rid):
-    hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
     d_params, p_params = PH.push_params(f"push-{rid}", P.port)
-    d_req = H.make_request(f"d-{rid}", prompt, hbs, params=d_params, max_tokens=3)
-    p_req = H.make_request(f"p-{rid}", prompt, hbs, params=p_params, max_tokens=1)
+    d_req = H.make_request(f"d-{rid}", prompt, H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1],
+                           params=d_params, max_tokens=3)
+    p_req = H.make_request(f"p-{rid}", prompt, H.C.resolve_kv_cache_block_sizes(P.kcc, P.vc)[1],
+                           params=p_params, max_tokens=1)
     D.s.add_request(d_req)
     P.s.add_request(p_req)
     return d_req, p_req
@@ -172,6 +185,79 @@ def test_d_refuses_a_port_that_is_not_rank_0(engines):
     assert any("is rank 1 of TP 2; expected rank 0 of TP 2" in x for x in st["errors"]), st
     D.run_out()
     H.assert_no_leak(D.s)
+
+
+# per (pool, P engine, D engine): the D ranks each P rank WRITEs to (written out)
+# (dsv4 first: its engines are the ones the tests above use, still running)
+REMAP_CONSUMERS = {
+    ("dsv4", "tp2", "tp1h"): [[0], []],           # MLA replicated: D rank 0 from P rank 0
+    ("dsv4", "tp1h", "tp2"): [[0, 1]],
+    ("remap-gemma", "tp2", "tp1"): [[0], [0]],    # each P rank: the rows of its one head
+    ("remap-gemma", "tp1", "tp2"): [[0, 1]],      # P's two heads: one to each D rank
+}
+
+
+@pytest.mark.parametrize("pool,p_key,d_key", list(REMAP_CONSUMERS), ids=[
+    "dsv4-p_tp2_x1-d_tp1_xhalf", "dsv4-p_tp1_xhalf-d_tp2_x1", "p_tp2_b32-d_tp1_b64",
+    "p_tp1_b64-d_tp2_b32"])
+def test_mixed_tp_and_block_sizes_push_every_byte(engines, pool, p_key, d_key):
+    """Push with a block-size remap across TP sizes: each P rank WRITEs, per layer, into
+    every D rank that takes heads from it, the token rows of those heads D needs (runs in
+    each side's grain; MLA whole latents from one P rank). Every byte of every D rank is
+    compared: the rows of the tokens D registered for (per group: window, prefix) hold P's
+    pattern of that rank's heads, all else zero; controls: rank 0's bytes checked as rank
+    1's heads differ, and expecting one token less finds the extra token's bytes."""
+    e = engines(pool)
+    P, D = e[p_key], e[d_key]
+    assert P.tp != D.tp and P.layout.block_sizes != D.layout.block_sizes
+    for eng in (P, D):
+        eng.call_all("zero")
+    # errors of the pool's earlier tests (test_d_rank_never_registers): none may be added
+    errors = [st["errors"] for st in P.call_all("push_state") + D.call_all("push_state")]
+    rid = f"{pool}-{p_key}-{d_key}"
+    n = P.case.prompt_tokens
+    prompt = [1 + (i * 3 + len(rid)) % 900 for i in range(n)]
+    d_req, p_req = _start(P, D, prompt, rid)
+    _until_loaded(P, D, d_req)
+    if os.environ.get("HMACORE_TEST_TRANSPORT") == "mooncake":
+        # tests/mooncake/test_te_connector.py (HMACORE_TE_TP_ALL=1): TE posts no byte runs,
+        # so D's ranks refuse the remap at the handshake; P prefills without push
+        assert d_req.status == H.RequestStatus.FINISHED_ERROR
+        assert any("needs transport 'nixl'" in x for st in D.call_all("push_state")
+                   for x in st["errors"])
+        D.run_out()
+        P.run_out(timeout=90)
+        H.assert_no_leak(D.s)
+        H.assert_no_leak(P.s)
+        return
+    assert d_req.status != H.RequestStatus.FINISHED_ERROR
+    assert d_req.num_computed_tokens >= n - 1, "D recomputed instead of receiving the push"
+    reg = _registration(D, d_req.request_id)
+    lo, hi = token_ranges(D.layout, reg.num_tokens, reg.start_tokens)
+    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(d_req.request_id)]
+    for r, got in enumerate(D.call_all("check_tokens", table=table, lo=list(lo), hi=list(hi))):
+        assert got["bad"] == 0 and got["stray"] == 0 and got["checked"] > 0, (r, got)
+    short = [max(a, b - 1) for a, b in zip(lo, hi)]
+    assert D.ranks[-1].call("check_tokens", table=table, lo=list(lo), hi=short)["bad"] > 0
+    if D.tp == 2 and pool == "remap-gemma":
+        ctl = D.ranks[0].call("check_tokens", table=table, lo=list(lo), hi=list(hi), as_rank=1)
+        assert ctl["bad"] > 0
+    remapped = [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
+                if s.push_id == f"push-{rid}"]
+    assert remapped and all(s.regrain is not None for s in remapped)
+    D.run_out()
+    H.assert_no_leak(D.s)
+    P.run_out()
+    H.assert_no_leak(P.s)
+    sched = P.s.connector.scheduler
+    assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
+    steps = -(-n // P.case.vkw.get("max_num_batched_tokens", 256))
+    for r, st in enumerate(P.call_all("push_state")):
+        mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
+        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": steps,
+                         "consumers": REMAP_CONSUMERS[(pool, p_key, d_key)][r]}], (r, st)
+    for st, before in zip(P.call_all("push_state") + D.call_all("push_state"), errors):
+        assert st["errors"] == before and st["regs"] == st["pushes"] == st["expect"] == [], st
 
 
 # -- guards (one process, TP = 1 engines speaking the TP-aware handshake) --------------------

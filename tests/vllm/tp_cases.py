@@ -46,6 +46,10 @@ CASES = {
         150, vec=True),
     "dsv4": Case("dsv4", lambda tp: H.dsv4_like(num_blocks=600),
                  dict(max_num_batched_tokens=1024), 600),
+    # DeepSeek-V4-like at half the block sizes: a block-size remap peer of "dsv4" (push)
+    "dsv4-half": Case("dsv4-half", lambda tp: H.dsv4_like(num_blocks=1000,
+                                                          sizes=(128, 32, 32, 2, 4)),
+                      dict(max_num_batched_tokens=1024), 600),
 }
 
 

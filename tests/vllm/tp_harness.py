@@ -199,10 +199,13 @@ class TpEngine:
             r.kill()
 
 
-def engine_pool(prefix: str = "", extra: dict | None = None):
+def engine_pool(prefix: str = "", extra: dict | None = None,
+                pools: dict[str, tuple[tuple[str, str, int], ...]] | None = None):
     """Body of a module-scoped fixture: per case, three engines (TP 1, TP 2, a second TP 2)
     started together and reused by that case's tests (``get(case)`` -> {"tp1", "tp2",
-    "tp2b"}); a case's engines are closed when the next case starts, the rest at the end."""
+    "tp2b"}); a case's engines are closed when the next case starts, the rest at the end.
+    ``pools``: other engine sets by name, ``(key, tp_cases case, TP size)`` each (engines of
+    other block sizes in one start-up)."""
     live: dict[str, dict[str, TpEngine]] = {}
 
     def get(case: str) -> dict[str, TpEngine]:
@@ -210,9 +213,10 @@ def engine_pool(prefix: str = "", extra: dict | None = None):
             for old in live.pop(next(iter(live), None), {}).values() if live else ():
                 old.close()
             started = {}
+            default = (("tp1", case, 1), ("tp2", case, 2), ("tp2b", case, 2))
             try:
-                for key, tp in (("tp1", 1), ("tp2", 2), ("tp2b", 2)):
-                    started[key] = TpEngine(case, tp, f"{prefix}{case}-{key}", extra=extra)
+                for key, which, tp in (pools or {}).get(case, default):
+                    started[key] = TpEngine(which, tp, f"{prefix}{case}-{key}", extra=extra)
                 live[case] = {k: e.wait_ready() for k, e in started.items()}
             except Exception:
                 for e in started.values():

@@ -46,10 +46,13 @@ on ``side_channel_host:port + rank`` answers decode ranks.
   CANCEL is answered then (at once when nothing was posted or the push already ended).
 
 Units: block ids per group; descriptor ids from LayerPlan; times ``time.monotonic()`` seconds.
-PP = 1. Other block sizes (``block_size_remap``, default on) at equal TP sizes: P writes
-each layer as byte runs (:mod:`hmacore.regrain`) of the step's tokens D needs, planned in
-token ranges by the scheduler (``PushSave.regrain``); other TP sizes too are refused at the
-handshake (pull mode remaps across TP sizes).
+PP = 1. Other block sizes (``block_size_remap``, default on), at equal or different TP
+sizes: P writes each layer as byte runs (:mod:`hmacore.regrain`) of the step's tokens D
+needs, planned in token ranges by the scheduler (``PushSave.regrain``); across TP sizes the
+plan of each (P rank, consumer D rank) pairs only the chunks of the heads that D rank takes
+from this P rank (``RegrainPlan(tp=(mapping seen from D, P rank))``, as pull's per source
+rank). D checks at the handshake that a remap with each of its source ranks can be planned
+(HandshakeError naming the rank otherwise, e.g. head-sliced ``NHD`` pages).
 """
 from __future__ import annotations
 
@@ -61,11 +64,12 @@ import time
 from collections import deque
 from typing import Any
 
-from ....errors import ConfigError, HandshakeError, HmacoreError
+from ....errors import ConfigError, HandshakeError, HmacoreError, LayoutError
 from .._metrics import StatsCounter
 from ....layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState, \
     runs_by_layer
 from ....plan import TransferPlan
+from ....regrain import RegrainPlan
 from ....tp import TpMapping, TpPairPlan, consumer_ranks
 from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
 from ....transport.base import check_transport, make_desc_transport
@@ -93,6 +97,24 @@ _REG = b"REG:"
 _PING = b":PING"         # D -> P liveness probe (no push id); P drops it
 _CANCEL = b"CANCEL:"     # D -> P "<push_id>:CANCEL:<D agent>": D gave up on that push
 _CANCELLED = b"CANCELLED:"   # P -> D "<push_id>:CANCELLED:<P agent>": no WRITE of it in flight
+
+
+def _regrain_plan_with(src_layout: Any, src_plan: Any, src_pages: Any, dst_layout: Any,
+                       dst_plan: Any, dst_pages: Any, mapping: Any, src_rank: int, who: str,
+                       log: bool = True) -> Any:
+    """The RegrainPlan P rank ``src_rank`` -> one D rank (``mapping``: that D rank's
+    TpMapping at other TP sizes, else None). What a remap cannot plan (chunks whose bytes per
+    token differ, e.g. NHD pages head-sliced by TP; unmodelled CPU kernels) is a
+    HandshakeError naming ``who``."""
+    tp = None if mapping is None else (mapping, src_rank)
+    try:
+        if log:
+            return regrain_plan(src_layout, dst_layout, src_plan, dst_plan, src_pages,
+                                dst_pages, tp=tp)
+        return RegrainPlan(src_layout, dst_layout, src_plan, dst_plan, src_pages, dst_pages,
+                           tp=tp)
+    except LayoutError as e:
+        raise HandshakeError(f"block-size remap with {who}: {e}") from e
 
 
 class _Inbox:
@@ -289,6 +311,14 @@ class HmaPushWorker:
                     remote_rank=self.rank)
         return self._consumers_of[dtp]
 
+    def _mapping_of(self, d: int, dtp: int, page_layout: str) -> Any:
+        """P: the TpMapping of decode rank ``d`` of a TP-``dtp`` engine (None at equal TP)."""
+        if dtp == self.tp_size:
+            return None
+        assert self.tp is not None
+        return TpMapping(self.layout, self.tp.shardings, local_tp=dtp, local_rank=d,
+                         remote_tp=self.tp_size, page_layout=page_layout)
+
     def _accept_peers(self) -> None:
         """P: decode ranks that handshook (queued by the server thread) become NIXL peers; the
         ranks that read from this rank get a dlist pair (equal TP: whole pages; else this
@@ -313,11 +343,11 @@ class HmaPushWorker:
                 if dtp != 1 or self.tp_size != 1 or remap:
                     self._me.check_compatible(payload)   # TP-aware: one block-size ratio
                     if remap:
-                        self._check_remap(payload.block_sizes, dtp)
+                        self._check_remap(payload.block_sizes)
                 self.agent.add_remote(payload.agent_metadata)
                 if d in self._consumers(dtp):
                     if remap:
-                        self._add_regrain_peer(name, payload)
+                        self._add_regrain_peer(name, payload, d, dtp)
                     elif dtp == self.tp_size:
                         dplan = payload.remote_plan(self.layout)
                         self.agent.prep_pair(name, name, self.plan.descriptors(),
@@ -337,35 +367,38 @@ class HmaPushWorker:
             except Exception as e:  # noqa: BLE001 - hmacore and NIXL errors: refuse this peer
                 self._error(f"decode peer {name!r} not usable for push: {e}")
 
-    def _check_remap(self, sizes: Any, other_tp: int) -> None:
-        """Both sides: a peer of other block sizes pairs only through a block-size remap,
-        which push mode runs at equal TP sizes (HandshakeError naming the key and the rule)."""
+    def _check_remap(self, sizes: Any) -> None:
+        """Both sides: a peer of other block sizes pairs only through a block-size remap
+        (HandshakeError naming the key and the rule). Any pair of TP sizes: what a remap
+        cannot plan is refused when its plan is built (:func:`_regrain_plan_with`)."""
         mine = list(self.layout.block_sizes)
         if not self.block_size_remap:
             raise HandshakeError(f"block sizes {list(sizes)} differ from this engine's {mine} "
                                  "and kv_connector_extra_config.block_size_remap is false "
                                  "(remove it to remap)")
-        if other_tp != self.tp_size:
-            raise HandshakeError(f"block sizes {list(sizes)} differ from this engine's {mine} "
-                                 f"and the TP sizes differ too ({other_tp} vs {self.tp_size}): "
-                                 "transfer_mode='push' remaps block sizes between equal TP "
-                                 "sizes only; use transfer_mode='pull', which remaps across "
-                                 "TP sizes")
+        if self.transport != "nixl":
+            raise HandshakeError(f"block sizes {list(sizes)} differ from this engine's {mine}: "
+                                 "a block-size remap needs transport 'nixl' (this engine runs "
+                                 f"{self.transport!r}, which posts no byte runs); use equal "
+                                 "--block-size on both engines")
         if self.tp is None:
             raise HandshakeError("a block-size remap needs the TP-aware handshake; this "
                                  "worker has no TP description")
 
-    def _add_regrain_peer(self, name: str, payload: HandshakePayload) -> None:
-        """P: a decode rank of other block sizes is written by byte runs: one RegrainPlan
-        (P -> D) from both sides' page models, the layer of each region pair, and the peer's
-        registered memory for the runs' bounds (no dlist pair)."""
+    def _add_regrain_peer(self, name: str, payload: HandshakePayload, d: int, dtp: int) -> None:
+        """P: decode rank ``d`` (of a TP-``dtp`` engine) of other block sizes is written by
+        byte runs: one RegrainPlan (P -> D) from both sides' page models (other TP sizes: only
+        the chunks of the heads that rank takes from this one), the layer of each region
+        pair, and the peer's registered memory for the runs' bounds (no dlist pair)."""
         assert self.tp is not None and payload.tp is not None and self.plan is not None
         dlayout = payload.tp.kv_layout()
         dplan = TransferPlan.from_region_table(dlayout, payload.regions,
                                                mem_type=payload.mem_type)
-        plan = regrain_plan(self.layout, dlayout, self.plan, dplan,
-                            worker_pages(self.layout, self.plan, self.tp),
-                            payload_pages(payload, dplan))
+        plan = _regrain_plan_with(self.layout, self.plan, worker_pages(self.layout, self.plan,
+                                                                      self.tp),
+                                  dlayout, dplan, payload_pages(payload, dplan),
+                                  self._mapping_of(d, dtp, payload.tp.page_layout), self.rank,
+                                  f"decode rank {d} of TP {dtp} ({name!r})")
         pair_layer = plan.pair_layers(self.layers.layers)
         self.pusher.add_runs_peer(name)
         self.agent.add_runs_peer(name, dplan.registration_ranges())
@@ -397,7 +430,7 @@ class HmaPushWorker:
             if ptp != 1 or self.tp_size != 1 or remap:
                 self._me.check_compatible(payload)   # TP-aware: one block-size ratio
             if remap:
-                self._check_remap(payload.block_sizes, ptp)
+                self._check_remap(payload.block_sizes)
                 sizes = payload.block_sizes       # P writes through a block-size remap
             check_rank_peer(payload, r, ptp, f"{host}:{int(port) + r}", sizes,
                             f"expected rank {r} of TP {ptp} (rank r of a prefill engine "
@@ -405,13 +438,36 @@ class HmaPushWorker:
             got.append(payload)
             r += 1
         if ptp == self.tp_size:
-            return ptp, got, (self.rank,)
-        if self.tp is None:
+            from_ranks: tuple[int, ...] = (self.rank,)
+            mapping = None
+        elif self.tp is None:
             raise HandshakeError(f"prefill engine at {host}:{port} has TP {ptp}; this "
                                  "worker has no TP description")
-        mapping = TpMapping(self.layout, self.tp.shardings, local_tp=self.tp_size,
-                            local_rank=self.rank, remote_tp=ptp, page_layout=self.tp.page_layout)
-        return ptp, got, tuple(mapping.remote_ranks)
+        else:
+            mapping = TpMapping(self.layout, self.tp.shardings, local_tp=self.tp_size,
+                                local_rank=self.rank, remote_tp=ptp,
+                                page_layout=self.tp.page_layout)
+            from_ranks = tuple(mapping.remote_ranks)
+        if tuple(got[0].block_sizes) != tuple(self.layout.block_sizes):
+            self._check_regrain_sources(got, from_ranks, mapping)
+        return ptp, got, from_ranks
+
+    def _check_regrain_sources(self, got: list[HandshakePayload], from_ranks: tuple[int, ...],
+                               mapping: Any) -> None:
+        """D, on the handshake thread: P will WRITE through a block-size remap. Build the plan
+        each source rank builds for this rank: a pair that cannot be planned fails this
+        engine's requests now, with the reason (P refuses the same peer), not at
+        push_recv_timeout."""
+        assert self.tp is not None and self.plan is not None
+        mine = worker_pages(self.layout, self.plan, self.tp)
+        for r in from_ranks:
+            p = got[r]
+            assert p.tp is not None       # check_compatible: a remap is TP-aware
+            player = p.tp.kv_layout()
+            pplan = TransferPlan.from_region_table(player, p.regions, mem_type=p.mem_type)
+            _regrain_plan_with(player, pplan, payload_pages(p, pplan), self.layout, self.plan,
+                               mine, mapping, r, f"prefill rank {r} ({p.agent_name!r})",
+                               log=False)
 
     def _handshake_loop(self) -> None:
         """The handshake thread: one prefill address at a time, results to ``_hs_done``. It
