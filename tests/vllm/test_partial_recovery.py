@@ -198,7 +198,7 @@ def test_sync_failed_load_step_saves_nothing_and_the_recompute_saves_once(store_
     """A sync load computes the rest of the prompt in the step it loads: when a block of
     the load is lost that step's KV is built on it and vLLM drops it, so its save is
     skipped; the recompute from the safe point saves the lost block and the new blocks."""
-    prompt = saved_prompt("full", store_name, 150)       # 144 tokens = 9 blocks stored
+    saved_prompt("full", store_name, 150)                # 144 tokens = 9 blocks stored
     longer = [1 + i % 900 for i in range(200)]             # same first 150 tokens
     B = Engine("full", {"store_name": store_name})
     try:
@@ -233,6 +233,12 @@ def test_fail_policy_fails_that_request_alone(load_async, store_name):
         assert done and r.status == H.RequestStatus.FINISHED_ERROR
         assert other.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
         assert len(other.output_token_ids) == 3
+        # nothing recomputed the lost block: the store keeps the hole until a request
+        # computes that prefix again; that request's saves fill it
+        assert B.w.store.batch_exists(done[0]) == [0]
+        B.s.add_request(H.make_request("b2", prompt, B.hbs, max_tokens=2))
+        B.run()
+        assert_saved_again(B, done[0], prompt, 144, written=2 + 1)    # c's 2 blocks + it
     finally:
         B.close()
 
