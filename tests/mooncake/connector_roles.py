@@ -23,6 +23,10 @@ import numpy as np  # noqa: E402
 
 import harness as H  # noqa: E402
 import test_store_connector as T  # noqa: E402
+import test_partial_recovery as R  # noqa: E402
+
+# one KV cache group (full attention 16): the partial load vLLM is told of by block ids
+T.CASES.setdefault("full", (dict(), R.full_only, 150))
 
 
 def main(role: str, case: str, port: int) -> None:
@@ -85,7 +89,6 @@ def partial(case: str, fault: str, port: int) -> None:
     removed from the master between the scheduler's lookup and the worker's load; prints the
     recovery, what the request computed afterwards (tests/vllm/test_partial_recovery.py)
     and whether its recompute put the removed key back."""
-    import test_partial_recovery as R
     extra = {"store": "mooncake", "master": f"127.0.0.1:{port}", "connect_timeout_s": 20,
              "global_segment_size": 128 << 20, "load_async": True}
     _, _, n = T.CASES[case]
