@@ -29,9 +29,9 @@ from ..keys import MAX_GROUP_ID, KeyBuilder
 from ..spec import GroupKind
 from ..tables import as_block_table
 
-__all__ = ["OK", "PRESENT", "NO_SPACE", "INVALID", "NOT_FOUND", "RPC_FAIL", "KVStore", "EmbeddedStore",
-           "GroupSegments", "split_key", "lookup_hit", "save_blocks", "save_state", "load_blocks",
-           "load_blocks_failed", "SaveReport"]
+__all__ = ["OK", "PRESENT", "NO_SPACE", "INVALID", "NOT_FOUND", "RPC_FAIL", "KVStore",
+           "EmbeddedStore", "GroupSegments", "split_key", "lookup_hit", "save_blocks", "save_state",
+           "load_blocks", "load_blocks_failed", "SaveReport"]
 
 OK = 0
 PRESENT = 1      # save_state(if_absent=True): the key is there already, nothing written
