@@ -11,7 +11,7 @@ from hmacore.hits import HitFinder
 from hmacore.keys import KeyBuilder
 from hmacore.presets import get_preset
 from hmacore.spec import GroupKind, GroupSpec, KVLayout
-from hmacore.transport.store import (INVALID, NO_SPACE, NOT_FOUND, OK, EmbeddedStore,
+from hmacore.transport.store import (INVALID, NO_SPACE, NOT_FOUND, OK, PRESENT, EmbeddedStore,
                                      GroupSegments, load_blocks, lookup_hit,
                                      lookup_hit_indexed, save_blocks,
                                      save_state)
@@ -216,6 +216,13 @@ def test_mamba_states_go_through_boundary_puts():
     for g in (0, 1, 2):
         for s_arr, d_arr in zip(src.arrays[g], dst.arrays[g]):
             assert np.array_equal(s_arr[40 + g], d_arr[dst_t[g][2]])
+    # if_absent: a state already stored is not rewritten (its bytes stay the first put's)
+    puts = []
+    put = store.batch_put
+    store.batch_put = lambda k, p: puts.append(k) or put(k, p)
+    assert save_state(finder, keys, store, hs, T, 0, 7, src.segments[0], if_absent=True) == PRESENT
+    assert puts == []
+    assert save_state(finder, keys, store, hs, T, 0, 7, src.segments[0]) == OK and len(puts) == 1
     with pytest.raises(HashInputError, match="Mamba"):
         save_state(finder, keys, store, hs, T, 3, 1, src.segments[3])
 

@@ -29,11 +29,12 @@ from ..keys import MAX_GROUP_ID, KeyBuilder
 from ..spec import GroupKind
 from ..tables import as_block_table
 
-__all__ = ["OK", "NO_SPACE", "INVALID", "NOT_FOUND", "RPC_FAIL", "KVStore", "EmbeddedStore",
-           "GroupSegments", "split_key", "lookup_hit", "save_blocks", "save_state", "load_blocks",
-           "load_blocks_failed", "SaveReport"]
+__all__ = ["OK", "PRESENT", "NO_SPACE", "INVALID", "NOT_FOUND", "RPC_FAIL", "KVStore",
+           "EmbeddedStore", "GroupSegments", "split_key", "lookup_hit", "save_blocks", "save_state",
+           "load_blocks", "load_blocks_failed", "SaveReport"]
 
 OK = 0
+PRESENT = 1      # save_state(if_absent=True): the key is there already, nothing written
 NO_SPACE = -200
 INVALID = -600
 NOT_FOUND = -704
@@ -509,14 +510,15 @@ def save_blocks(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.
 
 def save_state(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.ndarray,
                num_tokens: int, group: int, block_id: int, segments: GroupSegments, *,
-               row_offset: int = 0) -> int:
+               row_offset: int = 0, if_absent: bool = False) -> int:
     """Boundary put of a Mamba (state) group: write block ``block_id`` (the state after
     ``align_length(num_tokens)`` tokens) under the key of that boundary's hash row.
 
     Align-mode Mamba tables are not append-only, so states are never saved positionally
     (``store_masks`` is all-zero for them); the caller hands the exact state block over.
     ``hashes`` holds the rows from ``row_offset`` on. Returns the store's code (OK,
-    NO_SPACE, ...); 0 tokens to name writes nothing (OK).
+    NO_SPACE, ...); 0 tokens to name writes nothing (OK). ``if_absent``: a key already
+    present is not rewritten (PRESENT), as ``save_blocks`` does.
     """
     if isinstance(block_id, (bool, np.bool_)) or not isinstance(block_id, (int, np.integer)):
         raise BlockTableError(f"block_id must be an int, got {type(block_id).__name__} {block_id!r}")
@@ -534,6 +536,8 @@ def save_state(finder: HitFinder, keys: KeyBuilder, store: KVStore, hashes: np.n
     k = keys.keys(g, finder.key_digests(hashes, g, np.array([row], dtype=np.int64)))
     parts = segments.parts([block_id])     # a bad id is the caller's error, not a store failure
     try:
+        if if_absent and int(list(store.batch_exists(k))[0]) == 1:
+            return PRESENT
         return int(list(store.batch_put(k, parts))[0])
     except Exception:
         return RPC_FAIL

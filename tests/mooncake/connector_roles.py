@@ -23,6 +23,10 @@ import numpy as np  # noqa: E402
 
 import harness as H  # noqa: E402
 import test_store_connector as T  # noqa: E402
+import test_partial_recovery as R  # noqa: E402
+
+# one KV cache group (full attention 16): the partial load vLLM is told of by block ids
+T.CASES.setdefault("full", (dict(), R.full_only, 150))
 
 
 def main(role: str, case: str, port: int) -> None:
@@ -83,8 +87,8 @@ def main(role: str, case: str, port: int) -> None:
 def partial(case: str, fault: str, port: int) -> None:
     """Role B of ``connector-partial-*``: the key of block ``fault`` ("group.index") is
     removed from the master between the scheduler's lookup and the worker's load; prints the
-    recovery and what the request computed afterwards (tests/vllm/test_partial_recovery.py)."""
-    import test_partial_recovery as R
+    recovery, what the request computed afterwards (tests/vllm/test_partial_recovery.py)
+    and whether its recompute put the removed key back."""
     extra = {"store": "mooncake", "master": f"127.0.0.1:{port}", "connect_timeout_s": 20,
              "global_segment_size": 128 << 20, "load_async": True}
     _, _, n = T.CASES[case]
@@ -97,6 +101,10 @@ def partial(case: str, fault: str, port: int) -> None:
     eng.step(before_load=hook)
     rep = eng.w.worker.recoveries.get("b")
     eng.run()
+    # the recompute saved the removed key again (nothing else: the keys that arrived are
+    # not rewritten), and a new request with the prompt hits the whole prefix again
+    again = H.make_request("again", prompt, eng.hbs, max_tokens=1)
+    resaved = bool(done) and all(e == 1 for e in eng.w.store.batch_exists(done[0]))
     first = next(i for i, sc in enumerate(eng.scheduled) if "b" in sc)
     prefill = sum(sc["b"] for sc, c in zip(eng.scheduled, eng.computed_before)
                   if "b" in sc and c["b"] < n)
@@ -106,7 +114,10 @@ def partial(case: str, fault: str, port: int) -> None:
                       "lands_at": rep.lands_at if rep else None,
                       "invalid": sorted(eng.invalid[0]),
                       "restart": eng.computed_before[first]["b"], "prefill": prefill,
-                      "status": r.status.name, "n": n}), flush=True)
+                      "status": r.status.name, "n": n, "resaved": resaved,
+                      "written": sum(eng.written),
+                      "again_hit": eng.s.connector.get_num_new_matched_tokens(again, 0)[0]}),
+          flush=True)
     eng.close()
 
 

@@ -57,6 +57,7 @@ class Engine:
         self.scheduled = []       # num_scheduled_tokens of every step
         self.computed_before = []  # rid -> num_computed_tokens when each step was scheduled
         self.invalid = []         # invalid block ids reported each step
+        self.written = []         # store keys the worker wrote each step
 
     @property
     def hbs(self):
@@ -76,6 +77,7 @@ class Engine:
             for rid in so.num_scheduled_tokens:
                 fill(self.kcc, self.caches, self.s.kv_cache_manager.get_block_ids(rid))
         w.wait_for_save()
+        self.written.append((w.worker.counters.take() or {}).get("store_keys_written", 0))
         r = w.get_transfer_results(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         self.invalid.append(invalid)
@@ -108,6 +110,16 @@ def saved_prompt(case, store_name, n):
         A.step(write=True)
     A.close()
     return prompt
+
+
+def assert_saved_again(engine, lost_keys, prompt, hit, written):
+    """After the recovery, the lost keys are in the store again, the request's saves wrote
+    ``written`` keys in all (the lost ones plus any never stored: a key that arrived is
+    never written twice), and a new request with ``prompt`` hits ``hit`` tokens."""
+    assert lost_keys and all(e == 1 for e in engine.w.store.batch_exists(lost_keys)), lost_keys
+    assert sum(engine.written) == written, engine.written
+    again = H.make_request("again", prompt, engine.hbs, max_tokens=1)
+    assert engine.s.connector.get_num_new_matched_tokens(again, 0)[0] == hit
 
 
 def remover(engine, rid, faults):
@@ -176,6 +188,31 @@ def test_full_attention_block_fault_recomputes_only_the_suffix(fault, load_async
         B.run()
         assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
         assert "b" in B.s.connector.scheduler.failed_recving or r.request_id not in B.s.requests
+        # the recomputed block whose key was lost is saved again, and nothing else
+        assert_saved_again(B, done[0], prompt, 144, written=1)
+    finally:
+        B.close()
+
+
+def test_sync_failed_load_step_saves_nothing_and_the_recompute_saves_once(store_name):
+    """A sync load computes the rest of the prompt in the step it loads: when a block of
+    the load is lost that step's KV is built on it and vLLM drops it, so its save is
+    skipped; the recompute from the safe point saves the lost block and the new blocks."""
+    saved_prompt("full", store_name, 150)                # 144 tokens = 9 blocks stored
+    longer = [1 + i % 900 for i in range(200)]             # same first 150 tokens
+    B = Engine("full", {"store_name": store_name})
+    try:
+        r = H.make_request("b", longer, B.hbs, max_tokens=2)
+        B.s.add_request(r)
+        hook, done = remover(B, "b", [(0, 5)])
+        B.step(before_load=hook)
+        assert done and B.scheduled[-1]["b"] == 200 - 144 and r.num_computed_tokens == 80
+        assert B.written == [0]              # blocks 9..11 were computed on the lost block 5
+        B.step()
+        assert B.computed_before[-1]["b"] == 80 and B.written[-1] == 4   # 5 and 9..11
+        B.run()
+        assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        assert_saved_again(B, done[0], longer, 192, written=4)
     finally:
         B.close()
 
@@ -196,6 +233,12 @@ def test_fail_policy_fails_that_request_alone(load_async, store_name):
         assert done and r.status == H.RequestStatus.FINISHED_ERROR
         assert other.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
         assert len(other.output_token_ids) == 3
+        # nothing recomputed the lost block: the store keeps the hole until a request
+        # computes that prefix again; that request's saves fill it
+        assert B.w.store.batch_exists(done[0]) == [0]
+        B.s.add_request(H.make_request("b2", prompt, B.hbs, max_tokens=2))
+        B.run()
+        assert_saved_again(B, done[0], prompt, 144, written=2 + 1)    # c's 2 blocks + it
     finally:
         B.close()
 
@@ -272,6 +315,8 @@ def test_multi_group_fault_reloads_the_prefix_intact_in_every_group(name, store_
                       if "b" in s and c["b"] < n)
         assert prefill == n - second
         assert r.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        # the recompute saved the lost key again (in the group it belongs to), nothing else
+        assert_saved_again(B, done[0], prompt, first, written=1)
     finally:
         B.close()
 

@@ -56,8 +56,9 @@ class StoreSave:
 
 @dataclasses.dataclass
 class HmaStoreConnectorMetadata(KVConnectorMetadata):
-    """Per-step metadata of :class:`HmaStoreConnector` (a request never both loads and saves
-    in one step: loads come at allocation, saves once its tokens are computed)."""
+    """Per-step metadata of :class:`HmaStoreConnector`. Loads come at allocation, saves once
+    a request's tokens are computed: a sync load's request also saves the rest of its prompt
+    in the step it loads (the worker skips that save when the load failed)."""
 
     loads: dict[str, StoreLoad] = dataclasses.field(default_factory=dict)
     saves: dict[str, StoreSave] = dataclasses.field(default_factory=dict)

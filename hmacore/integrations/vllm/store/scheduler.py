@@ -17,7 +17,11 @@ store finds them again.
   :class:`~.metadata.StoreLoad`.
 * ``build_connector_meta``: per scheduled request, a :class:`~.metadata.StoreSave` of the
   tokens that become computed in this step, aligned down to the hit alignment, from the
-  request's save watermark on (loaded tokens are not saved again).
+  request's save watermark on (loaded tokens are not saved again). When a load fails in
+  part and vLLM restarts the request at a safe point (invalid block ids), saves start again
+  at the first reported block: the recompute saves the blocks whose keys were lost, and
+  ``save_blocks`` skips every key still present (those that arrived are not written
+  twice). A request restarted from 0 (``failed_recving``) has its watermark reset to 0.
   Mamba (align mode) groups: when the step ends exactly on an aligned boundary, the block
   holding the state after it is handed over for a boundary put (``save_state``); other
   boundaries are never materialised by vLLM and are not saved.
@@ -128,6 +132,10 @@ class HmaStoreScheduler(TableFollower):
         # rid -> the block ids its load writes, until the request ends: a load reported
         # through invalid block ids is never retried (a short get would fail again)
         self._loading: dict[str, frozenset[int]] = {}
+        # rid -> the token saves start from again, below its save watermark: vLLM restarted
+        # it at a safe point under the loaded hit, and what it recomputes from there may
+        # include blocks whose keys were lost (the store would keep a hole there)
+        self._resave: dict[str, int] = {}
         self.stats = {"lookups": 0, "hit_tokens": 0, "loads": 0, "saves": 0}
         self.counters = StatsCounter()     # vLLM's stats / /metrics (_metrics.py)
         self._index_ns = self._index_namespace()
@@ -221,6 +229,7 @@ class HmaStoreScheduler(TableFollower):
             self._hits.pop(rid, None)
             self._loading.pop(rid, None)    # its blocks were freed: ids may be reused
             self._hit_requests.pop(rid, None)
+            self._resave.pop(rid, None)     # preempt resets its watermark to 0
         scheduled = scheduler_output.num_scheduled_tokens
         for rid in self._follow_step(scheduler_output):
             if self.do_save:
@@ -251,7 +260,8 @@ class HmaStoreScheduler(TableFollower):
         done = int(req.num_computed_tokens) + num_scheduled
         done = min(done, len(req.block_hashes) * h)      # keys need hash rows
         end = finder.align_length(done)
-        start = self.trackers.saved_tokens(rid)
+        saved = self.trackers.saved_tokens(rid)
+        start = min(saved, self._resave.get(rid, saved))
         if end <= start:
             return None
         views = self.trackers.block_ids(rid, copy=False)
@@ -272,7 +282,11 @@ class HmaStoreScheduler(TableFollower):
             if g in finder.group_ids:
                 row0 = min(row0, lo * (bs // h))
         raw = b"".join(req.block_hashes[row0:end // h])
-        self.trackers.set_saved_tokens(rid, end)
+        if end >= saved:
+            self.trackers.set_saved_tokens(rid, end)
+            self._resave.pop(rid, None)
+        else:      # still re-saving below the watermark
+            self._resave[rid] = end
         self.stats["saves"] += 1
         self.counters.add("store_saves")
         states = []
@@ -303,6 +317,7 @@ class HmaStoreScheduler(TableFollower):
             for rid, ids in self._loading.items():
                 if ids & invalid:
                     self.failed_recving.add(rid)   # vLLM restarts it; never re-load it
+                    self._resave_from_invalid(rid, invalid)
         for rid in connector_output.failed_recving or ():
             tries = self._retries.get(rid, 0)
             if tries < self.load_retries:
@@ -313,10 +328,29 @@ class HmaStoreScheduler(TableFollower):
             self._loading.pop(rid, None)      # vLLM frees its blocks (or fails it)
             self._hits.pop(rid, None)
             self._hit_requests.pop(rid, None)
+            self._resave.pop(rid, None)
             if rid in self.trackers:
                 # vLLM frees and reallocates (recompute policy): the next full table replaces
                 # ours; nothing was loaded, so nothing counts as saved.
                 self.trackers.preempt(rid)
+
+    def _resave_from_invalid(self, rid: str, invalid: set[int]) -> None:
+        """Saves of ``rid`` start again at its first block vLLM was told is invalid: vLLM
+        restarts the request there (the landing block of ``plan_vllm_report``) and the
+        blocks from there on, whose keys may be lost, are recomputed."""
+        if rid not in self.trackers:
+            return
+        saved = self.trackers.saved_tokens(rid)
+        point = saved
+        for g, view in enumerate(self.trackers.block_ids(rid, copy=False)):
+            if not view.size:
+                continue
+            bad = np.flatnonzero(np.isin(view, np.fromiter(invalid, dtype=view.dtype)))
+            if bad.size:
+                point = min(point, int(bad[0]) * self.finder.block_sizes[g])
+        point = self.finder.align_length(point)
+        if point < saved:
+            self._resave[rid] = min(point, self._resave.get(rid, saved))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """Forget the request; never delays the free (saves completed in their step)."""
@@ -329,5 +363,6 @@ class HmaStoreScheduler(TableFollower):
         self._loads.pop(rid, None)
         self._loading.pop(rid, None)
         self._retries.pop(rid, None)
+        self._resave.pop(rid, None)
         self.failed_recving.discard(rid)
         return False, None

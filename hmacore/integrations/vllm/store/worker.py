@@ -20,6 +20,9 @@
   load is reported in ``finished_recving`` and ``failed_recving`` (vLLM restarts it from 0);
   a sync load raises (with several KV cache groups vLLM 0.32/0.33 has no per-request path
   for a sync load; it refuses invalid block ids). See docs/vllm.md, "Partial load failures".
+  A sync load computes the rest of the prompt in its own step: when the load failed, that
+  step's save is skipped (its KV was computed on the blocks that did not arrive and vLLM
+  drops it); the scheduler side saves the recompute again from the restart point.
 
 Single worker (TP = PP = 1), like HmaNixlConnector.
 """
@@ -37,7 +40,7 @@ from ....keys import KeyBuilder
 from ....plan import _layer_parts
 from ....recovery import UNKNOWN, VllmReport, plan_vllm_report
 from ....spec import GroupKind
-from ....transport.store import NO_SPACE, OK, GroupSegments, SaveReport, \
+from ....transport.store import NO_SPACE, OK, PRESENT, GroupSegments, SaveReport, \
     save_blocks, save_state, load_blocks_failed
 from .metadata import HmaStoreConnectorMetadata, StoreLoad, StoreSave
 from .. import _compat as C
@@ -116,6 +119,8 @@ class HmaStoreWorker:
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()   # for get_block_ids_with_load_errors
+        # requests whose load failed in this step: their save of the step is not written
+        self._failed_loads: set[str] = set()
         # rid -> the recovery of its last partially failed load (tests, debugging)
         self.recoveries: dict[str, VllmReport] = {}
         self.last_saves: dict[str, SaveReport] = {}
@@ -204,6 +209,7 @@ class HmaStoreWorker:
         return rep
 
     def start_load_kv(self, meta: HmaStoreConnectorMetadata) -> None:
+        self._failed_loads = set()
         for rid, ld in meta.loads.items():
             hit, failed = self._load(ld)
             ok = hit is not None and not failed
@@ -211,6 +217,7 @@ class HmaStoreWorker:
                 self._done_recving.add(rid)
             if ok:
                 continue
+            self._failed_loads.add(rid)
             self.counters.add("store_load_failures")
             rep = self._recovery(ld, hit, failed)
             if rep is not None and not rep.per_request:
@@ -239,7 +246,11 @@ class HmaStoreWorker:
                               row_offset=sv.row_offset, block_offsets=sv.block_offsets)
             for g, block in sv.state_blocks:
                 code = save_state(self.finder, self.keys, self.store, hashes, sv.num_tokens, g,
-                                  block, self._need_segments()[g], row_offset=sv.row_offset)
+                                  block, self._need_segments()[g], row_offset=sv.row_offset,
+                                  if_absent=True)
+                if code == PRESENT:     # a state that arrived (or was saved) is not rewritten
+                    rep.present += 1
+                    continue
                 if code == OK:
                     rep.written += 1
                 elif code == NO_SPACE:
@@ -254,6 +265,7 @@ class HmaStoreWorker:
         return rep
 
     def wait_for_save(self, meta: HmaStoreConnectorMetadata) -> None:
+        failed_loads, self._failed_loads = self._failed_loads, set()
         if not meta.saves:
             return
         # the embedded stores count their evictions (the shared one host-wide: what this
@@ -261,6 +273,11 @@ class HmaStoreWorker:
         # Mooncake evicts in its master, out of sight here
         ev0 = getattr(self.store, "evictions", None)
         for rid, sv in meta.saves.items():
+            if rid in failed_loads:
+                # computed on blocks that did not arrive; vLLM drops this step of it and the
+                # recompute is saved from the restart point (scheduler side)
+                logger.warning("store save of %s skipped: its load failed in this step", rid)
+                continue
             rep = self.last_saves[rid] = self._save(sv)
             self.counters.add("store_keys_written", rep.written)
             self.counters.add("store_keys_failed", rep.failed + len(rep.refused_keys))
