@@ -358,6 +358,15 @@ cdef class SharedResidency:
         self._s_keys = NULL
         self._s_cap = 0
 
+    cdef Py_ssize_t _clear_row(self, Py_ssize_t n) except -1:
+        """Scratch row ``n`` becomes an AllBlocksCleared row (op 0); the next row's index."""
+        if self._grow_scratch(n + 1) < 0:
+            raise MemoryError("KV events: no memory for the batch's rows")
+        self._s_ops[n] = 0
+        self._s_groups[n] = 0
+        memset(self._s_keys + n * self.digest_size, 0, self.digest_size)
+        return n + 1
+
     cdef int _grow_scratch(self, Py_ssize_t rows) noexcept nogil:
         """Room for ``rows`` scratch rows (contents kept); -1 if out of memory."""
         cdef Py_ssize_t cap = self._s_cap if self._s_cap else 64
@@ -789,12 +798,7 @@ cdef class SharedResidency:
             i += 1
             t = type_of(ev)
             if t == pc:
-                if self._grow_scratch(n + 1) < 0:
-                    raise MemoryError("KV events: no memory for the batch's rows")
-                self._s_ops[n] = 0
-                self._s_groups[n] = 0
-                memset(self._s_keys + n * ds, 0, ds)
-                n += 1
+                n = self._clear_row(n)
                 cleared[0] += 1
                 continue
             if t == ps:
@@ -938,12 +942,7 @@ cdef class SharedResidency:
                     raise ValueError("events changed while being applied")
                 ev = events[i]
                 if type(ev) is t_cleared:
-                    if self._grow_scratch(n + 1) < 0:
-                        raise MemoryError("KV events: no memory for the batch's rows")
-                    self._s_ops[n] = 0
-                    self._s_groups[n] = 0
-                    memset(self._s_keys + n * ds, 0, ds)
-                    n += 1
+                    n = self._clear_row(n)
                     cleared += 1
                     continue
                 if type(ev) is t_stored:

@@ -212,3 +212,28 @@ def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
 def total(samples: dict[str, float], name: str) -> float:
     """Sum of a series over its labels (engines, groups)."""
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def post_json(url: str, body: dict, timeout: float = 300.0) -> tuple[dict, dict]:
+    """``(headers, decoded JSON answer)`` of one POST."""
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return dict(r.headers), json.loads(r.read())
+
+
+def router_score(url: str, prompt: list[int]) -> dict[str, int]:
+    """docs/examples/kv_router.py's predicted hit per engine for ``prompt``."""
+    return post_json(url + "/router/score", {"prompt": prompt}, timeout=30)[1]
+
+
+def wait_router_score(url: str, prompt: list[int], engine: str, pred,
+                      wait_s: float = 120.0) -> dict[str, int]:
+    """KV events arrive after the answer: wait (bounded) until the router's index shows
+    them (``pred`` of ``engine``'s score), or the bound passes; the last scores."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        s = router_score(url, prompt)
+        if pred(s[engine]) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import urllib.request
 import zlib
 
@@ -26,9 +25,8 @@ import pytest
 from hmacore.demo.engine_driver import make_prompts
 from hmacore.demo.tiny_model import write_tiny_model
 from ports import free_port
-from serve_harness import ROOT, Server, vllm_serve
+from serve_harness import ROOT, Server, post_json, router_score, vllm_serve, wait_router_score
 
-WAIT = 120.0
 BS = 32                  # serve_harness's --block-size
 # the tiny gemma2's KV cache groups as vLLM orders them: its first layer slides, so the
 # sliding-window group is group 0 (the router checks every BlockStored's kv_cache_spec_kind
@@ -37,34 +35,19 @@ LAYOUT = {"groups": [{"kind": "sliding_window", "block_size": BS, "sliding_windo
                      {"kind": "full", "block_size": BS}]}
 
 
-def post(url: str, body: dict, timeout: float = 300.0) -> tuple[dict, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return dict(r.headers), json.loads(r.read())
 
 
 def complete(url: str, prompt: list[int]) -> tuple[str, int, int]:
     """(engine it went to, predicted hit, engine's cached tokens) of one routed request."""
-    headers, out = post(url + "/v1/completions", {
+    headers, out = post_json(url + "/v1/completions", {
         "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
         "ignore_eos": True})
     cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
     return headers["x-routed-to"], int(headers["x-predicted-hit"]), int(cached)
 
 
-def score(url: str, prompt: list[int]) -> dict[str, int]:
-    return post(url + "/router/score", {"prompt": prompt}, timeout=30)[1]
 
 
-def wait_score(url: str, prompt: list[int], engine: str, pred) -> dict[str, int]:
-    """Events arrive after the answer: wait (bounded) until the index shows them."""
-    deadline = time.monotonic() + WAIT
-    while True:
-        s = score(url, prompt)
-        if pred(s[engine]) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.2)
 
 
 def test_router_sends_prompts_to_the_engine_holding_their_prefix(tmp_path):
@@ -98,21 +81,21 @@ def test_router_sends_prompts_to_the_engine_holding_their_prefix(tmp_path):
 
         # 1. a repeated prompt: first to a (tie), then to a with the predicted hit cached
         assert complete(url, p1) == ("a", 0, 0)
-        s = wait_score(url, p1, "a", lambda v: v > 0)
+        s = wait_router_score(url, p1, "a", lambda v: v > 0)
         assert s["a"] == 192 and s["b"] == 0, s         # 6 full blocks (capped at 199)
         assert complete(url, p1) == ("a", 192, 192)
 
         # 2. b learns q1 from its own traffic; q2 continues q1 (a second turn): it goes to b.
         # (A prompt sharing only q1's first blocks would hit nowhere: the sliding-window
         # group keeps the blocks of the window at q1's end only, and the index knows it.)
-        post(b.url + "/v1/completions", {"model": "tiny", "prompt": q1, "max_tokens": 2})
+        post_json(b.url + "/v1/completions", {"model": "tiny", "prompt": q1, "max_tokens": 2})
         q2 = q1 + fresh
-        s = wait_score(url, q2, "b", lambda v: v > 0)
+        s = wait_router_score(url, q2, "b", lambda v: v > 0)
         assert s["a"] == 0 and s["b"] == 224, s         # q1's 7 full blocks
         assert complete(url, q2) == ("b", 224, 224)
-        assert score(url, q1[:160] + fresh)["b"] == 0   # see above
+        assert router_score(url, q1[:160] + fresh)["b"] == 0   # see above
         # streamed, passed through as it arrives; q2 now fully on b
-        s = wait_score(url, q2, "b", lambda v: v > 224)
+        s = wait_router_score(url, q2, "b", lambda v: v > 224)
         req = urllib.request.Request(url + "/v1/completions", json.dumps({
             "model": "tiny", "prompt": q2, "max_tokens": 4, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}).encode(),
@@ -134,8 +117,8 @@ def test_router_sends_prompts_to_the_engine_holding_their_prefix(tmp_path):
             assert r.status == 200
         # vLLM publishes a step's events after the step: an idle engine's AllBlocksCleared
         # leaves with its next request (10 tokens: less than a block, nothing stored)
-        post(b.url + "/v1/completions", {"model": "tiny", "prompt": fresh[:10], "max_tokens": 1})
-        s = wait_score(url, q2, "b", lambda v: v == 0)
+        post_json(b.url + "/v1/completions", {"model": "tiny", "prompt": fresh[:10], "max_tokens": 1})
+        s = wait_router_score(url, q2, "b", lambda v: v == 0)
         assert s == {"a": 0, "b": 0}, s
         assert complete(url, q2) == ("a", 0, 0)
 

@@ -41,7 +41,8 @@ import pytest
 from hmacore.demo.engine_driver import make_prompts
 from hmacore.demo.tiny_model import write_tiny_model
 from ports import free_port, free_ports
-from serve_harness import ROOT, Server, scrape, vllm_serve
+from serve_harness import (ROOT, Server, post_json, router_score, scrape, vllm_serve,
+                           wait_router_score)
 
 WAIT = 120.0
 MAX_TOKENS = 12
@@ -62,11 +63,6 @@ FAILED = _P[7]                       # 4. after p is stopped
 REFERENCE = [*ROUND, STREAMED, Q2, FAILED]
 
 
-def post(url: str, body: dict, timeout: float = 300.0) -> tuple[dict, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return dict(r.headers), json.loads(r.read())
 
 
 def request(prompt: list[int], **kw) -> dict:
@@ -78,7 +74,7 @@ def routed(url: str, prompt: list[int], stream: bool = False,
            **kw) -> tuple[dict, list[int], dict]:
     """(headers, token ids, usage) of one request through the router."""
     if not stream:
-        headers, out = post(url + "/v1/completions", request(prompt, **kw))
+        headers, out = post_json(url + "/v1/completions", request(prompt, **kw))
         return headers, out["choices"][0]["token_ids"], out["usage"]
     req = urllib.request.Request(url + "/v1/completions", json.dumps(request(
         prompt, stream=True, stream_options={"include_usage": True}, **kw)).encode(),
@@ -92,18 +88,8 @@ def routed(url: str, prompt: list[int], stream: bool = False,
     return headers, ids, events[-1]["usage"]
 
 
-def score(url: str, prompt: list[int]) -> dict[str, int]:
-    return post(url + "/router/score", {"prompt": prompt}, timeout=30)[1]
 
 
-def wait_score(url: str, prompt: list[int], engine: str, pred) -> dict[str, int]:
-    """Events arrive after the answer: wait (bounded) until the index shows them."""
-    deadline = time.monotonic() + WAIT
-    while True:
-        s = score(url, prompt)
-        if pred(s[engine]) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.2)
 
 
 def sources(server: Server) -> dict[str, float]:
@@ -176,16 +162,16 @@ def fleet(tmp_path_factory):
         # the single engine's tokens: p alone, plain requests (no transfer)
         ref = {}
         for q in REFERENCE:
-            ref[tuple(q)] = post(p.url + "/v1/completions", request(q))[1]["choices"][0][
+            ref[tuple(q)] = post_json(p.url + "/v1/completions", request(q))[1]["choices"][0][
                 "token_ids"]
         # ... then nothing cached anywhere: p's prefix cache reset; its AllBlocksCleared
         # leaves with its next step (a request shorter than a block stores nothing)
         req = urllib.request.Request(p.url + "/reset_prefix_cache", method="POST")
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200
-        post(p.url + "/v1/completions", request(FAILED[:10], max_tokens=1))
+        post_json(p.url + "/v1/completions", request(FAILED[:10], max_tokens=1))
         for q in REFERENCE:
-            s = wait_score(url, q, "p", lambda v: v == 0)
+            s = wait_router_score(url, q, "p", lambda v: v == 0)
             assert s == {"p": 0, "d1": 0, "d2": 0}, s
         yield {"procs": procs, "url": url, "ref": ref}
     finally:
@@ -212,14 +198,14 @@ def test_tokens_through_the_router_equal_a_single_engines(fleet):
                                    "external_kv_transfer": 0}
         assert d1.moved(len(q)) == {"local_compute": 0, "local_cache_hit": 0,
                                     "external_kv_transfer": len(q)}
-        wait_score(url, q, "d1", lambda v: v > 0 or len(q) <= BS)
+        wait_router_score(url, q, "d1", lambda v: v > 0 or len(q) <= BS)
 
 
 def test_decode_engine_picked_by_its_hit(fleet):
     url, ref, procs = fleet["url"], fleet["ref"], fleet["procs"]
     # d2 computes Q1 itself (a plain request): the router learns it from d2's events only
-    post(procs["d2"].url + "/v1/completions", request(Q1, max_tokens=2))
-    s = wait_score(url, Q2, "d2", lambda v: v > 0)
+    post_json(procs["d2"].url + "/v1/completions", request(Q1, max_tokens=2))
+    s = wait_router_score(url, Q2, "d2", lambda v: v > 0)
     assert s == {"p": 0, "d1": 0, "d2": 224}, s            # Q1's 7 full blocks
     d2 = Split(procs["d2"])
     headers, ids, usage = routed(url, Q2)
@@ -231,7 +217,7 @@ def test_decode_engine_picked_by_its_hit(fleet):
                                  "external_kv_transfer": len(Q2) - 224}
     # and the other way: a prompt d1 loaded from p in the first test goes back to d1
     q = ROUND[3]
-    s = score(url, q)
+    s = router_score(url, q)
     assert s["d1"] > 0 and s["d2"] == 0, s
     d1 = Split(procs["d1"])
     headers, ids, usage = routed(url, q)
@@ -245,7 +231,7 @@ def test_decode_engine_picked_by_its_hit(fleet):
 def test_prefill_hit_equals_prefill_engines_cached_tokens(fleet):
     url, ref, procs = fleet["url"], fleet["ref"], fleet["procs"]
     q = ROUND[2]            # prefilled by p in the first test: p holds it
-    s = score(url, q)
+    s = router_score(url, q)
     assert s["p"] == 128, s             # 4 full blocks of 150 tokens
     p = Split(procs["p"])
     headers, ids, usage = routed(url, q)
@@ -261,7 +247,7 @@ def test_failed_prefill_leg_decode_computes_the_prompt(fleet):
     url, ref, procs = fleet["url"], fleet["ref"], fleet["procs"]
     procs["p"].close()
     q = FAILED
-    s = score(url, q)
+    s = router_score(url, q)
     assert s == {"p": 0, "d1": 0, "d2": 0}, s
     d1 = Split(procs["d1"])
     headers, ids, usage = routed(url, q)

@@ -94,13 +94,7 @@ def test_pd_pull_moves_the_right_bytes(case):
         assert sum(len(g) for g in only) > 0
         D.d.run()
         H.assert_no_leak(D.s)
-        # P frees once D's "done" notification arrives
-        deadline = time.monotonic() + 20
-        while P.s.requests:
-            assert time.monotonic() < deadline, "P never saw D's notification"
-            P.d.step()
-        H.assert_no_leak(P.s)
-        assert P.s.connector.scheduler.leases() == {}
+        drain_p(P)
     finally:
         P.close()
         D.close()
@@ -140,11 +134,14 @@ def p_prefill(P, n, rid="req"):
 
 
 def drain_p(P):
+    """P frees every request once D's "done" notification arrives (bounded: 20 s, under a
+    30 s lease): nothing leaked, no lease left."""
     deadline = time.monotonic() + 20
     while P.s.requests:
         assert time.monotonic() < deadline, "P never saw D's notification"
         P.d.step()
     H.assert_no_leak(P.s)
+    assert P.s.connector.scheduler.leases() == {}
 
 
 @contextlib.contextmanager
