@@ -125,11 +125,16 @@ class Step:
             for _ in range(ng):
                 obj, m, form = group(d, self.nb, 6)
                 per.append(obj)
-                if form in ARRAY_FORMS or m is None or \
-                        not all(is_int(v) and 0 <= v < self.nb for v in m):
-                    m = None                         # the rule: lists of ints in the pool
-                elif form not in ("list", "tuple"):
-                    strict = False                   # NumPy / int-subclass elements: open
+                if form in ARRAY_FORMS:
+                    m = None                         # the rule: lists (or tuples) only
+                else:
+                    # element by element (a pushing request's ids are read only where the
+                    # consumer holds a block): an int id, or None (junk, refused if read);
+                    # (m is None only for the "junk" form, which holds no ShrinkingInt)
+                    m = [int(v) if is_int(v) else None for v in obj] if m is None \
+                        else list(m)
+                    if form not in ("list", "tuple"):
+                        strict = False               # NumPy / int-subclass elements: open
                 per_m.append(m)
             out.append(d.pick((list, tuple))(per))
             meaning.append(per_m if ng == self.G and all(m is not None for m in per_m)
@@ -257,17 +262,27 @@ class Step:
         for r, n, sp, sm, (tm, canonical) in zip(rmean, nmean, spans, smean, tmean):
             if sm is BAD:
                 return None
+            if sp is not None and (tm is None or any(v >= 2**31 for g in tm for v in g)):
+                return None
             if n is not None:
                 if states[r] == PREEMPTED and any(n):
                     return None
                 for g in range(self.G):
-                    tables[r][g].extend(int(v) for v in n[g])
+                    # sparse appends (TrackerSet.step_pairs): with a span, an id is read
+                    # (and checked) only where the consumer's table holds a block; 0 elsewhere
+                    mask = None if sp is None else tm[g]
+                    base = len(tables[r][g])
+                    for j, v in enumerate(n[g]):
+                        if mask is not None and not (base + j < len(mask) and mask[base + j]):
+                            tables[r][g].append(0)
+                        elif v is None or not 0 <= v < self.nb:
+                            return None
+                        else:
+                            tables[r][g].append(v)
             states[r] = RUNNING
             if sp is None:
                 pairs += [[]] * self.G
                 continue
-            if tm is None or any(v >= 2**31 for g in tm for v in g):
-                return None
             if strict and (not canonical or any(v < 0 for g in tm for v in g)):
                 return None
             if any(_neg_in_span(t, tables[r][g], zmean[g], sm) for g, t in enumerate(tm)):

@@ -180,6 +180,20 @@ def test_find_runs_refuses_bool_and_float_ids_in_lists():
     assert find_runs(t, [0, np.int64(1)], t, [2, 3]).num_runs == 1
 
 
+def test_find_runs_links_a_start_address_per_device():
+    # fuzz finding (runs, 26 Nov): the same address registered on two devices counted as "a
+    # start seen twice", so nothing was linked to either and a run split in two
+    from hmacore.runs import desc_table, find_runs
+    rows = [[4096 * i, 4096, dev] for i in range(4) for dev in (1, 7)]   # dev 1 and 7 alike
+    t = desc_table(np.array(rows, dtype=np.uint64))
+    ids = [2 * i + 1 for i in range(4)]                    # device 7's four pages, in order
+    got = find_runs(t, ids, t, ids)
+    assert got.num_runs == 1 and got.local.tolist() == [[0, 4 * 4096, 7]]
+    both = find_runs(t, list(range(8)), t, list(range(8)))
+    assert both.num_runs == 2 and sorted(both.local.tolist()) == [[0, 16384, 1],
+                                                                  [0, 16384, 7]]
+
+
 def test_buffer_runs_bad_values_are_block_table_errors():
     from hmacore.runs import buffer_runs
     for parts in ([[(2.5, 4)]], [[(0, 4.0)]], [[(2**64, 1)]], [[(2**64 - 4, 4)]],

@@ -289,47 +289,60 @@ cdef inline uint64_t _slot(uint64_t key, int bits) noexcept nogil:
     return (key * <uint64_t>0x9E3779B97F4A7C15) >> (64 - bits)
 
 
+cdef inline uint64_t _start_key(uint64_t start, int64_t kind) noexcept nogil:
+    # a start address is only unique on its device and domain (``kind``)
+    return start ^ (<uint64_t>kind * <uint64_t>0xC2B2AE3D27D4EB4F)
+
+
 cdef int _chain(Piece* pc, int64_t P, int64_t* breaks) noexcept nogil:
     """Pass 2: link piece p to the piece starting where p ends on both sides (same device
-    and domain). Starts seen twice (overlapping input) are never linked. ``breaks`` counts
-    links whose descriptor ids are not consecutive. 0, or -1 (no memory)."""
+    and domain). Starts seen twice on one device and domain (overlapping input) are never
+    linked; the same address on two devices is two starts. ``breaks`` counts links whose
+    descriptor ids are not consecutive. 0, or -1 (no memory)."""
     cdef int bits = 1
     while (<int64_t>1 << bits) < 2 * P:
         bits += 1
     cdef uint64_t cap = (<uint64_t>1) << bits, mask = cap - 1, h
     cdef uint64_t* keys = <uint64_t*>malloc(cap * sizeof(uint64_t))
+    cdef int64_t* kinds = <int64_t*>malloc(cap * sizeof(int64_t))
     cdef int64_t* vals = <int64_t*>malloc(cap * sizeof(int64_t))
-    if keys == NULL or vals == NULL:
+    if keys == NULL or kinds == NULL or vals == NULL:
         free(keys)
+        free(kinds)
         free(vals)
         return -1
-    cdef int64_t i, q
+    cdef int64_t i, q, k
     cdef uint64_t e
     for h in range(cap):
         vals[h] = -1
     for i in range(P):
-        h = _slot(pc[i].lstart, bits)
-        while vals[h] != -1 and keys[h] != pc[i].lstart:
+        e = pc[i].lstart
+        k = pc[i].lkind
+        h = _slot(_start_key(e, k), bits)
+        while vals[h] != -1 and (keys[h] != e or kinds[h] != k):
             h = (h + 1) & mask
         if vals[h] == -1:
-            keys[h] = pc[i].lstart
+            keys[h] = e
+            kinds[h] = k
             vals[h] = i
         else:
             vals[h] = -2                # a start seen twice: link nothing to it
     for i in range(P):
         e = pc[i].lstart + pc[i].nbytes
-        h = _slot(e, bits)
-        while vals[h] != -1 and keys[h] != e:
+        k = pc[i].lkind
+        h = _slot(_start_key(e, k), bits)
+        while vals[h] != -1 and (keys[h] != e or kinds[h] != k):
             h = (h + 1) & mask
         q = vals[h]
-        if q < 0 or q == i or pc[q].has_prev or pc[q].lkind != pc[i].lkind \
-                or pc[q].rkind != pc[i].rkind or pc[q].rstart != pc[i].rstart + pc[i].nbytes:
+        if q < 0 or q == i or pc[q].has_prev or pc[q].rkind != pc[i].rkind \
+                or pc[q].rstart != pc[i].rstart + pc[i].nbytes:
             continue
         pc[i].next = q
         pc[q].has_prev = 1
         if pc[q].llo != pc[i].lhi + 1 or pc[q].rlo != pc[i].rhi + 1:
             breaks[0] += 1
     free(keys)
+    free(kinds)
     free(vals)
     return 0
 
