@@ -611,7 +611,9 @@ def test_late_notifications_are_dropped_once_unclaimed():
             assert time.monotonic() < deadline, "the late message was never dropped"
             P.d.step()
             time.sleep(0.01)
-        assert P.w.worker.counters._data["late_messages_dropped"] == 1
+        # >= 1: over Mooncake TE a message of the finished load of "a" may also reach P
+        # after it freed "a" (notifications leave D off its engine loop): late too
+        assert P.w.worker.counters._data["late_messages_dropped"] >= 1
         assert "a" not in P.w.worker.agent._notifs
         assert P.s.connector.scheduler.leases()      # "b" still held, and still served:
         r = H.make_request("d-b", prompt, 16, params=params, max_tokens=2)
