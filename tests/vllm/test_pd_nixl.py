@@ -602,8 +602,10 @@ def test_late_notifications_are_dropped_once_unclaimed():
     try:
         assert _load_from(P, D, "a", 150) == (True, True)
         drain_p(P)
+        sent = 0
         for peer in D.w.worker._engine_peers[P.s.connector.scheduler.engine_id]:
             D.w.worker.agent.send_notif(peer, "a", b"done@0/1")     # late: P freed "a"
+            sent += 1
         P.w.worker.unclaimed_grace_s = 0.5
         prompt, params = p_prefill(P, 150, rid="b")  # P holds a lease: it reads its queue
         deadline = time.monotonic() + 20
@@ -611,9 +613,9 @@ def test_late_notifications_are_dropped_once_unclaimed():
             assert time.monotonic() < deadline, "the late message was never dropped"
             P.d.step()
             time.sleep(0.01)
-        # >= 1: over Mooncake TE a message of the finished load of "a" may also reach P
-        # after it freed "a" (notifications leave D off its engine loop): late too
-        assert P.w.worker.counters._data["late_messages_dropped"] >= 1
+        # at least what was sent here (one per peer D holds for P); another late message of
+        # the finished load may join them (a CI run over Mooncake TE dropped 2)
+        assert sent >= 1 and P.w.worker.counters._data["late_messages_dropped"] >= sent
         assert "a" not in P.w.worker.agent._notifs
         assert P.s.connector.scheduler.leases()      # "b" still held, and still served:
         r = H.make_request("d-b", prompt, 16, params=params, max_tokens=2)
