@@ -243,9 +243,11 @@ def test_push_worker_meta_aggregates_registering_ranks():
     ids = [[1, 2], [3]]
     a = HmaPushWorkerMeta(registered={"x": ids}, registered_by={"x": [0]})
     b = HmaPushWorkerMeta(registered={"x": ids, "y": ids}, registered_by={"x": [1], "y": [1]},
-                          regrain={"y": (0, 100, [32, 32])})
+                          regrain={"y": (0, 100, [32, 32])}, withdrawn={"z"})
     m = a.aggregate(b).aggregate(None)
     assert m.registered == {"x": ids, "y": ids} and m.regrain == {"y": (0, 100, [32, 32])}
+    assert m.withdrawn == {"z"} and HmaPushWorkerMeta(withdrawn={"w"}).aggregate(b).withdrawn \
+        == {"w", "z"}
     assert m.registered_by == {"x": [0, 1], "y": [1]}
     assert pickle.loads(pickle.dumps(m)).registered_by == m.registered_by
 
@@ -273,6 +275,8 @@ def test_push_scheduler_starts_only_when_every_prefill_rank_reported():
     assert sched.registered() == {"x"} and sched._reg_partial == {}
     report(HmaPushWorkerMeta(registered={"y": ids}, registered_by={"y": [0, 1]}))
     assert sched.registered() == {"x", "y"}
+    report(HmaPushWorkerMeta(withdrawn={"y"}))    # D cancelled y before any request claimed it
+    assert sched.registered() == {"x"} and "y" in sched._withdrawn
 
 
 def test_push_scheduler_drops_only_unclaimed_stale_registrations():
