@@ -88,6 +88,41 @@ def test_state_blocks_must_be_equal():
         RegrainPlan(sl, dl, sp, TransferPlan(dl, regs), sg, dg)
 
 
+def test_padded_state_pages_map_by_state_bytes():
+    """State pages padded to other sizes (vLLM pads the Mamba page to each engine's attention
+    page): refused as whole pages, mapped by their unpadded state when both sides name it;
+    unequal states and states larger than a page are refused by name."""
+    import dataclasses
+    from hmacore.plan import TransferPlan
+    (sl, _, sp, sg), (dl, _, dp, dg) = _sides("qwen_next_p16_d64")
+    sregs = [dataclasses.replace(r, block_len=r.block_len // 2, stride=r.stride) if r.state
+             else r for r in sp.regions]
+    splan = TransferPlan(sl, sregs)
+    with pytest.raises(LayoutError, match="give src_state_bytes and dst_state_bytes"):
+        RegrainPlan(sl, dl, splan, dp, sg, dg)
+    with pytest.raises(LayoutError, match="a state maps only onto a state of equal bytes"):
+        RegrainPlan(sl, dl, splan, dp, sg, dg, src_state_bytes=[None, 40],
+                    dst_state_bytes=[None, 41])
+    big = sregs[-1].block_len + 1
+    with pytest.raises(LayoutError, match=f"a state of {big} B does not fit the source"):
+        RegrainPlan(sl, dl, splan, dp, sg, dg, src_state_bytes=[None, big],
+                    dst_state_bytes=[None, big])
+    with pytest.raises(LayoutError, match=r"src_state_bytes\[1\] must be an int >= 1"):
+        RegrainPlan(sl, dl, splan, dp, sg, dg, src_state_bytes=[None, 0],
+                    dst_state_bytes=[None, 0])
+    with pytest.raises(LayoutError, match="one int or None per group"):
+        RegrainPlan(sl, dl, splan, dp, sg, dg, src_state_bytes=[40], dst_state_bytes=[40])
+    plan = RegrainPlan(sl, dl, splan, dp, sg, dg, src_state_bytes=[None, 40],
+                       dst_state_bytes=[None, 40])
+    runs = plan.runs([[], [3]], [[], [5]], [0, 0], [0, 0])
+    s0 = next(r for r in sregs if r.state)
+    d0 = next(r for r in dp.regions if r.state)
+    states = [p for p in plan.pairs if p.src_page is None]
+    assert len(states) == runs.num_runs and runs.src[:, 1].tolist() == [40] * runs.num_runs
+    assert runs.src[0, 0] == s0.base + 3 * s0.stride
+    assert runs.dst[0, 0] == d0.base + 5 * d0.stride
+
+
 def test_request_refusals_name_the_rule():
     w = World("gemma_p16_d32", 100, 0, 3)
     plan = w.plan()
