@@ -301,6 +301,40 @@ def _group_regions(layout: KVLayout, plan: TransferPlan, g: int) -> list[int]:
     return out
 
 
+def _state_cuts(g: int, side: str, layout: KVLayout, plan: TransferPlan, regs: list[int],
+                state: int) -> list[tuple[int, int]]:
+    """Per region of a Mamba group (``regs``, in :func:`_group_regions` order), the
+    ``(offset in the layer's page, bytes)`` of the state it holds: a layer's regions are its
+    page's parts (one region for a whole page, or one per state tensor), each at its base's
+    offset from the layer's first part; the state is the page's first ``state`` bytes, which
+    the parts must cover back to back. LayoutError naming the region otherwise."""
+    out: list[tuple[int, int]] = []
+    for name in layout.groups[g].layer_names:
+        mine = [r for r in regs if name in plan.regions[r].layers]
+        if not mine:
+            continue
+        first = min(plan.regions[r].base for r in mine)
+        covered = 0
+        for r in sorted(mine, key=lambda r: plan.regions[r].base):
+            reg = plan.regions[r]
+            off = reg.base - first
+            if off > covered and covered < state:
+                raise LayoutError(f"group {g}: {side} region {r} (layer {name!r}) starts "
+                                  f"{off} B into its page, its parts end at {covered} B: the "
+                                  f"{state} B state must be the page's first bytes, back to back")
+            covered = max(covered, off + reg.block_len)
+        if covered < state:
+            raise LayoutError(f"group {g}: a state of {state} B does not fit the {side} "
+                              f"pages of layer {name!r} ({covered} B)")
+    for r in regs:
+        reg = plan.regions[r]
+        name = next(n for n in layout.groups[g].layer_names if n in reg.layers)
+        first = min(plan.regions[q].base for q in regs if name in plan.regions[q].layers)
+        off = reg.base - first
+        out.append((off, max(0, min(reg.block_len, state - off))))
+    return out
+
+
 class RegrainPlan:
     """Region pairs between a source (P) and a destination (D) whose block sizes may differ.
 
@@ -370,13 +404,36 @@ class RegrainPlan:
             if len(sregs) != len(dregs):
                 raise LayoutError(f"group {g}: {len(sregs)} source regions, {len(dregs)} "
                                   "destination regions; both sides must register the same layers")
-            for rs, rd in zip(sregs, dregs):
+            if is_state and (sstate[g] is not None and dstate[g] is not None):
+                if sstate[g] != dstate[g]:
+                    raise LayoutError(f"group {g}: a state of {sstate[g]} B on the source and "
+                                      f"{dstate[g]} B on the destination; a state maps only "
+                                      "onto a state of equal bytes (same model, same TP size)")
+                scut = _state_cuts(g, "source", src_layout, src_plan, sregs, sstate[g])
+                dcut = _state_cuts(g, "destination", dst_layout, dst_plan, dregs, dstate[g])
+            for k, (rs, rd) in enumerate(zip(sregs, dregs)):
                 sr, dr = src_plan.regions[rs], dst_plan.regions[rd]
                 _region_span_ok("source", rs, sr)
                 _region_span_ok("destination", rd, dr)
                 if is_state:
-                    pairs.append(RegionPair(g, sr, dr, None, None, (), self._state_len(
-                        g, rs, rd, sr, dr, sstate[g], dstate[g])))
+                    if sstate[g] is None or dstate[g] is None:
+                        if sr.block_len != dr.block_len:
+                            raise LayoutError(
+                                f"group {g}: state blocks of {sr.block_len} B (source region "
+                                f"{rs}) and {dr.block_len} B (destination region {rd}) differ; "
+                                "state blocks map one to one (pages padded to different sizes "
+                                "map by their unpadded state: give src_state_bytes and "
+                                "dst_state_bytes)")
+                        pairs.append(RegionPair(g, sr, dr, None, None, (), sr.block_len))
+                        continue
+                    if scut[k] != dcut[k]:
+                        raise LayoutError(
+                            f"group {g}: state part {k} holds state bytes {scut[k]} (offset, "
+                            f"bytes) of its page on the source (region {rs}) and {dcut[k]} on "
+                            f"the destination (region {rd}); both sides must register a "
+                            "layer's state parts alike")
+                    if scut[k][1]:
+                        pairs.append(RegionPair(g, sr, dr, None, None, (), scut[k][1]))
                     continue
                 assert sp is not None and dp is not None   # checked above for attention
                 chunks = self._pair_chunks(g, rs, rd, sr, dr, sp, dp, allowed[g])
@@ -397,29 +454,6 @@ class RegrainPlan:
         if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__") or len(sizes) != G:
             raise LayoutError(f"{name} must hold one int or None per group ({G})")
         return [None if v is None else _int(f"{name}[{g}]", v, 1) for g, v in enumerate(sizes)]
-
-    @staticmethod
-    def _state_len(g: int, rs: int, rd: int, sr: Region, dr: Region, sb: int | None,
-                   db: int | None) -> int:
-        """Bytes a state pair copies: the unpadded state when both sides name it, else the
-        whole page (pages of equal bytes)."""
-        if sb is None or db is None:
-            if sr.block_len != dr.block_len:
-                raise LayoutError(f"group {g}: state blocks of {sr.block_len} B (source region "
-                                  f"{rs}) and {dr.block_len} B (destination region {rd}) differ; "
-                                  "state blocks map one to one (pages padded to different sizes "
-                                  "map by their unpadded state: give src_state_bytes and "
-                                  "dst_state_bytes)")
-            return sr.block_len
-        if sb != db:
-            raise LayoutError(f"group {g}: a state of {sb} B on the source and {db} B on the "
-                              "destination; a state maps only onto a state of equal bytes (same "
-                              "model, same TP size)")
-        for side, r, reg in (("source", rs, sr), ("destination", rd, dr)):
-            if sb > reg.block_len:
-                raise LayoutError(f"group {g}: a state of {sb} B does not fit the {side} "
-                                  f"region {r}'s {reg.block_len} B state pages")
-        return sb
 
     @staticmethod
     def _tp_heads(tp: Any, G: int) -> list[Any]:

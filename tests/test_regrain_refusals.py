@@ -88,39 +88,61 @@ def test_state_blocks_must_be_equal():
         RegrainPlan(sl, dl, sp, TransferPlan(dl, regs), sg, dg)
 
 
+def _state_side(bs, page, parts=None, base=1 << 20):
+    """A Mamba-only side: layers m0, m1, pages of ``page`` bytes (padding included), each
+    layer one region (the whole page) or ``parts`` regions ((offset, bytes) in the page)."""
+    from hmacore.plan import Region, TransferPlan
+    layout = KVLayout(groups=(GroupSpec(GroupKind.MAMBA, bs, ("m0", "m1")),))
+    regs = []
+    for j, name in enumerate(("m0", "m1")):
+        start = base + j * page * 8
+        for off, n in parts or [(0, page)]:
+            regs.append(Region(base=start + off, block_len=n, stride=page, logical_blocks=8,
+                               ratio=1, group=0, state=True, layers=(name,)))
+    return layout, TransferPlan(layout, regs)
+
+
 def test_padded_state_pages_map_by_state_bytes():
     """State pages padded to other sizes (vLLM pads the Mamba page to each engine's attention
-    page): refused as whole pages, mapped by their unpadded state when both sides name it;
-    unequal states and states larger than a page are refused by name."""
-    import dataclasses
-    from hmacore.plan import TransferPlan
-    (sl, _, sp, sg), (dl, _, dp, dg) = _sides("qwen_next_p16_d64")
-    sregs = [dataclasses.replace(r, block_len=r.block_len // 2, stride=r.stride) if r.state
-             else r for r in sp.regions]
-    splan = TransferPlan(sl, sregs)
+    page): refused as whole pages, mapped by their unpadded state (the page's first bytes)
+    when both sides name it; unequal states, states larger than a page and parts that do not
+    hold the state back to back are refused by name."""
+    sl, sp = _state_side(16, 64)
+    dl, dp = _state_side(32, 128, base=1 << 30)
     with pytest.raises(LayoutError, match="give src_state_bytes and dst_state_bytes"):
-        RegrainPlan(sl, dl, splan, dp, sg, dg)
+        RegrainPlan(sl, dl, sp, dp, [None], [None])
     with pytest.raises(LayoutError, match="a state maps only onto a state of equal bytes"):
-        RegrainPlan(sl, dl, splan, dp, sg, dg, src_state_bytes=[None, 40],
-                    dst_state_bytes=[None, 41])
-    big = sregs[-1].block_len + 1
-    with pytest.raises(LayoutError, match=f"a state of {big} B does not fit the source"):
-        RegrainPlan(sl, dl, splan, dp, sg, dg, src_state_bytes=[None, big],
-                    dst_state_bytes=[None, big])
-    with pytest.raises(LayoutError, match=r"src_state_bytes\[1\] must be an int >= 1"):
-        RegrainPlan(sl, dl, splan, dp, sg, dg, src_state_bytes=[None, 0],
-                    dst_state_bytes=[None, 0])
+        RegrainPlan(sl, dl, sp, dp, [None], [None], src_state_bytes=[40], dst_state_bytes=[41])
+    with pytest.raises(LayoutError, match="a state of 65 B does not fit the source pages"):
+        RegrainPlan(sl, dl, sp, dp, [None], [None], src_state_bytes=[65], dst_state_bytes=[65])
+    with pytest.raises(LayoutError, match=r"src_state_bytes\[0\] must be an int >= 1"):
+        RegrainPlan(sl, dl, sp, dp, [None], [None], src_state_bytes=[0], dst_state_bytes=[0])
     with pytest.raises(LayoutError, match="one int or None per group"):
-        RegrainPlan(sl, dl, splan, dp, sg, dg, src_state_bytes=[40], dst_state_bytes=[40])
-    plan = RegrainPlan(sl, dl, splan, dp, sg, dg, src_state_bytes=[None, 40],
-                       dst_state_bytes=[None, 40])
-    runs = plan.runs([[], [3]], [[], [5]], [0, 0], [0, 0])
-    s0 = next(r for r in sregs if r.state)
-    d0 = next(r for r in dp.regions if r.state)
-    states = [p for p in plan.pairs if p.src_page is None]
-    assert len(states) == runs.num_runs and runs.src[:, 1].tolist() == [40] * runs.num_runs
-    assert runs.src[0, 0] == s0.base + 3 * s0.stride
-    assert runs.dst[0, 0] == d0.base + 5 * d0.stride
+        RegrainPlan(sl, dl, sp, dp, [None], [None], src_state_bytes=[40, 1],
+                    dst_state_bytes=[40, 1])
+    plan = RegrainPlan(sl, dl, sp, dp, [None], [None], src_state_bytes=[40],
+                       dst_state_bytes=[40])
+    runs = plan.runs([[3, 4]], [[5, 1]], [0], [0])
+    got = list(zip(runs.src[:, 0].tolist(), runs.dst[:, 0].tolist(), runs.src[:, 1].tolist()))
+    s0, d0 = 1 << 20, 1 << 30
+    assert got == [(s0 + 3 * 64, d0 + 5 * 128, 40), (s0 + 4 * 64, d0 + 128, 40),
+                   (s0 + 8 * 64 + 3 * 64, d0 + 8 * 128 + 5 * 128, 40),
+                   (s0 + 8 * 64 + 4 * 64, d0 + 8 * 128 + 128, 40)]
+    # a layer's state tensors as parts (conv 24 B then ssm 32 B, padding after): the state's
+    # bytes of each part move, the padding does not
+    sl2, sp2 = _state_side(16, 64, parts=[(0, 24), (24, 40)])
+    dl2, dp2 = _state_side(32, 128, parts=[(0, 24), (24, 104)], base=1 << 30)
+    plan = RegrainPlan(sl2, dl2, sp2, dp2, [None], [None], src_state_bytes=[56],
+                       dst_state_bytes=[56])
+    assert [p.state_bytes for p in plan.pairs] == [24, 32, 24, 32]
+    bad, bp = _state_side(32, 128, parts=[(0, 16), (24, 104)], base=1 << 30)
+    with pytest.raises(LayoutError, match="starts 24 B into its page, its parts end at 16 B"):
+        RegrainPlan(sl2, bad, sp2, bp, [None], [None], src_state_bytes=[56],
+                    dst_state_bytes=[56])
+    odd, op = _state_side(32, 128, parts=[(0, 16), (16, 112)], base=1 << 30)
+    with pytest.raises(LayoutError, match="state part 0 holds state bytes"):
+        RegrainPlan(sl2, odd, sp2, op, [None], [None], src_state_bytes=[56],
+                    dst_state_bytes=[56])
 
 
 def test_request_refusals_name_the_rule():
