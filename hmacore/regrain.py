@@ -426,7 +426,7 @@ class RegrainPlan:
                                 "dst_state_bytes)")
                         pairs.append(RegionPair(g, sr, dr, None, None, (), sr.block_len))
                         continue
-                    if scut[k] != dcut[k]:
+                    if scut[k] != dcut[k] and (scut[k][1] or dcut[k][1]):
                         raise LayoutError(
                             f"group {g}: state part {k} holds state bytes {scut[k]} (offset, "
                             f"bytes) of its page on the source (region {rs}) and {dcut[k]} on "
