@@ -404,13 +404,14 @@ class RegrainPlan:
             if len(sregs) != len(dregs):
                 raise LayoutError(f"group {g}: {len(sregs)} source regions, {len(dregs)} "
                                   "destination regions; both sides must register the same layers")
-            if is_state and (sstate[g] is not None and dstate[g] is not None):
-                if sstate[g] != dstate[g]:
-                    raise LayoutError(f"group {g}: a state of {sstate[g]} B on the source and "
-                                      f"{dstate[g]} B on the destination; a state maps only "
-                                      "onto a state of equal bytes (same model, same TP size)")
-                scut = _state_cuts(g, "source", src_layout, src_plan, sregs, sstate[g])
-                dcut = _state_cuts(g, "destination", dst_layout, dst_plan, dregs, dstate[g])
+            sb, db = sstate[g], dstate[g]
+            if is_state and sb is not None and db is not None:
+                if sb != db:
+                    raise LayoutError(f"group {g}: a state of {sb} B on the source and {db} B "
+                                      "on the destination; a state maps only onto a state of "
+                                      "equal bytes (same model, same TP size)")
+                scut = _state_cuts(g, "source", src_layout, src_plan, sregs, sb)
+                dcut = _state_cuts(g, "destination", dst_layout, dst_plan, dregs, db)
             for k, (rs, rd) in enumerate(zip(sregs, dregs)):
                 sr, dr = src_plan.regions[rs], dst_plan.regions[rd]
                 _region_span_ok("source", rs, sr)

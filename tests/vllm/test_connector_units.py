@@ -374,6 +374,27 @@ def test_mamba_groups_of_other_block_sizes_map_state_to_state(caplog):
            "state maps only onto a state of equal bytes" in caplog.text
 
 
+def test_push_remap_refuses_mamba_groups_of_other_block_sizes_by_name():
+    """Push mode pairs Mamba state blocks by table position, which differs across block sizes:
+    the remap plan without state sizes (push's) refuses such groups naming the rule; with
+    them (pull's) the states pair."""
+    from hmacore.errors import LayoutError
+    from hmacore.integrations.vllm.nixl._regrain import regrain_plan
+    from hmacore.plan import Region, TransferPlan
+
+    def side(bs, page, base):
+        lay = KVLayout(groups=(GroupSpec(GroupKind.MAMBA, bs, ("m0",)),))
+        return lay, TransferPlan(lay, [Region(base=base, block_len=page, stride=page,
+                                              logical_blocks=8, ratio=1, group=0, state=True,
+                                              layers=("m0",))])
+    (sl, sp), (dl, dp) = side(32, 4096, 1 << 20), side(64, 8192, 1 << 30)
+    with pytest.raises(LayoutError, match=r"groups \[0\] \(Mamba\): a push remap pairs Mamba "
+                       "state blocks by table position"):
+        regrain_plan(sl, dl, sp, dp, [None], [None])
+    plan = regrain_plan(sl, dl, sp, dp, [None], [None], state=[96])
+    assert [p.state_bytes for p in plan.pairs] == [96]
+
+
 def _push_worker(**kw):
     from hmacore.integrations.vllm.nixl._tp import WorkerTp
     from hmacore.integrations.vllm.nixl.push_worker import HmaPushWorker
