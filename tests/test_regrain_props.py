@@ -40,6 +40,21 @@ def build(world, side):
         if grp["kind"] == "mamba":
             pages.append(None)
             blen, ratio = grp.get(f"{side}_state_len", grp["state_len"]), 1
+            cuts = grp.get("cuts")
+            if cuts:
+                # the layer's state tensors as parts of its page (vLLM's per-state views):
+                # equal cuts inside the state on both sides, the last part running to each
+                # side's page end (its padding)
+                stride = blen + grp["gap"]
+                bounds = [0, *cuts, blen]
+                for layer in grp["layers"]:
+                    for a, b in zip(bounds, bounds[1:]):
+                        state_regions.append(Region(
+                            base=base + a, block_len=b - a, stride=stride, logical_blocks=nb,
+                            ratio=1, group=gi, state=True, layers=(layer,)))
+                    world[f"{side}_regions"][layer] = (base, stride, nb)
+                    base += stride * nb + 64
+                continue
         else:
             page = grp[f"{side}_page"]
             pages.append(token_page(page[0], block_size=grp[f"{side}_bs"], heads=page[1],
@@ -103,6 +118,9 @@ def worlds(draw, tp=None):
                 grp["state_bytes"] = draw(st.integers(1, grp["state_len"]))
                 grp["src_state_len"] = grp["state_bytes"] + draw(st.integers(0, 40))
                 grp["dst_state_len"] = grp["state_bytes"] + draw(st.integers(0, 40))
+                if grp["state_bytes"] > 1:
+                    grp["cuts"] = sorted(draw(st.sets(st.integers(1, grp["state_bytes"] - 1),
+                                                      max_size=3)))
         else:
             if tp is not None:
                 H, dtp, d, stp, p = tp
