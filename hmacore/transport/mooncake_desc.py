@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import BlockTableError, HandshakeError, TransferError
 from ..runs import DescTable, desc_table, find_runs, span_ranges
 from .base import PostCounts
+from .runs_peer import checked_runs
 from .te_notify import NotifyQueues
 from .mooncake_te import (_KIND, MAX_SLICES_PER_CALL, TE_SLICE_BYTES, TeEngineLifetime,
                           check_engine_args, open_engine, parse_endpoint, run_calls,
@@ -75,6 +76,7 @@ class TeDescAgent(TeEngineLifetime):
                                            thread_name_prefix=f"mooncake-desc-{name}")
         self._remotes: dict[str, tuple[str, int]] = {}     # name -> (session, doorbell)
         self._pairs: dict[str, _Pair] = {}
+        self._run_ranges: dict[str, list[tuple[int, int, int]]] = {}   # byte-run peers
         #: per posted transfer: (entries given to the engine, per-block descriptors, runs)
         self.last_post: tuple[int, int, int] = (0, 0, 0)
         self._posted = PostCounts()
@@ -130,7 +132,17 @@ class TeDescAgent(TeEngineLifetime):
         if any(p.remote == name for p in self._pairs.values()):
             raise TransferError(f"remote agent {name!r} still has a prepared descriptor pair")
         self._remotes.pop(name, None)
+        self._run_ranges.pop(name, None)
         self._senders.forget(name)
+
+    def add_runs_peer(self, remote: str, remote_ranges: Sequence[tuple[int, int, int]]) -> None:
+        """Allow byte-run transfers (:meth:`post_runs`) with ``remote`` inside its registered
+        memory ``remote_ranges`` (``(addr, bytes, dev)``, e.g. its plan's
+        ``registration_ranges()``): a block-size remap has no descriptor pair to keep."""
+        self._check_open()
+        if remote not in self._remotes:
+            raise TransferError(f"unknown remote agent {remote!r} (add_remote first)")
+        self._run_ranges[remote] = [(int(a), int(n), int(d)) for a, n, d in remote_ranges]
 
     # -- transfers -----------------------------------------------------------------------
     def post(self, op: str, key: str, local_ids: np.ndarray, remote_ids: np.ndarray,
@@ -174,6 +186,37 @@ class TeDescAgent(TeEngineLifetime):
                             MAX_SLICES_PER_CALL * TE_SLICE_BYTES)
         handle = self._pool.submit(run_calls, self._engine, session, calls, code, note)
         self._posted.add(int(lrows[:, 1].sum()), int(lrows.shape[0]), int(li.size))
+        return handle
+
+    def post_runs(self, op: str, remote: str, local_rows: np.ndarray, remote_rows: np.ndarray,
+                  notif: bytes = b"") -> cf.Future:
+        """Post a READ/WRITE of byte runs: row i of ``local_rows`` pairs with row i of
+        ``remote_rows`` (M x 3 uint64 ``(addr, bytes, dev)``, equal lengths per row, M >= 1),
+        every row inside this agent's registered memory and the peer's
+        (:meth:`add_runs_peer`); one engine entry per row, cut into calls by
+        :func:`~hmacore.transport.mooncake_te.split_calls`. Returns a handle for
+        :meth:`state`. TransferError (nothing posted) for an unknown peer or a row out of
+        range."""
+        self._check_open()
+        if op not in ("READ", "WRITE"):
+            raise TransferError(f"op must be 'READ' or 'WRITE', got {op!r}")
+        ranges = self._run_ranges.get(remote)
+        if ranges is None:
+            raise TransferError(f"remote agent {remote!r} takes no byte runs (add_runs_peer)")
+        try:
+            loc, rem = checked_runs(local_rows, remote_rows, self._ranges, ranges,
+                                    allow_empty=False)
+        except ValueError as e:
+            raise TransferError(f"{op} to {remote!r}: {e}") from None
+        m = int(loc.shape[0])
+        self.last_post = (m, m, m)
+        note = self._note(bytes(notif)) if notif else None
+        from mooncake.engine import TransferOpcode
+        code = TransferOpcode.Read if op == "READ" else TransferOpcode.Write
+        calls = split_calls(loc[:, 0], rem[:, 0], loc[:, 1], MAX_SLICES_PER_CALL * TE_SLICE_BYTES)
+        handle = self._pool.submit(run_calls, self._engine, self._remotes[remote][0], calls,
+                                   code, note)
+        self._posted.add(int(loc[:, 1].sum()), m, m)
         return handle
 
     def take_posted(self) -> PostCounts:
@@ -242,6 +285,7 @@ class TeDescAgent(TeEngineLifetime):
     def _forget_peers(self) -> None:
         self._senders.close()
         self._pairs.clear()
+        self._run_ranges.clear()
         self._remotes.clear()
 
     def __repr__(self) -> str:

@@ -40,10 +40,12 @@ import numpy as np
 
 from ..errors import BlockTableError, HandshakeError, HmacoreError, TransferError
 from ..plan import TransferPlan
+from ..spec import KVLayout
 from ..runs import DescTable, desc_table, find_runs
 from .base import Transfer, TransferPosting
 from .handshake import HandshakePayload
 from .notif_queues import NotifQueues
+from .runs_peer import checked_runs, regrain_peer_plan
 from .te_notify import NotifyQueues
 
 __all__ = ["MAX_SLICES_PER_CALL", "MooncakeTeAgent", "TE_POSTINGS", "TE_SLICE_BYTES",
@@ -176,6 +178,7 @@ class _Peer:
     pair: Any = None                      # a TpPairPlan (a peer of another TP size)
     local_rows: np.ndarray | None = None  # a pair's local (head-slice) descriptors
     local_table: DescTable | None = None
+    runs_only: bool = False               # other block sizes: byte runs only (read_runs)
 
 
 class TeEngineLifetime:
@@ -318,6 +321,23 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         self._peers[p.name] = p
         return p.name
 
+    def add_regrain_peer(self, payload: HandshakePayload, remote_layout: KVLayout | None = None
+                         ) -> tuple[str, TransferPlan]:
+        """Accept a same-TP peer whose attention block sizes differ from this agent's (a
+        block-size remap, :mod:`hmacore.regrain`), with :meth:`NixlAgent.add_regrain_peer
+        <hmacore.transport.nixl.NixlAgent.add_regrain_peer>`'s rules
+        (:func:`~hmacore.transport.runs_peer.regrain_peer_plan`). Transfers to this peer post
+        byte runs (:meth:`read_runs` / :meth:`write_runs`), bounded by its registered
+        regions. Returns ``(peer name, the peer's TransferPlan over its own layout)``;
+        raises HandshakeError."""
+        self._check_open()
+        plan = regrain_peer_plan(self.handshake_payload(), payload, self.plan.layout,
+                                 remote_layout)
+        session, doorbell = parse_endpoint(payload.agent_metadata, payload.agent_name)
+        self._peers[payload.agent_name] = _Peer(payload.agent_name, payload, session, doorbell,
+                                                plan=plan, runs_only=True)
+        return payload.agent_name, plan
+
     def _load_peer(self, payload: HandshakePayload) -> _Peer:
         self.handshake_payload().check_compatible(payload)
         session, doorbell = parse_endpoint(payload.agent_metadata, payload.agent_name)
@@ -335,7 +355,9 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         return tuple(self._peers)
 
     # -- transfers ---------------------------------------------------------------------
-    def _post(self, op, request_id, peer, local_ids, remote_ids, notif, expires_at) -> Transfer:
+    def _start(self, request_id: Any, peer: str, notif: Any) -> _Peer:
+        """The checks every post starts with (the request's earlier outcome forgotten):
+        the peer, TransferError (recorded) when it is unknown."""
         self._check_open()
         if not isinstance(request_id, str) or ":" in request_id:
             raise TransferError(f"request_id must be a str without ':', got {request_id!r}")
@@ -347,8 +369,15 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         p = self._peers.get(peer)
         if p is None:
             raise self._fail(request_id, f"unknown peer {peer!r} (handshake first)")
+        return p
+
+    def _post(self, op, request_id, peer, local_ids, remote_ids, notif, expires_at) -> Transfer:
+        p = self._start(request_id, peer, notif)
         if expires_at is not None and time.monotonic() >= expires_at:
             raise self._fail(request_id, f"the lease on peer {peer!r}'s blocks expired")
+        if p.runs_only:
+            raise self._fail(request_id, f"peer {peer!r} has other block sizes: post byte runs "
+                                         "(read_runs / write_runs)")
         if p.rows is None or p.table is None:
             raise self._fail(request_id, f"peer {peer!r} was added for notifications only")
         if p.pair is not None:
@@ -378,13 +407,55 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
                 raise self._fail(request_id, f"bad descriptor pairs for {peer!r}: {e}") from None
             lrows, rrows, t.runs, t.mechanism = runs.local, runs.remote, runs.num_runs, "runs"
         t.descriptors = int(lrows.shape[0])
-        note = self._notify(request_id, bytes(notif)) if notif is not None else None
+        return self._submit(t, p, lrows, rrows, notif)
+
+    def _submit(self, t: Transfer, p: _Peer, lrows: np.ndarray, rrows: np.ndarray,
+                notif: bytes | None) -> Transfer:
+        """Hand ``t``'s paired rows to the engine (calls cut by :func:`split_calls`) on the
+        worker pool; its notification rides the last call."""
+        note = self._notify(t.request_id, bytes(notif)) if notif is not None else None
         from mooncake.engine import TransferOpcode
-        code = TransferOpcode.Read if op == "READ" else TransferOpcode.Write
+        code = TransferOpcode.Read if t.op == "READ" else TransferOpcode.Write
         calls = split_calls(lrows[:, 0], rrows[:, 0], lrows[:, 1],
                             MAX_SLICES_PER_CALL * TE_SLICE_BYTES)
         t.handle = self._pool.submit(run_calls, self._engine, p.session, calls, code, note)
         return t
+
+    def read_runs(self, request_id: str, peer: str, runs: Any, *,
+                  notif: bytes | None = None) -> Transfer:
+        """Post a READ of byte runs: ``runs.local`` / ``runs.remote`` M x 3 ``(addr, bytes,
+        dev)`` rows paired row by row (a :class:`hmacore.runs.Runs`, e.g.
+        ``RegrainRuns.as_runs("dst")``), one engine entry per row. Every row must lie inside
+        this agent's registered memory and the peer's registered regions; raises
+        TransferError (recorded, nothing posted). No runs: DONE at once (``notif`` sent
+        alone). Completion and failure as for :meth:`read` (:meth:`poll`, :meth:`failure`)."""
+        return self._post_runs("READ", request_id, peer, runs, notif)
+
+    def write_runs(self, request_id: str, peer: str, runs: Any, *,
+                   notif: bytes | None = None) -> Transfer:
+        """Post a WRITE of byte runs (``runs.local`` into ``runs.remote``); see read_runs."""
+        return self._post_runs("WRITE", request_id, peer, runs, notif)
+
+    def _post_runs(self, op: str, request_id: str, peer: str, runs: Any,
+                   notif: bytes | None) -> Transfer:
+        p = self._start(request_id, peer, notif)
+        if p.plan is None:
+            raise self._fail(request_id, f"peer {peer!r} was added for notifications only")
+        try:
+            loc, rem = checked_runs(runs.local, runs.remote, self.plan.registration_ranges(),
+                                    p.plan.registration_ranges())
+        except ValueError as e:
+            raise self._fail(request_id, f"{op} to {peer!r}: {e}") from None
+        m = int(loc.shape[0])
+        t = Transfer(request_id, op, peer, (), m, int(loc[:, 1].sum()) if m else 0,
+                     posted_at=time.monotonic(), block_descriptors=m, runs=m, mechanism="runs")
+        if not m:   # nothing to move: only the notification
+            t.state = "DONE"
+            self._valid[request_id] = ()
+            if notif is not None:
+                self.send_notif(peer, request_id, bytes(notif))
+            return t
+        return self._submit(t, p, loc, rem, notif)
 
     def _pair_ids(self, request_id, p: _Peer, local_ids, remote_ids):
         """A heterogeneous-TP transfer's desc ids (the pair plan validates both tables group

@@ -21,12 +21,13 @@ import numpy as np
 
 from ..errors import BlockTableError, HandshakeError, HmacoreError, TransferError
 from ..plan import TransferPlan
-from ..spec import GroupKind, KVLayout
+from ..spec import KVLayout
 from ..runs import DescTable, desc_table
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 from .base import Transfer, TransferPosting
 from .handshake import HandshakePayload
 from .notif_queues import NotifQueues
+from .runs_peer import checked_runs, regrain_peer_plan
 from .nixl_post import check_posting, post_xfer
 
 __all__ = ["NixlAgent", "Transfer", "registration_args"]
@@ -194,57 +195,9 @@ class NixlAgent(TransferPosting):
         equal). The group structure itself is checked when the RegrainPlan is built. No dlist
         is prepared: transfers to this peer post byte runs (:meth:`read_runs`). Returns
         ``(peer name, the peer's TransferPlan over its own layout)``; raises HandshakeError."""
-        from ..regrain import block_size_ratio
-        who = f"peer {payload.agent_name!r}"
-        mine = self.handshake_payload()
-        if payload.tp is not None or mine.tp is not None:
-            # TP-aware payloads: the TP rule already allows one block-size ratio; the peer's
-            # layout is in its TP description
-            mine.check_compatible(payload)
-            assert payload.tp is not None
-            return self._adopt_runs_peer(payload, remote_layout or payload.tp.kv_layout(), who)
-        for field, a, b in (("version", mine.version, payload.version),
-                            ("HMA on/off", mine.hma, payload.hma),
-                            ("group count", len(mine.block_sizes), len(payload.block_sizes))):
-            if a != b:
-                raise HandshakeError(f"{who} disagrees on {field}: local {a!r}, remote {b!r}")
-        layout = self.plan.layout
-        if remote_layout is None:
-            groups = []
-            for g, (spec, bs) in enumerate(zip(layout.groups, payload.block_sizes)):
-                bs = int(bs)
-                try:
-                    if spec.kind == GroupKind.MAMBA or bs == spec.block_size:
-                        if bs != spec.block_size:
-                            raise HandshakeError(f"state group {g} has {spec.block_size}-token "
-                                                 f"blocks locally, {bs} remotely")
-                        groups.append(spec)
-                        continue
-                    block_size_ratio(bs, spec.block_size)
-                    pb = spec.page_bytes * bs // spec.block_size
-                    groups.append(dataclasses.replace(spec, block_size=bs, page_bytes=pb))
-                except HmacoreError as e:
-                    raise HandshakeError(f"{who}: group {g}: {e}") from None
-            remote_layout = dataclasses.replace(layout, groups=tuple(groups))
-        if tuple(remote_layout.block_sizes) != tuple(payload.block_sizes) \
-                or remote_layout.fingerprint() != payload.layout_fingerprint:
-            raise HandshakeError(f"{who} disagrees on the layout beyond block sizes (its "
-                                 f"fingerprint {payload.layout_fingerprint}, block sizes "
-                                 f"{list(payload.block_sizes)}; expected "
-                                 f"{remote_layout.fingerprint()}, "
-                                 f"{list(remote_layout.block_sizes)})")
-        return self._adopt_runs_peer(payload, remote_layout, who)
-
-    def _adopt_runs_peer(self, payload: HandshakePayload, remote_layout: KVLayout, who: str
-                         ) -> tuple[str, TransferPlan]:
-        """Load the peer's agent and its plan over its own layout (no dlist: runs only)."""
-        name = self._load_raw(payload)
-        try:
-            plan = TransferPlan.from_region_table(remote_layout, payload.regions,
-                                                  mem_type=payload.mem_type)
-        except HmacoreError as e:
-            self._forget_remote(name)
-            raise HandshakeError(f"{who}: bad region table: {e}") from None
+        plan = regrain_peer_plan(self.handshake_payload(), payload, self.plan.layout,
+                                 remote_layout)
+        name = self._load_raw(payload)    # no dlist: runs only
         self._peers[name] = _Peer(name, payload, plan, None)
         return name, plan
 
@@ -269,16 +222,11 @@ class NixlAgent(TransferPosting):
         p = self._peers.get(peer)
         if p is None or p.plan is None:
             raise self._fail(request_id, f"unknown peer {peer!r} (handshake first)")
-        loc = np.ascontiguousarray(runs.local, dtype=np.uint64).reshape(-1, 3)
-        rem = np.ascontiguousarray(runs.remote, dtype=np.uint64).reshape(-1, 3)
-        if loc.shape != rem.shape or not np.array_equal(loc[:, 1], rem[:, 1]):
-            raise self._fail(request_id, "runs: local and remote rows must pair up with equal "
-                                         "lengths")
-        try:   # every row inside registered memory on its side (raises naming the row)
-            desc_table(loc, self.plan.registration_ranges())
-            desc_table(rem, p.plan.registration_ranges())
-        except HmacoreError as e:
-            raise self._fail(request_id, f"runs outside registered memory: {e}") from None
+        try:
+            loc, rem = checked_runs(runs.local, runs.remote, self.plan.registration_ranges(),
+                                    p.plan.registration_ranges())
+        except ValueError as e:
+            raise self._fail(request_id, f"{op} to {peer!r}: {e}") from None
         nbytes = int(loc[:, 1].sum()) if loc.shape[0] else 0
         t = Transfer(request_id, op, peer, (), int(loc.shape[0]), nbytes,
                      posted_at=time.monotonic(), block_descriptors=int(loc.shape[0]),

@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BlockTableError, HmacoreError, TransferError
+from ..errors import BlockTableError, TransferError
 from ..runs import desc_table, span_ranges
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 from .base import PostCounts
 from .nixl_post import check_posting, post_xfer
+from .runs_peer import checked_runs
 
 __all__ = ["DescAgent"]
 
@@ -116,18 +117,11 @@ class DescAgent:
         ranges = self._run_ranges.get(remote)
         if ranges is None:
             raise TransferError(f"remote agent {remote!r} takes no byte runs (add_runs_peer)")
-        loc = np.ascontiguousarray(local_rows, dtype=np.uint64).reshape(-1, 3)
-        rem = np.ascontiguousarray(remote_rows, dtype=np.uint64).reshape(-1, 3)
-        if loc.shape != rem.shape or not loc.shape[0] \
-                or not np.array_equal(loc[:, 1], rem[:, 1]):
-            raise TransferError("runs: local and remote rows must pair up (equal lengths, at "
-                                "least one row)")
         try:
-            desc_table(loc, self._ranges)
-            desc_table(rem, ranges)
-        except HmacoreError as e:
-            raise TransferError(f"{op} to {remote!r}: runs outside registered memory: {e}") \
-                from None
+            loc, rem = checked_runs(local_rows, remote_rows, self._ranges, ranges,
+                                    allow_empty=False)
+        except ValueError as e:
+            raise TransferError(f"{op} to {remote!r}: {e}") from None
         agent = self._agent
         try:
             h = agent.initialize_xfer(op, agent.get_xfer_descs(loc, self.mem_type),

@@ -17,6 +17,11 @@ process it started by PID. Modes:
 * ``badargs``: bad arguments are refused with clear errors and the agent stays usable.
 * ``stopped``: a peer SIGSTOPped (stops answering): notifications to it do not hold the
   caller, a live peer is served meanwhile, the failure is reported afterwards.
+* ``regrain``: a block-size remap (tests/regrain_scenarios.py worlds: two sides of one model
+  with other block sizes) between two engines of this process: byte runs READ
+  (``MooncakeTeAgent.read_runs``) and WRITTEN (``write_runs``, ``TeDescAgent.post_runs``),
+  every byte of both sides' memory compared; bad rows refused with nothing moved; no runs:
+  DONE with the notification alone; a closed peer fails the READ through ``wait``.
 """
 from __future__ import annotations
 
@@ -407,8 +412,171 @@ def mode_stopped() -> dict:
     return r
 
 
+REGRAIN_CASES = [("gemma_p16_d32", 130, 0), ("dsv4_p1x_d4x", 200, 64),
+                 ("qwen_next_p16_d64", 130, 32), ("lbhnc_p8_d32_kernel16", 77, 0)]
+
+
+def _differs(storages, want) -> int:
+    return int(sum(int(np.count_nonzero(a != b)) for a, b in zip(storages, want)))
+
+
+def _restore(storages, before) -> None:
+    for s, b in zip(storages, before):
+        s[...] = b
+
+
+def _notifs_until(get, n: int, timeout_s: float = 60.0) -> list:
+    """Poll ``get()`` (consuming) until ``n`` items came or ``timeout_s`` passed."""
+    out: list = []
+    until = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < until:
+        out.extend(get())
+        time.sleep(0.002)
+    return out
+
+
+def mode_regrain() -> dict:
+    sys.path.insert(0, os.path.dirname(HERE))            # tests/: regrain_scenarios
+    from regrain_scenarios import World
+    from hmacore.transport.mooncake_desc import TeDescAgent
+    out: dict = {}
+    for scenario, num_tokens, trim in REGRAIN_CASES:
+        w = World(scenario, num_tokens, trim, seed=num_tokens * 7 + trim)
+        want = w.expected()
+        d_before = [s.copy() for s in w.dpaged.storages]
+        s_before = [s.copy() for s in w.spaged.storages]
+        r: dict = {}
+        P = MooncakeTeAgent("rg-p", w.splan)
+        D = MooncakeTeAgent("rg-d", w.dplan)
+        try:
+            # pull: D reads P's runs in D's grain (P's layout given: kernel blocks differ)
+            pname, splan = D.add_regrain_peer(P.handshake_payload(), w.slay)
+            r["peer_regions_same"] = [g.base for g in splan.regions] == \
+                [g.base for g in w.splan.regions]
+            runs = w.runs().as_runs("dst")
+            t = D.read_runs("pull-1", pname, runs, notif=b"moved")
+            D.wait(t, timeout=60)
+            r["pull"] = {"state": t.state, "bytes": t.bytes, "runs_bytes": int(runs.nbytes),
+                         "descriptors": t.descriptors, "rows": int(runs.local.shape[0]),
+                         "bad_bytes": _differs(w.dpaged.storages, want),
+                         "src_changed": _differs(w.spaged.storages, s_before),
+                         "valid": D.valid_blocks("pull-1") == ()}
+            r["pull_notif"] = [b.decode() for b in _notifs_until(
+                lambda: P.notifications("pull-1"), 1)]
+            # negative control: the same runs one byte late leave other bytes
+            _restore(w.dpaged.storages, d_before)
+            late, local = runs.remote.copy(), runs.local.copy()
+            late[:, 0] += 1
+            late[:, 1] -= 1
+            local[:, 1] -= 1
+            keep = local[:, 1] > 0
+            D.wait(D.read_runs("pull-late", pname, type(runs)(local[keep], late[keep], None,
+                                                               0, 0)), timeout=60)
+            r["late_bad_bytes"] = _differs(w.dpaged.storages, want)
+            # push: P writes the same token rows into D (P's grain is the source side)
+            _restore(w.dpaged.storages, d_before)
+            dname, dplan = P.add_regrain_peer(D.handshake_payload(), w.dlay)
+            t = P.write_runs("push-1", dname, w.runs().as_runs("src"), notif=b"pushed")
+            P.wait(t, timeout=60)
+            r["push"] = {"state": t.state, "bad_bytes": _differs(w.dpaged.storages, want),
+                         "src_changed": _differs(w.spaged.storages, s_before)}
+            r["push_notif"] = [b.decode() for b in _notifs_until(
+                lambda: D.notifications("push-1"), 1)]
+            if scenario == "gemma_p16_d32":
+                r.update(_regrain_refusals(w, D, P, pname, runs, want, d_before))
+                # the descriptor driver (layer-wise push): the same runs by post_runs
+                _restore(w.dpaged.storages, d_before)
+                r["desc"] = _regrain_desc(TeDescAgent, w, want, d_before, s_before)
+                # a peer gone (its engine closed): the READ fails through wait, recorded
+                _restore(w.dpaged.storages, d_before)
+                P.close()
+                start = time.monotonic()
+                r["closed_peer"] = _error(lambda: D.wait(D.read_runs("pull-dead", pname, runs),
+                                                         timeout=120))
+                r["closed_peer_s"] = time.monotonic() - start
+                r["closed_peer_recorded"] = D.failure("pull-dead") is not None
+                r["closed_peer_valid"] = D.valid_blocks("pull-dead") is not None
+        finally:
+            D.close()
+            P.close()
+        out[scenario] = r
+    return out
+
+
+def _regrain_refusals(w, D, P, pname, runs, want, d_before) -> dict:
+    """Bad rows (the first rows good: a partial post would move them) refused, recorded,
+    nothing moved; no runs: DONE and the notification alone; block ids to a runs peer."""
+    r: dict = {}
+    _restore(w.dpaged.storages, d_before)
+    Runs = type(runs)
+    bad_remote = runs.remote.copy()
+    bad_remote[-1, 0] = 8                                   # outside P's registered memory
+    bad_local = runs.local.copy()
+    bad_local[-1, 0] = int(bad_local[-1, 0]) + (1 << 40)    # outside D's
+    long_remote = runs.remote.copy()
+    long_remote[-1, 1] += 1                                 # lengths differ from the local row
+    r["bad_remote"] = _error(lambda: D.read_runs("bad-r", pname, Runs(runs.local, bad_remote,
+                                                                      None, 0, 0)))
+    r["bad_local"] = _error(lambda: D.read_runs("bad-l", pname, Runs(bad_local, runs.remote,
+                                                                     None, 0, 0)))
+    r["bad_length"] = _error(lambda: D.read_runs("bad-n", pname, Runs(runs.local, long_remote,
+                                                                      None, 0, 0)))
+    r["bad_unknown"] = _error(lambda: D.read_runs("bad-u", "nobody", runs))
+    r["bad_blocks"] = _error(lambda: D.read("bad-b", pname, [[1]] * 2, [[1]] * 2))
+    r["bad_recorded"] = sorted(k for k in ("bad-r", "bad-l", "bad-n", "bad-u", "bad-b")
+                               if D.failure(k) is not None)
+    time.sleep(1.0)                    # anything posted would have landed by now
+    r["bad_moved_bytes"] = _differs(w.dpaged.storages, d_before)
+    empty = np.zeros((0, 3), np.uint64)
+    t = D.read_runs("empty", pname, Runs(empty, empty, None, 0, 0), notif=b"nothing")
+    r["empty"] = {"state": t.state, "valid": D.valid_blocks("empty") == (), "bytes": t.bytes}
+    r["empty_notif"] = [b.decode() for b in _notifs_until(lambda: P.notifications("empty"), 1)]
+    return r
+
+
+def _regrain_desc(TeDescAgent, w, want, d_before, s_before) -> dict:
+    r: dict = {}
+    Pd = TeDescAgent("rgd-p", w.splan.registration_ranges())
+    Dd = TeDescAgent("rgd-d", w.dplan.registration_ranges())
+    try:
+        runs = w.runs().as_runs("src")
+        name = Pd.add_remote(Dd.metadata())
+        r["before_add"] = _error(lambda: Pd.post_runs("WRITE", name, runs.local, runs.remote))
+        Pd.add_runs_peer(name, w.dplan.registration_ranges())
+        bad = runs.remote.copy()
+        bad[-1, 0] = 8
+        r["bad_remote"] = _error(lambda: Pd.post_runs("WRITE", name, runs.local, bad))
+        empty = np.zeros((0, 3), np.uint64)
+        r["empty"] = _error(lambda: Pd.post_runs("WRITE", name, empty, empty))
+        r["bad_op"] = _error(lambda: Pd.post_runs("COPY", name, runs.local, runs.remote))
+        r["posted_after_refusals"] = Pd.take_posted().transfers
+        time.sleep(1.0)
+        r["bad_moved_bytes"] = _differs(w.dpaged.storages, d_before)
+        h = Pd.post_runs("WRITE", name, runs.local, runs.remote, b"r:L0")
+        Pd.wait(h, timeout=60)
+        posted = Pd.take_posted()
+        r["posted"] = [posted.transfers, posted.bytes, int(runs.nbytes)]
+        r["last_post"] = list(Pd.last_post)
+        r["bad_bytes"] = _differs(w.dpaged.storages, want)
+        r["src_changed"] = _differs(w.spaged.storages, s_before)
+        r["notifs"] = [[a, m.decode()] for a, m in _notifs_until(Dd.notifs_by_agent, 1)]
+        # READ by runs the other way (D's agent reads P's rows)
+        _restore(w.dpaged.storages, d_before)
+        pname = Dd.add_remote(Pd.metadata())
+        Dd.add_runs_peer(pname, w.splan.registration_ranges())
+        dr = w.runs().as_runs("dst")
+        Dd.wait(Dd.post_runs("READ", pname, dr.local, dr.remote), timeout=60)
+        r["read_bad_bytes"] = _differs(w.dpaged.storages, want)
+        Pd.remove_remote(name)
+        r["after_remove"] = _error(lambda: Pd.post_runs("WRITE", name, runs.local, runs.remote))
+    finally:
+        Pd.close()
+        Dd.close()
+    return r
+
+
 MODES = {"exact": mode_exact, "kill": mode_kill, "badargs": mode_badargs,
-         "stopped": mode_stopped}
+         "stopped": mode_stopped, "regrain": mode_regrain}
 
 if __name__ == "__main__":
     os.environ.setdefault("GLOG_minloglevel", "2")

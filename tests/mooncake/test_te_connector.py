@@ -9,10 +9,15 @@ Mooncake Transfer Engine, inside ``unshare -n`` with only ``lo`` up
 * layer-wise push (test_push_flows.py, test_push_failures.py, test_push_cancel.py,
   test_push_peer_loss.py): every
   layer's bytes over several prefill steps, dead / restarted peers, cancels, leases;
+* block-size remap (test_pd_nixl_regrain.py): P and D of other block sizes at TP 1, pull
+  (``MooncakeTeAgent.read_runs``) and layer-wise push (``TeDescAgent.post_runs``), every
+  byte of D's memory checked, gemma (full + sliding) and DeepSeek-V4-like (MLA);
 * TP (test_pd_nixl_tp.py, test_push_tp.py): P/D at TP 2->1, 1->2 and 2->2, one process per
   rank, every byte of every loaded block on every rank, pull and push; here the gemma case
-  (full + sliding) to bound CI time, every case (gemma, gemma-chunk, deepseek-v4 MLA, and
-  the registration failures) with ``HMACORE_TE_TP_ALL=1`` (``make test-te-tp``)."""
+  (full + sliding) and the block-size remap across TP sizes (pull both ways, push P TP 2 /
+  32 -> D TP 1 / 64) to bound the slow lane's time, every case (gemma, gemma-chunk,
+  deepseek-v4 MLA, every remap pairing, and the registration failures) with
+  ``HMACORE_TE_TP_ALL=1`` (``make test-te-tp``)."""
 from __future__ import annotations
 
 import os
@@ -61,6 +66,13 @@ def test_push_connector_over_mooncake_te():
     run_over_te(["tests/vllm/test_push_flows.py", "tests/vllm/test_push_failures.py",
                  "tests/vllm/test_push_cancel.py",
                  "tests/vllm/test_push_peer_loss.py"], 1100)
+
+
+@pytest.mark.mooncake
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_regrain_over_mooncake_te():
+    run_over_te(["tests/vllm/test_pd_nixl_regrain.py"], 800)
 
 
 @pytest.mark.mooncake

@@ -118,6 +118,72 @@ def test_a_stopped_peer_does_not_hold_the_caller():
     assert r["live_rc"] == 0
 
 
+@pytest.fixture(scope="module")
+def regrain_run() -> dict:
+    """One run of the ``regrain`` mode for both tests below."""
+    return run_te("regrain", 500)
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(600)
+def test_block_size_remap_byte_runs_every_byte(regrain_run):
+    """A block-size remap over TE (tests/regrain_scenarios.py: gemma full + sliding, DSv4-like
+    MLA, Qwen3-Next-like Mamba + full, LBHNC with kernel sub-blocks): byte runs READ by
+    ``read_runs`` and WRITTEN by ``write_runs`` and by ``TeDescAgent.post_runs``; every byte
+    of the destination equals the expected memory (tagged token rows where D needs them, its
+    old bytes elsewhere) and the source is untouched. Control: the same runs one byte late
+    differ. Notifications ride the transfer."""
+    r = regrain_run
+    assert list(r) == ["gemma_p16_d32", "dsv4_p1x_d4x", "qwen_next_p16_d64",
+                       "lbhnc_p8_d32_kernel16"]
+    for scenario, res in r.items():
+        assert res["peer_regions_same"] is True, scenario
+        pull = res["pull"]
+        assert pull["state"] == "DONE" and pull["valid"] is True, (scenario, pull)
+        assert pull["bad_bytes"] == 0 and pull["src_changed"] == 0, (scenario, pull)
+        assert pull["bytes"] == pull["runs_bytes"] > 0 and pull["descriptors"] == pull["rows"]
+        assert res["pull_notif"] == ["moved"], scenario
+        assert res["late_bad_bytes"] > 0, scenario            # the check sees a wrong transfer
+        assert res["push"] == {"state": "DONE", "bad_bytes": 0, "src_changed": 0}, scenario
+        assert res["push_notif"] == ["pushed"], scenario
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(600)
+def test_block_size_remap_refusals_move_nothing(regrain_run):
+    """Bad rows (the rest of the runs good) are refused by name with nothing posted (D's
+    memory unchanged a second later) and recorded; block ids to a runs peer are refused; no
+    runs: DONE with the notification alone; a peer whose engine closed fails the READ
+    through ``wait`` (bounded, recorded, no valid blocks). TeDescAgent: refused before
+    ``add_runs_peer``, for bad rows, no rows, a bad op and after ``remove_remote``."""
+    r = regrain_run["gemma_p16_d32"]
+    assert "remote runs outside registered memory" in r["bad_remote"], r["bad_remote"]
+    assert "local runs outside registered memory" in r["bad_local"], r["bad_local"]
+    assert "must pair up with equal lengths" in r["bad_length"], r["bad_length"]
+    assert "unknown peer 'nobody'" in r["bad_unknown"]
+    assert "other block sizes: post byte runs" in r["bad_blocks"], r["bad_blocks"]
+    assert all(r[k].startswith("TransferError") for k in
+               ("bad_remote", "bad_local", "bad_length", "bad_unknown", "bad_blocks"))
+    assert r["bad_recorded"] == ["bad-b", "bad-l", "bad-n", "bad-r", "bad-u"]
+    assert r["bad_moved_bytes"] == 0
+    assert r["empty"] == {"state": "DONE", "valid": True, "bytes": 0}
+    assert r["empty_notif"] == ["nothing"]
+    assert r["closed_peer"].startswith("TransferError") and "rg-p" in r["closed_peer"], r
+    assert r["closed_peer_recorded"] is True and r["closed_peer_valid"] is False
+    assert r["closed_peer_s"] < 90
+    d = r["desc"]
+    assert "takes no byte runs (add_runs_peer)" in d["before_add"]
+    assert "remote runs outside registered memory" in d["bad_remote"]
+    assert "at least one row" in d["empty"]
+    assert "op must be 'READ' or 'WRITE'" in d["bad_op"]
+    assert d["posted_after_refusals"] == 0 and d["bad_moved_bytes"] == 0
+    assert d["posted"][0] == 1 and d["posted"][1] == d["posted"][2] > 0
+    assert d["last_post"][0] == d["last_post"][1] == d["last_post"][2] > 0
+    assert d["bad_bytes"] == 0 and d["src_changed"] == 0 and d["read_bad_bytes"] == 0
+    assert d["notifs"] == [["rgd-p", "r:L0"]]
+    assert "takes no byte runs" in d["after_remove"]
+
+
 # -- no engine needed ------------------------------------------------------------------
 def test_transport_names_are_validated():
     assert TRANSPORTS == ("nixl", "mooncake")
@@ -132,7 +198,8 @@ def test_nixl_driver_satisfies_the_interface():
     from hmacore.transport.nixl import NixlAgent
     for cls in (NixlAgent, MooncakeTeAgent):
         missing = [m for m in ("metadata", "handshake_payload", "add_peer", "add_notify_peer",
-                               "remove_peer", "peers", "read", "write", "poll", "wait",
+                               "add_regrain_peer", "read_runs", "write_runs", "remove_peer",
+                               "peers", "read", "write", "poll", "wait",
                                "valid_blocks", "failure", "send_notif", "notifications",
                                "notifications_from", "has_notifications",
                                "fetch_notifs", "wait_notif", "close")
@@ -173,7 +240,8 @@ def test_descriptor_drivers_satisfy_the_desc_interface():
              and callable(getattr(DescTransport, m))]
     assert {"post", "state", "prep_pair", "send_notif", "notifs_by_agent"} <= set(names)
     for cls in (DescAgent, TeDescAgent):
-        assert not [m for m in names if not hasattr(cls, m)], cls
+        assert not [m for m in names + ["add_runs_peer", "post_runs"]
+                    if not hasattr(cls, m)], cls
 
 
 @pytest.mark.parametrize("kw,match", [

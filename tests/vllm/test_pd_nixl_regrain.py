@@ -27,7 +27,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 class Engine:
     def __init__(self, kcc, remap=None, **vkw):
-        extra = {"side_channel_port": free_port(), "kv_lease_duration": 30}
+        # HMACORE_TEST_TRANSPORT=mooncake (tests/mooncake/test_te_connector.py): over TE
+        extra = {"side_channel_port": free_port(), "kv_lease_duration": 30, **PH.TRANSPORT}
         if remap is not None:                        # default: on
             extra["block_size_remap"] = remap
         self.vc = H.vllm_config(extra=extra, **vkw)
@@ -36,6 +37,8 @@ class Engine:
         self.w = HmaNixlConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
         self.paged = allocate_paged_kv(self.w.layout, self.kcc.num_blocks)
         self.w.register_kv_caches(self.paged.kv_caches)
+        assert type(self.w.worker.agent).__name__ == (     # the configured transport's driver
+            "MooncakeTeAgent" if PH.TRANSPORT else "NixlAgent")
         self.d = H.Driver(self.s, worker=self.w)
 
     def close(self):

@@ -377,11 +377,6 @@ class HmaPushWorker:
             raise HandshakeError(f"block sizes {list(sizes)} differ from this engine's {mine} "
                                  "and kv_connector_extra_config.block_size_remap is false "
                                  "(remove it to remap)")
-        if self.transport != "nixl":
-            raise HandshakeError(f"block sizes {list(sizes)} differ from this engine's {mine}: "
-                                 "a block-size remap needs transport 'nixl' (this engine runs "
-                                 f"{self.transport!r}, which posts no byte runs); use equal "
-                                 "--block-size on both engines")
         if self.tp is None:
             raise HandshakeError("a block-size remap needs the TP-aware handshake; this "
                                  "worker has no TP description")
