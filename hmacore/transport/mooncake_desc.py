@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import BlockTableError, HandshakeError, TransferError
 from ..runs import DescTable, desc_table, find_runs, span_ranges
 from .base import PostCounts
-from .runs_peer import checked_runs
+from .runs_peer import desc_runs
 from .te_notify import NotifyQueues
 from .mooncake_te import (_KIND, MAX_SLICES_PER_CALL, TE_SLICE_BYTES, TeEngineLifetime,
                           check_engine_args, open_engine, parse_endpoint, run_calls,
@@ -198,16 +198,8 @@ class TeDescAgent(TeEngineLifetime):
         :meth:`state`. TransferError (nothing posted) for an unknown peer or a row out of
         range."""
         self._check_open()
-        if op not in ("READ", "WRITE"):
-            raise TransferError(f"op must be 'READ' or 'WRITE', got {op!r}")
-        ranges = self._run_ranges.get(remote)
-        if ranges is None:
-            raise TransferError(f"remote agent {remote!r} takes no byte runs (add_runs_peer)")
-        try:
-            loc, rem = checked_runs(local_rows, remote_rows, self._ranges, ranges,
-                                    allow_empty=False)
-        except ValueError as e:
-            raise TransferError(f"{op} to {remote!r}: {e}") from None
+        loc, rem = desc_runs(op, remote, self._run_ranges, self._ranges, local_rows,
+                             remote_rows)
         m = int(loc.shape[0])
         self.last_post = (m, m, m)
         note = self._note(bytes(notif)) if notif else None

@@ -45,7 +45,7 @@ from ..runs import DescTable, desc_table, find_runs
 from .base import Transfer, TransferPosting
 from .handshake import HandshakePayload
 from .notif_queues import NotifQueues
-from .runs_peer import checked_runs, regrain_peer_plan
+from .runs_peer import regrain_peer_plan, runs_transfer
 from .te_notify import NotifyQueues
 
 __all__ = ["MAX_SLICES_PER_CALL", "MooncakeTeAgent", "TE_POSTINGS", "TE_SLICE_BYTES",
@@ -441,19 +441,10 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         p = self._start(request_id, peer, notif)
         if p.plan is None:
             raise self._fail(request_id, f"peer {peer!r} was added for notifications only")
-        try:
-            loc, rem = checked_runs(runs.local, runs.remote, self.plan.registration_ranges(),
-                                    p.plan.registration_ranges())
-        except ValueError as e:
-            raise self._fail(request_id, f"{op} to {peer!r}: {e}") from None
-        m = int(loc.shape[0])
-        t = Transfer(request_id, op, peer, (), m, int(loc[:, 1].sum()) if m else 0,
-                     posted_at=time.monotonic(), block_descriptors=m, runs=m, mechanism="runs")
-        if not m:   # nothing to move: only the notification
-            t.state = "DONE"
-            self._valid[request_id] = ()
-            if notif is not None:
-                self.send_notif(peer, request_id, bytes(notif))
+        t, loc, rem = runs_transfer(self, op, request_id, peer, runs,
+                                    self.plan.registration_ranges(),
+                                    p.plan.registration_ranges(), notif, "runs")
+        if t.state == "DONE":     # no runs
             return t
         return self._submit(t, p, loc, rem, notif)
 

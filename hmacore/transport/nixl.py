@@ -27,7 +27,7 @@ from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 from .base import Transfer, TransferPosting
 from .handshake import HandshakePayload
 from .notif_queues import NotifQueues
-from .runs_peer import checked_runs, regrain_peer_plan
+from .runs_peer import regrain_peer_plan, runs_transfer
 from .nixl_post import check_posting, post_xfer
 
 __all__ = ["NixlAgent", "Transfer", "registration_args"]
@@ -222,22 +222,12 @@ class NixlAgent(TransferPosting):
         p = self._peers.get(peer)
         if p is None or p.plan is None:
             raise self._fail(request_id, f"unknown peer {peer!r} (handshake first)")
-        try:
-            loc, rem = checked_runs(runs.local, runs.remote, self.plan.registration_ranges(),
-                                    p.plan.registration_ranges())
-        except ValueError as e:
-            raise self._fail(request_id, f"{op} to {peer!r}: {e}") from None
-        nbytes = int(loc[:, 1].sum()) if loc.shape[0] else 0
-        t = Transfer(request_id, op, peer, (), int(loc.shape[0]), nbytes,
-                     posted_at=time.monotonic(), block_descriptors=int(loc.shape[0]),
-                     runs=int(loc.shape[0]), mechanism="dynamic")
-        msg = b"" if notif is None else request_id.encode() + b":" + bytes(notif)
-        if not loc.shape[0]:
-            t.state = "DONE"
-            self._valid[request_id] = ()
-            if notif is not None:
-                self.send_notif(peer, request_id, notif)
+        t, loc, rem = runs_transfer(self, op, request_id, peer, runs,
+                                    self.plan.registration_ranges(),
+                                    p.plan.registration_ranges(), notif, "dynamic")
+        if t.state == "DONE":     # no runs
             return t
+        msg = b"" if notif is None else request_id.encode() + b":" + bytes(notif)
         agent = self._agent
         try:
             h = agent.initialize_xfer(op, agent.get_xfer_descs(loc, self.plan.mem_type),

@@ -19,7 +19,7 @@ from ..runs import desc_table, span_ranges
 from . import DEFAULT_PROGRESS_DELAY_US, new_nixl_agent
 from .base import PostCounts
 from .nixl_post import check_posting, post_xfer
-from .runs_peer import checked_runs
+from .runs_peer import desc_runs
 
 __all__ = ["DescAgent"]
 
@@ -112,16 +112,8 @@ class DescAgent:
         inside this agent's registered memory and the peer's (:meth:`add_runs_peer`); the
         descriptor lists are built for this transfer. Returns a handle for :meth:`state`.
         Raises TransferError (nothing posted) for an unknown peer or a row out of range."""
-        if op not in ("READ", "WRITE"):
-            raise TransferError(f"op must be 'READ' or 'WRITE', got {op!r}")
-        ranges = self._run_ranges.get(remote)
-        if ranges is None:
-            raise TransferError(f"remote agent {remote!r} takes no byte runs (add_runs_peer)")
-        try:
-            loc, rem = checked_runs(local_rows, remote_rows, self._ranges, ranges,
-                                    allow_empty=False)
-        except ValueError as e:
-            raise TransferError(f"{op} to {remote!r}: {e}") from None
+        loc, rem = desc_runs(op, remote, self._run_ranges, self._ranges, local_rows,
+                             remote_rows)
         agent = self._agent
         try:
             h = agent.initialize_xfer(op, agent.get_xfer_descs(loc, self.mem_type),

@@ -9,17 +9,21 @@ Used by :class:`~hmacore.transport.nixl.NixlAgent` and
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from ..errors import HandshakeError, HmacoreError
+from ..errors import HandshakeError, HmacoreError, TransferError
 from ..plan import TransferPlan
 from ..runs import desc_table
 from ..spec import GroupKind, KVLayout
+from .base import Transfer
 from .handshake import HandshakePayload
 
-__all__ = ["checked_runs", "regrain_peer_plan", "regrain_remote_layout"]
+__all__ = ["checked_runs", "desc_runs", "regrain_peer_plan", "regrain_remote_layout",
+           "runs_transfer"]
 
 
 def regrain_remote_layout(mine: HandshakePayload, payload: HandshakePayload, layout: KVLayout,
@@ -106,3 +110,43 @@ def checked_runs(local_rows, remote_rows, local_ranges: Sequence[tuple[int, int,
     except HmacoreError as e:
         raise ValueError(f"remote runs outside registered memory: {e}") from None
     return loc, rem
+
+
+def runs_transfer(agent: Any, op: str, request_id: str, peer: str, runs,
+                  local_ranges, peer_ranges, notif: bytes | None, mechanism: str
+                  ) -> tuple[Transfer, np.ndarray, np.ndarray]:
+    """The :class:`Transfer` of ``agent``'s (a :class:`~hmacore.transport.base.TransferPosting`
+    driver with ``send_notif``) ``read_runs`` / ``write_runs`` (``runs.local`` /
+    ``runs.remote`` rows, :func:`checked_runs`; one descriptor per row, posted by
+    ``mechanism``) and its rows. A bad row: TransferError
+    recorded by ``agent._fail`` (nothing posted). No rows: the transfer is DONE already (no
+    valid blocks; ``notif`` sent alone); the caller returns it without posting."""
+    try:
+        loc, rem = checked_runs(runs.local, runs.remote, local_ranges, peer_ranges)
+    except ValueError as e:
+        raise agent._fail(request_id, f"{op} to {peer!r}: {e}") from None
+    m = int(loc.shape[0])
+    t = Transfer(request_id, op, peer, (), m, int(loc[:, 1].sum()) if m else 0,
+                 posted_at=time.monotonic(), block_descriptors=m, runs=m, mechanism=mechanism)
+    if not m:
+        t.state = "DONE"
+        agent._valid[request_id] = ()
+        if notif is not None:
+            agent.send_notif(peer, request_id, bytes(notif))
+    return t, loc, rem
+
+
+def desc_runs(op: str, remote: str, run_ranges: dict, own_ranges, local_rows, remote_rows
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of a descriptor driver's ``post_runs`` (:func:`checked_runs`, at least one
+    row) to a peer of ``run_ranges`` (``add_runs_peer``); TransferError naming the op, the
+    peer or the row (nothing posted)."""
+    if op not in ("READ", "WRITE"):
+        raise TransferError(f"op must be 'READ' or 'WRITE', got {op!r}")
+    ranges = run_ranges.get(remote)
+    if ranges is None:
+        raise TransferError(f"remote agent {remote!r} takes no byte runs (add_runs_peer)")
+    try:
+        return checked_runs(local_rows, remote_rows, own_ranges, ranges, allow_empty=False)
+    except ValueError as e:
+        raise TransferError(f"{op} to {remote!r}: {e}") from None
