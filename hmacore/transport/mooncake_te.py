@@ -441,9 +441,8 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         p = self._start(request_id, peer, notif)
         if p.plan is None:
             raise self._fail(request_id, f"peer {peer!r} was added for notifications only")
-        t, loc, rem = runs_transfer(self, op, request_id, peer, runs,
-                                    self.plan.registration_ranges(),
-                                    p.plan.registration_ranges(), notif, "runs")
+        t, loc, rem = runs_transfer(self, op, request_id, peer, runs, p.plan, notif,
+                                    "runs")
         if t.state == "DONE":     # no runs
             return t
         return self._submit(t, p, loc, rem, notif)

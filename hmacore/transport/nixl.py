@@ -222,9 +222,8 @@ class NixlAgent(TransferPosting):
         p = self._peers.get(peer)
         if p is None or p.plan is None:
             raise self._fail(request_id, f"unknown peer {peer!r} (handshake first)")
-        t, loc, rem = runs_transfer(self, op, request_id, peer, runs,
-                                    self.plan.registration_ranges(),
-                                    p.plan.registration_ranges(), notif, "dynamic")
+        t, loc, rem = runs_transfer(self, op, request_id, peer, runs, p.plan, notif,
+                                    "dynamic")
         if t.state == "DONE":     # no runs
             return t
         msg = b"" if notif is None else request_id.encode() + b":" + bytes(notif)

@@ -113,16 +113,18 @@ def checked_runs(local_rows, remote_rows, local_ranges: Sequence[tuple[int, int,
 
 
 def runs_transfer(agent: Any, op: str, request_id: str, peer: str, runs,
-                  local_ranges, peer_ranges, notif: bytes | None, mechanism: str
+                  peer_plan: TransferPlan, notif: bytes | None, mechanism: str
                   ) -> tuple[Transfer, np.ndarray, np.ndarray]:
     """The :class:`Transfer` of ``agent``'s (a :class:`~hmacore.transport.base.TransferPosting`
     driver with ``send_notif``) ``read_runs`` / ``write_runs`` (``runs.local`` /
-    ``runs.remote`` rows, :func:`checked_runs`; one descriptor per row, posted by
-    ``mechanism``) and its rows. A bad row: TransferError
-    recorded by ``agent._fail`` (nothing posted). No rows: the transfer is DONE already (no
-    valid blocks; ``notif`` sent alone); the caller returns it without posting."""
+    ``runs.remote`` rows inside ``agent.plan``'s and ``peer_plan``'s registration ranges,
+    :func:`checked_runs`; one descriptor per row, posted by ``mechanism``) and its rows. A
+    bad row: TransferError recorded by ``agent._fail`` (nothing posted). No rows: the transfer
+    is DONE already (no valid blocks; ``notif`` sent alone); the caller returns it without
+    posting."""
     try:
-        loc, rem = checked_runs(runs.local, runs.remote, local_ranges, peer_ranges)
+        loc, rem = checked_runs(runs.local, runs.remote, agent.plan.registration_ranges(),
+                                peer_plan.registration_ranges())
     except ValueError as e:
         raise agent._fail(request_id, f"{op} to {peer!r}: {e}") from None
     m = int(loc.shape[0])
