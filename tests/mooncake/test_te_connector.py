@@ -14,10 +14,10 @@ Mooncake Transfer Engine, inside ``unshare -n`` with only ``lo`` up
   byte of D's memory checked, gemma (full + sliding) and DeepSeek-V4-like (MLA);
 * TP (test_pd_nixl_tp.py, test_push_tp.py): P/D at TP 2->1, 1->2 and 2->2, one process per
   rank, every byte of every loaded block on every rank, pull and push; here the gemma case
-  (full + sliding) and the block-size remap across TP sizes (pull both ways, push P TP 2 /
-  32 -> D TP 1 / 64) to bound the slow lane's time, every case (gemma, gemma-chunk,
-  deepseek-v4 MLA, every remap pairing, and the registration failures) with
-  ``HMACORE_TE_TP_ALL=1`` (``make test-te-tp``)."""
+  (full + sliding) and every block-size remap across TP sizes (``-k block_sizes``: pull P
+  TP 2 / 32 <-> D TP 1 / 64 both ways, push gemma-like and DeepSeek-V4-like both ways; ~5
+  min) to bound the slow lane's time, every case (gemma, gemma-chunk, deepseek-v4 MLA, and
+  the registration failures) with ``HMACORE_TE_TP_ALL=1`` (``make test-te-tp``)."""
 from __future__ import annotations
 
 import os
@@ -82,6 +82,6 @@ def test_regrain_over_mooncake_te():
 def test_tp_connector_over_mooncake_te():
     every = os.environ.get("HMACORE_TE_TP_ALL") == "1"
     out = run_over_te(["tests/vllm/test_pd_nixl_tp.py", "tests/vllm/test_push_tp.py"], 1700,
-                      None if every else "every_byte and gemma and not chunk")
-    if not every:   # the 3 TP pairings, pull and push
-        assert "6 passed" in out, out[-3000:]
+                      None if every else "(every_byte and gemma and not chunk) or block_sizes")
+    if not every:   # the 3 TP pairings, pull and push; the 6 remaps across TP sizes
+        assert "12 passed" in out, out[-3000:]
