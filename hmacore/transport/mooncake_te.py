@@ -440,7 +440,9 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
                    notif: bytes | None) -> Transfer:
         p = self._start(request_id, peer, notif)
         if p.plan is None:
-            raise self._fail(request_id, f"peer {peer!r} was added for notifications only")
+            raise self._fail(request_id, f"peer {peer!r} takes no byte runs (added for "
+                                         "notifications only or as a TP pair; "
+                                         "add_regrain_peer takes runs)")
         t, loc, rem = runs_transfer(self, op, request_id, peer, runs, p.plan, notif,
                                     "runs")
         if t.state == "DONE":     # no runs
