@@ -15,9 +15,9 @@ Mooncake Transfer Engine, inside ``unshare -n`` with only ``lo`` up
 * TP (test_pd_nixl_tp.py, test_push_tp.py): P/D at TP 2->1, 1->2 and 2->2, one process per
   rank, every byte of every loaded block on every rank, pull and push; here the gemma case
   (full + sliding) and every block-size remap across TP sizes (``-k block_sizes``: pull P
-  TP 2 / 32 <-> D TP 1 / 64 both ways, push gemma-like and DeepSeek-V4-like both ways; ~5
-  min) to bound the slow lane's time, every case (gemma, gemma-chunk, deepseek-v4 MLA, and
-  the registration failures) with ``HMACORE_TE_TP_ALL=1`` (``make test-te-tp``)."""
+  TP 2 / 32 <-> D TP 1 / 64 both ways, push gemma-like and DeepSeek-V4-like both ways), to
+  bound the slow lane's time; every case (gemma, gemma-chunk, deepseek-v4 MLA, and the
+  registration failures) with ``HMACORE_TE_TP_ALL=1`` (``make test-te-tp``)."""
 from __future__ import annotations
 
 import os
