@@ -242,9 +242,12 @@ def test_mixed_tp_and_block_sizes_push_every_byte(engines, pool, p_key, d_key):
     if D.tp == 2 and pool == "remap-gemma":
         ctl = D.ranks[0].call("check_tokens", table=table, lo=list(lo), hi=list(hi), as_rank=1)
         assert ctl["bad"] > 0
-    remapped = [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
-                if s.push_id == f"push-{rid}"]
-    assert remapped and all(s.regrain is not None for s in remapped)
+    sent = [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
+             if s.push_id == f"push-{rid}"]
+    for st in P.call_all("push_state"):       # every P rank planned each step as a remap
+        mine = [x for x in st["planned"] if x[0] == f"push-{rid}"]
+        assert [x[1] for x in mine] == [s.step for s in sent] and all(x[2] for x in mine)
+    assert sent
     D.run_out()
     H.assert_no_leak(D.s)
     P.run_out()
