@@ -146,6 +146,9 @@ def test_unpairable_step_gives_up_the_push(monkeypatch):
                       what="P gives up, D hears of it")
         assert p.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
         assert refused == [["p"], ["p"]]        # the batch, then the request alone
+        # the worker failed the push itself (not P's lease running out), so P held nothing
+        stats = P.w.stats()
+        assert stats and not stats[-1]["ok"] and "cannot be planned" in stats[-1]["error"], stats
         PH.step_until(lambda: not P.s.requests, [P], timeout=60, what="P ends its request")
         H.assert_no_leak(P.s)
         assert len(tables) == 0 and P.conn.leases() == {}
