@@ -929,6 +929,10 @@ class HmaPushWorker:
                 out.append(save)           # _start_sub answers (dead, or no registration)
                 continue
             try:
+                if not self._consumers(reg.dtp):   # this rank WRITEs to no decode rank:
+                    self._unfollow(pid)            # nothing to follow or pair
+                    out.append(save)
+                    continue
                 if reg.table is None:
                     reg.table = _positional(reg.ids, len(self._block_sizes))
                 if save.full or self._followed.get(pid) != rid:
