@@ -30,8 +30,12 @@ on ``side_channel_host:port + rank`` answers decode ranks.
 * P: a rank reports a push id (worker metadata, ``registered_by`` = this rank) once every
   *consumer* decode rank (:func:`hmacore.tp.consumer_ranks`; equal TP: the same rank)
   registered; a registration whose rank / TP claim contradicts its sender's handshake, or
-  that disagrees with the push's earlier ones, is refused. In ``save_kv_layer`` the layer's
-  WRITE (its group's blocks of this step's :class:`PushSave`) is posted at once to every
+  that disagrees with the push's earlier ones, is refused. Each step (``start_load_kv``, else
+  the first ``save_kv_layer``) the worker follows its pushing requests' tables from the
+  :class:`PushSave` new ids (a ``full`` table replaces: first step, or resumed after a
+  preemption) and pairs the step's tokens with D's registration (:meth:`_plan_step`, one
+  ``TrackerSet.step_pairs`` call; a step it cannot plan fails that push alone). In
+  ``save_kv_layer`` the layer's WRITE (its group's pairs of the planned step) is posted at once to every
   consumer: whole pages at equal TP, else this rank's head slices / replicated pages from the
   :class:`~hmacore.tp.TpPairPlan` seen from that decode rank, used in the WRITE direction.
   One LayerwisePusher request per (push, step, consumer), all of a step under one tag: the
@@ -48,7 +52,7 @@ on ``side_channel_host:port + rank`` answers decode ranks.
 Units: block ids per group; descriptor ids from LayerPlan; times ``time.monotonic()`` seconds.
 PP = 1. Other block sizes (``block_size_remap``, default on), at equal or different TP
 sizes: P writes each layer as byte runs (:mod:`hmacore.regrain`) of the step's tokens D
-needs, planned in token ranges by the scheduler (``PushSave.regrain``); across TP sizes the
+needs, planned in token ranges by this worker (``PushSave.regrain``); across TP sizes the
 plan of each (P rank, consumer D rank) pairs only the chunks of the heads that D rank takes
 from this P rank (``RegrainPlan(tp=(mapping seen from D, P rank))``, as pull's per source
 rank). D checks at the handshake that a remap with each of its source ranks can be planned
