@@ -19,8 +19,8 @@ push request: the tokens that become computed in this step (all tokens up to the
 in the first pushed step, so a local prefix hit on P is pushed too) and vLLM's new block ids
 of the request, by reference. P's scheduler follows no block table: P's worker follows its
 own and pairs it with D's registration (design (b) of issue 15). ``request_finished`` keeps
-the blocks (returns True) until the worker reports the push ended (``finished_sending``), or the lease (``kv_lease_duration`` s) expires. A decode
-engine of other block sizes (its worker reports D's block sizes, first token and token count:
+the blocks (returns True) until the worker reports the push ended (``finished_sending``), or
+the lease (``kv_lease_duration`` s) expires. A decode engine of other block sizes (its worker reports D's block sizes, first token and token count:
 ``HmaPushWorkerMeta.regrain``) gets its steps planned in token ranges instead of block pairs,
 by P's worker (``PushSave.regrain``).
 
