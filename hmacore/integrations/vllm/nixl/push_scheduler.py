@@ -15,14 +15,14 @@ it (ranks holding registrations tell those decode ranks it failed; D then recomp
 TP > 1 a push counts as registered once every prefill rank reported it
 (``HmaPushWorkerMeta.registered_by``: a rank reports once all decode ranks it writes to
 registered). Once registered, every step's metadata carries a :class:`PushSave` per scheduled
-push request: the tokens that become computed in this step (all tokens up to the step's end
-in the first pushed step, so a local prefix hit on P is pushed too) and vLLM's new block ids
-of the request, by reference. P's scheduler follows no block table: P's worker follows its
-own and pairs it with D's registration (design (b) of issue 15). ``request_finished`` keeps
-the blocks (returns True) until the worker reports the push ended (``finished_sending``), or
-the lease (``kv_lease_duration`` s) expires. A decode engine of other block sizes (its worker reports D's block sizes, first token and token count:
-``HmaPushWorkerMeta.regrain``) gets its steps planned in token ranges instead of block pairs,
-by P's worker (``PushSave.regrain``).
+push request: the tokens that become computed in this step (all tokens up to the step's end in
+the first pushed step, so a local prefix hit on P is pushed too) and vLLM's new block ids of
+the request, by reference. P's scheduler follows no block table: P's worker follows its own
+and pairs it with D's registration (design (b) of issue 15). ``request_finished`` keeps the
+blocks (returns True) until the worker reports the push ended (``finished_sending``), or the
+lease (``kv_lease_duration`` s) expires. A decode engine of other block sizes (its worker
+reports D's block sizes, first token and token count: ``HmaPushWorkerMeta.regrain``) gets its
+steps planned in token ranges instead of block pairs, by P's worker (``PushSave.regrain``).
 
 Units: tokens, blocks of each group (positional tables), seconds of ``clock``.
 """
