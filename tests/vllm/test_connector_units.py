@@ -4,7 +4,6 @@ import pickle
 import re
 
 import numpy as np
-
 import pytest
 
 import harness as H
