@@ -17,15 +17,26 @@ interleave tokens inside a chunk are refused by name (:data:`REFUSED_LAYOUTS`).
 What is refused (LayoutError, nothing built): block sizes whose ratio is not an integer either
 way (P 16 / D 24: vLLM's hash grain would not align either, and each 8-token piece would be
 its own descriptor), kernel block sizes likewise, groups whose kinds or layers differ, Mamba
-state blocks of unequal bytes, chunks of unequal row bytes (a head's bytes per token differ:
+states of unequal bytes (or state pages of unequal bytes when no state size is given), a state
+larger than its page, chunks of unequal row bytes (a head's bytes per token differ:
 dtype, head size or an NHD page sliced by TP), a destination chunk the source lacks.
 
 Window clipping and prefix trimming happen in each side's own grain: the caller gives each
 side's table as it holds it (clipped tables say where they start: ``first``, in blocks of
 that side) and the token range per group (:func:`token_ranges`: prefix trim, sliding window,
 chunked-local start). Partial first/last blocks (a range starting or ending inside a block of
-either side) become byte ranges inside the block. Mamba state blocks are mapped by state:
-``src_ids[g][i] -> dst_ids[g][i]``, whole state block, independent of tokens.
+either side) become byte ranges inside the block.
+
+Mamba state blocks are mapped by state, not by tokens: ``src_ids[g][i] -> dst_ids[g][i]``,
+independent of token ranges; the caller pairs the blocks holding the same state (the state
+after the same number of tokens; in vLLM P's running-state slot and D's slot for the tokens
+it loads, see docs/vllm.md "Mamba state across block sizes"). A state block is a page holding
+the state tensors back to back from its start, padded to the engine's page size (vLLM pads the
+Mamba page to its attention page, so two engines of different block sizes have state pages
+of different bytes). With ``src_state_bytes`` / ``dst_state_bytes`` (per group, the unpadded
+state bytes of one layer's page) a state pair copies those bytes only, from each page's
+start; they must be equal on both sides and fit both pages. Without them the whole page
+moves and both pages must be of equal bytes (pages of equal block size).
 
 Heterogeneous TP composes: with ``tp=(mapping, remote_rank)`` only the chunks of the heads
 the destination rank reads from that source rank are paired (keys are global head indices).
@@ -233,7 +244,8 @@ def plan_pages(layout: KVLayout, plan: TransferPlan, *, page_layout: str,
 class RegionPair:
     """One source region and the destination region it fills, for one group: ``chunks`` are
     ``(src offset, dst offset, row bytes)`` inside each side's kernel block (attention), or
-    empty for a state pair (whole ``src.block_len`` state blocks)."""
+    empty for a state pair, which copies ``state_bytes`` from the start of each state page
+    (the unpadded state, or the whole page)."""
 
     group: int
     src: Region
@@ -241,6 +253,7 @@ class RegionPair:
     src_page: TokenPage | None
     dst_page: TokenPage | None
     chunks: tuple[tuple[int, int, int], ...]
+    state_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +301,40 @@ def _group_regions(layout: KVLayout, plan: TransferPlan, g: int) -> list[int]:
     return out
 
 
+def _state_cuts(g: int, side: str, layout: KVLayout, plan: TransferPlan, regs: list[int],
+                state: int) -> list[tuple[int, int]]:
+    """Per region of a Mamba group (``regs``, in :func:`_group_regions` order), the
+    ``(offset in the layer's page, bytes)`` of the state it holds: a layer's regions are its
+    page's parts (one region for a whole page, or one per state tensor), each at its base's
+    offset from the layer's first part; the state is the page's first ``state`` bytes, which
+    the parts must cover back to back. LayoutError naming the region otherwise."""
+    out: list[tuple[int, int]] = []
+    for name in layout.groups[g].layer_names:
+        mine = [r for r in regs if name in plan.regions[r].layers]
+        if not mine:
+            continue
+        first = min(plan.regions[r].base for r in mine)
+        covered = 0
+        for r in sorted(mine, key=lambda r: plan.regions[r].base):
+            reg = plan.regions[r]
+            off = reg.base - first
+            if off > covered and covered < state:
+                raise LayoutError(f"group {g}: {side} region {r} (layer {name!r}) starts "
+                                  f"{off} B into its page, its parts end at {covered} B: the "
+                                  f"{state} B state must be the page's first bytes, back to back")
+            covered = max(covered, off + reg.block_len)
+        if covered < state:
+            raise LayoutError(f"group {g}: a state of {state} B does not fit the {side} "
+                              f"pages of layer {name!r} ({covered} B)")
+    for r in regs:
+        reg = plan.regions[r]
+        name = next(n for n in layout.groups[g].layer_names if n in reg.layers)
+        first = min(plan.regions[q].base for q in regs if name in plan.regions[q].layers)
+        off = reg.base - first
+        out.append((off, max(0, min(reg.block_len, state - off))))
+    return out
+
+
 class RegrainPlan:
     """Region pairs between a source (P) and a destination (D) whose block sizes may differ.
 
@@ -301,6 +348,10 @@ class RegrainPlan:
         tp: ``(mapping, remote_rank)``: the destination is ``mapping``'s local rank reading
             from source rank ``remote_rank``; only the chunks of heads it reads from that rank
             pair (see :class:`hmacore.tp.TpMapping`). None: every destination chunk pairs.
+        src_state_bytes / dst_state_bytes: per group, the unpadded bytes of one layer's state
+            (Mamba groups; None entries and other groups ignored), on each side; a state pair
+            then copies that many bytes from the start of each page. Both None (the default) or
+            an entry None: the whole page, pages of equal bytes.
 
     Built once per peer pair; immutable. Raises LayoutError (nothing built) for every rule in
     the module docstring.
@@ -308,7 +359,9 @@ class RegrainPlan:
 
     def __init__(self, src_layout: KVLayout, dst_layout: KVLayout, src_plan: TransferPlan,
                  dst_plan: TransferPlan, src_pages: Sequence[TokenPage | None],
-                 dst_pages: Sequence[TokenPage | None], *, tp: tuple[Any, int] | None = None):
+                 dst_pages: Sequence[TokenPage | None], *, tp: tuple[Any, int] | None = None,
+                 src_state_bytes: Sequence[int | None] | None = None,
+                 dst_state_bytes: Sequence[int | None] | None = None):
         G = src_layout.num_groups
         if dst_layout.num_groups != G:
             raise LayoutError(f"source layout has {G} groups, destination "
@@ -316,6 +369,8 @@ class RegrainPlan:
         for name, pages in (("src_pages", src_pages), ("dst_pages", dst_pages)):
             if isinstance(pages, (str, bytes)) or not hasattr(pages, "__len__") or len(pages) != G:
                 raise LayoutError(f"{name} must hold one TokenPage or None per group ({G})")
+        sstate = self._state_sizes("src_state_bytes", src_state_bytes, G)
+        dstate = self._state_sizes("dst_state_bytes", dst_state_bytes, G)
         allowed = self._tp_heads(tp, G)
         pairs: list[RegionPair] = []
         self.src_block_sizes = tuple(s.block_size for s in src_layout.groups)
@@ -349,16 +404,37 @@ class RegrainPlan:
             if len(sregs) != len(dregs):
                 raise LayoutError(f"group {g}: {len(sregs)} source regions, {len(dregs)} "
                                   "destination regions; both sides must register the same layers")
-            for rs, rd in zip(sregs, dregs):
+            sb, db = sstate[g], dstate[g]
+            if is_state and sb is not None and db is not None:
+                if sb != db:
+                    raise LayoutError(f"group {g}: a state of {sb} B on the source and {db} B "
+                                      "on the destination; a state maps only onto a state of "
+                                      "equal bytes (same model, same TP size)")
+                scut = _state_cuts(g, "source", src_layout, src_plan, sregs, sb)
+                dcut = _state_cuts(g, "destination", dst_layout, dst_plan, dregs, db)
+            for k, (rs, rd) in enumerate(zip(sregs, dregs)):
                 sr, dr = src_plan.regions[rs], dst_plan.regions[rd]
                 _region_span_ok("source", rs, sr)
                 _region_span_ok("destination", rd, dr)
                 if is_state:
-                    if sr.block_len != dr.block_len:
-                        raise LayoutError(f"group {g}: state blocks of {sr.block_len} B (source "
-                                          f"region {rs}) and {dr.block_len} B (destination region "
-                                          f"{rd}) differ; state blocks map one to one")
-                    pairs.append(RegionPair(g, sr, dr, None, None, ()))
+                    if sstate[g] is None or dstate[g] is None:
+                        if sr.block_len != dr.block_len:
+                            raise LayoutError(
+                                f"group {g}: state blocks of {sr.block_len} B (source region "
+                                f"{rs}) and {dr.block_len} B (destination region {rd}) differ; "
+                                "state blocks map one to one (pages padded to different sizes "
+                                "map by their unpadded state: give src_state_bytes and "
+                                "dst_state_bytes)")
+                        pairs.append(RegionPair(g, sr, dr, None, None, (), sr.block_len))
+                        continue
+                    if scut[k] != dcut[k] and (scut[k][1] or dcut[k][1]):
+                        raise LayoutError(
+                            f"group {g}: state part {k} holds state bytes {scut[k]} (offset, "
+                            f"bytes) of its page on the source (region {rs}) and {dcut[k]} on "
+                            f"the destination (region {rd}); both sides must register a "
+                            "layer's state parts alike")
+                    if scut[k][1]:
+                        pairs.append(RegionPair(g, sr, dr, None, None, (), scut[k][1]))
                     continue
                 assert sp is not None and dp is not None   # checked above for attention
                 chunks = self._pair_chunks(g, rs, rd, sr, dr, sp, dp, allowed[g])
@@ -371,6 +447,14 @@ class RegrainPlan:
         self._src_nb = self._pool(G, "src")
         self._dst_nb = self._pool(G, "dst")
         self._compile()
+
+    @staticmethod
+    def _state_sizes(name: str, sizes: Any, G: int) -> list[int | None]:
+        if sizes is None:
+            return [None] * G
+        if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__") or len(sizes) != G:
+            raise LayoutError(f"{name} must hold one int or None per group ({G})")
+        return [None if v is None else _int(f"{name}[{g}]", v, 1) for g, v in enumerate(sizes)]
 
     @staticmethod
     def _tp_heads(tp: Any, G: int) -> list[Any]:
@@ -464,7 +548,7 @@ class RegrainPlan:
                                 dtype=i64)
         self._k_sklen = np.array([p.src.block_len // p.src.ratio for p in ps], dtype=i64)
         self._k_dklen = np.array([p.dst.block_len // p.dst.ratio for p in ps], dtype=i64)
-        self._k_state_len = np.array([p.src.block_len for p in ps], dtype=i64)
+        self._k_state_len = np.array([p.state_bytes for p in ps], dtype=i64)
         lo = np.zeros(len(ps) + 1, dtype=i64)
         np.cumsum([len(p.chunks) for p in ps], out=lo[1:])
         self._k_chunk_lo = lo
@@ -487,7 +571,8 @@ class RegrainPlan:
         that side's block ``first[g] + i`` (tokens ``[(first+i)*bs, (first+i+1)*bs)``);
         ``first`` defaults to 0 (full positional tables, null padding included). Every block
         touching ``[lo, hi)`` must be present and real (1 .. pool size - 1); blocks outside
-        are never read. Mamba groups: ``src_ids[g][i] -> dst_ids[g][i]``, equal lengths;
+        are never read. Mamba groups: ``src_ids[g][i] -> dst_ids[g][i]`` (each pair the
+        blocks holding the same state), equal lengths, the pair's state bytes each;
         ``lo``/``hi`` ignored. Groups the plan does not move are ignored.
         Raises BlockTableError (nothing computed)."""
         G = self.num_groups

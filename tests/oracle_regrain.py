@@ -4,8 +4,10 @@ a named layout is an index formula over ``[kernel block, part, head, row, byte]`
 
 A *world* is plain data: per group a dict with ``kind`` ("full", "swa", "mamba"), ``window``,
 ``src_bs`` / ``dst_bs``, ``layers``, and per side a page tuple ``(layout, heads, head_start,
-head_bytes, kv, kernel_bs)`` (attention) or a state block length (Mamba); per side per layer
-a region ``(base, stride, num_blocks)``.
+head_bytes, kv, kernel_bs)`` (attention) or a state block length (Mamba: ``state_len``, or per
+side ``src_state_len`` / ``dst_state_len`` when the pages are padded differently, and then
+``state_bytes``, the unpadded state both sides hold from each page's start); per side per
+layer a region ``(base, stride, num_blocks)``.
 """
 from oracle_tp import oracle_heads, oracle_source
 
@@ -74,7 +76,8 @@ def oracle_map(world, src_ids, dst_ids, lo, hi, src_first, dst_first, tp=None):
             sreg = world["src_regions"][layer]
             dreg = world["dst_regions"][layer]
             if grp["kind"] == "mamba":
-                n = grp["state_len"]
+                # the state, not the page: a page's bytes past the state are padding
+                n = grp.get("state_bytes") or grp["state_len"]
                 for i, (s, d) in enumerate(zip(src_ids[g], dst_ids[g])):
                     for b in range(n):
                         out[dreg[0] + d * dreg[1] + b] = sreg[0] + s * sreg[1] + b

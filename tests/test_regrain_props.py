@@ -39,7 +39,22 @@ def build(world, side):
         nb = world[f"{side}_nb"]
         if grp["kind"] == "mamba":
             pages.append(None)
-            blen, ratio = grp["state_len"], 1
+            blen, ratio = grp.get(f"{side}_state_len", grp["state_len"]), 1
+            cuts = grp.get("cuts")
+            if cuts:
+                # the layer's state tensors as parts of its page (vLLM's per-state views):
+                # equal cuts inside the state on both sides, the last part running to each
+                # side's page end (its padding)
+                stride = blen + grp["gap"]
+                bounds = [0, *cuts, blen]
+                for layer in grp["layers"]:
+                    for a, b in zip(bounds, bounds[1:]):
+                        state_regions.append(Region(
+                            base=base + a, block_len=b - a, stride=stride, logical_blocks=nb,
+                            ratio=1, group=gi, state=True, layers=(layer,)))
+                    world[f"{side}_regions"][layer] = (base, stride, nb)
+                    base += stride * nb + 64
+                continue
         else:
             page = grp[f"{side}_page"]
             pages.append(token_page(page[0], block_size=grp[f"{side}_bs"], heads=page[1],
@@ -97,6 +112,15 @@ def worlds(draw, tp=None):
         if kind == "mamba":
             grp["src_bs"] = grp["dst_bs"] = src_bs   # Mamba block sizes are the scheduler's
             grp["state_len"] = draw(st.integers(1, 40))
+            if draw(st.booleans()):
+                # pages padded to each side's own page size (vLLM: the attention page, so
+                # other block sizes give other page bytes); the state bytes are equal
+                grp["state_bytes"] = draw(st.integers(1, grp["state_len"]))
+                grp["src_state_len"] = grp["state_bytes"] + draw(st.integers(0, 40))
+                grp["dst_state_len"] = grp["state_bytes"] + draw(st.integers(0, 40))
+                if grp["state_bytes"] > 1:
+                    grp["cuts"] = sorted(draw(st.sets(st.integers(1, grp["state_bytes"] - 1),
+                                                      max_size=3)))
         else:
             if tp is not None:
                 H, dtp, d, stp, p = tp
@@ -144,8 +168,10 @@ def check(world, n, trim, data, tp=None, tp_arg=None):
     dlayout, dplan, dpages = build(world, "dst")
     lo, hi = token_ranges(dlayout, n, trim)
     src_ids, dst_ids, sf, df = request(data.draw, world, lo, hi)
+    sizes = [g.get("state_bytes") for g in world["groups"]]
     plan = RegrainPlan(slayout, dlayout, splan, dplan, spages, dpages,
-                       tp=None if tp_arg is None else tp_arg(dlayout))
+                       tp=None if tp_arg is None else tp_arg(dlayout),
+                       src_state_bytes=sizes, dst_state_bytes=sizes)
     runs = plan.runs(src_ids, dst_ids, lo, hi, src_first=sf, dst_first=df)
     want = oracle_map(world, src_ids, dst_ids, lo, hi, sf, df, tp=tp)
     got = runs_map(runs)

@@ -88,6 +88,63 @@ def test_state_blocks_must_be_equal():
         RegrainPlan(sl, dl, sp, TransferPlan(dl, regs), sg, dg)
 
 
+def _state_side(bs, page, parts=None, base=1 << 20):
+    """A Mamba-only side: layers m0, m1, pages of ``page`` bytes (padding included), each
+    layer one region (the whole page) or ``parts`` regions ((offset, bytes) in the page)."""
+    from hmacore.plan import Region, TransferPlan
+    layout = KVLayout(groups=(GroupSpec(GroupKind.MAMBA, bs, ("m0", "m1")),))
+    regs = []
+    for j, name in enumerate(("m0", "m1")):
+        start = base + j * page * 8
+        for off, n in parts or [(0, page)]:
+            regs.append(Region(base=start + off, block_len=n, stride=page, logical_blocks=8,
+                               ratio=1, group=0, state=True, layers=(name,)))
+    return layout, TransferPlan(layout, regs)
+
+
+def test_padded_state_pages_map_by_state_bytes():
+    """State pages padded to other sizes (vLLM pads the Mamba page to each engine's attention
+    page): refused as whole pages, mapped by their unpadded state (the page's first bytes)
+    when both sides name it; unequal states, states larger than a page and parts that do not
+    hold the state back to back are refused by name."""
+    sl, sp = _state_side(16, 64)
+    dl, dp = _state_side(32, 128, base=1 << 30)
+    with pytest.raises(LayoutError, match="give src_state_bytes and dst_state_bytes"):
+        RegrainPlan(sl, dl, sp, dp, [None], [None])
+    with pytest.raises(LayoutError, match="a state maps only onto a state of equal bytes"):
+        RegrainPlan(sl, dl, sp, dp, [None], [None], src_state_bytes=[40], dst_state_bytes=[41])
+    with pytest.raises(LayoutError, match="a state of 65 B does not fit the source pages"):
+        RegrainPlan(sl, dl, sp, dp, [None], [None], src_state_bytes=[65], dst_state_bytes=[65])
+    with pytest.raises(LayoutError, match=r"src_state_bytes\[0\] must be an int >= 1"):
+        RegrainPlan(sl, dl, sp, dp, [None], [None], src_state_bytes=[0], dst_state_bytes=[0])
+    with pytest.raises(LayoutError, match="one int or None per group"):
+        RegrainPlan(sl, dl, sp, dp, [None], [None], src_state_bytes=[40, 1],
+                    dst_state_bytes=[40, 1])
+    plan = RegrainPlan(sl, dl, sp, dp, [None], [None], src_state_bytes=[40],
+                       dst_state_bytes=[40])
+    runs = plan.runs([[3, 4]], [[5, 1]], [0], [0])
+    got = list(zip(runs.src[:, 0].tolist(), runs.dst[:, 0].tolist(), runs.src[:, 1].tolist()))
+    s0, d0 = 1 << 20, 1 << 30
+    assert got == [(s0 + 3 * 64, d0 + 5 * 128, 40), (s0 + 4 * 64, d0 + 128, 40),
+                   (s0 + 8 * 64 + 3 * 64, d0 + 8 * 128 + 5 * 128, 40),
+                   (s0 + 8 * 64 + 4 * 64, d0 + 8 * 128 + 128, 40)]
+    # a layer's state tensors as parts (conv 24 B then ssm 32 B, padding after): the state's
+    # bytes of each part move, the padding does not
+    sl2, sp2 = _state_side(16, 64, parts=[(0, 24), (24, 40)])
+    dl2, dp2 = _state_side(32, 128, parts=[(0, 24), (24, 104)], base=1 << 30)
+    plan = RegrainPlan(sl2, dl2, sp2, dp2, [None], [None], src_state_bytes=[56],
+                       dst_state_bytes=[56])
+    assert [p.state_bytes for p in plan.pairs] == [24, 32, 24, 32]
+    bad, bp = _state_side(32, 128, parts=[(0, 16), (24, 104)], base=1 << 30)
+    with pytest.raises(LayoutError, match="starts 24 B into its page, its parts end at 16 B"):
+        RegrainPlan(sl2, bad, sp2, bp, [None], [None], src_state_bytes=[56],
+                    dst_state_bytes=[56])
+    odd, op = _state_side(32, 128, parts=[(0, 16), (16, 112)], base=1 << 30)
+    with pytest.raises(LayoutError, match="state part 0 holds state bytes"):
+        RegrainPlan(sl2, odd, sp2, op, [None], [None], src_state_bytes=[56],
+                    dst_state_bytes=[56])
+
+
 def test_request_refusals_name_the_rule():
     w = World("gemma_p16_d32", 100, 0, 3)
     plan = w.plan()

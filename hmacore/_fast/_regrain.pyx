@@ -8,8 +8,9 @@ each side's kernel block, bytes per token row). Per request this module walks ea
 group's token range ``[lo, hi)`` in segments that stay inside one kernel block on both sides
 (boundaries at multiples of ``min(kernel sizes)``: the sizes divide each other, checked by the
 plan), emits one byte range per chunk and segment, and merges a range into the previous one
-of the same pair when both sides abut. State (Mamba) pairs copy whole state blocks, one per
-paired id, independent of tokens.
+of the same pair when both sides abut. State (Mamba) pairs copy ``state_len`` bytes (the
+unpadded state, or the whole page) from the start of each paired block, one per paired id,
+independent of tokens.
 
 Every index and id is validated by the Python front (hmacore.regrain) before this kernel runs;
 the kernel only reads arrays the call holds references to.

@@ -288,13 +288,12 @@ class HandshakePayload:
         la, lb = me.kv_layout(), them.kv_layout()
         ratios = set()
         for g, (a, b) in enumerate(zip(la.groups, lb.groups)):
-            if a.kind == GroupKind.MAMBA or a.block_size == b.block_size:
-                if a.block_size != b.block_size:
-                    raise HandshakeError(f"{who} disagrees on block sizes: state group {g} has "
-                                         f"{a.block_size} locally, {b.block_size} remotely "
-                                         "(state blocks must be equal: a state block holds the "
-                                         "state after the tokens up to its position, so other "
-                                         "sizes hold states at other positions)")
+            if a.kind == GroupKind.MAMBA:
+                # a state block is one state, at a position set by its block size: a remap
+                # pairs the blocks holding the same state (hmacore.regrain; the connector
+                # refuses what it cannot pair), no block-size ratio applies
+                continue
+            if a.block_size == b.block_size:
                 ratios.add(fractions.Fraction(1))
                 continue
             big, small = max(a.block_size, b.block_size), min(a.block_size, b.block_size)
@@ -316,6 +315,12 @@ class HandshakePayload:
                         raise HandshakeError(f"{who}: {side} TP size {d.tp_size} does not fit "
                                              f"group {g}'s heads: {e}") from None
         ua, ub = _tp_unit_bytes(me, self.regions), _tp_unit_bytes(them, other.regions)
+        if tuple(la.block_sizes) != tuple(lb.block_sizes):
+            # a remap: state pages are padded to each side's page size (vLLM: the attention
+            # page), so their bytes differ; the remap plan pairs their unpadded states
+            # (hmacore.regrain, src_state_bytes) and refuses what it cannot pair
+            ua = {n: [x for x in v if not x[0]] for n, v in ua.items()}
+            ub = {n: [x for x in v if not x[0]] for n, v in ub.items()}
         for name in sorted(set(ua) | set(ub)):
             x, y = ua.get(name), ub.get(name)
             if x != y:

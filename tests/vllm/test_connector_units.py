@@ -243,9 +243,11 @@ def test_push_worker_meta_aggregates_registering_ranks():
     ids = [[1, 2], [3]]
     a = HmaPushWorkerMeta(registered={"x": ids}, registered_by={"x": [0]})
     b = HmaPushWorkerMeta(registered={"x": ids, "y": ids}, registered_by={"x": [1], "y": [1]},
-                          regrain={"y": (0, 100, [32, 32])})
+                          regrain={"y": (0, 100, [32, 32])}, withdrawn={"z"})
     m = a.aggregate(b).aggregate(None)
     assert m.registered == {"x": ids, "y": ids} and m.regrain == {"y": (0, 100, [32, 32])}
+    assert m.withdrawn == {"z"} and HmaPushWorkerMeta(withdrawn={"w"}).aggregate(b).withdrawn \
+        == {"w", "z"}
     assert m.registered_by == {"x": [0, 1], "y": [1]}
     assert pickle.loads(pickle.dumps(m)).registered_by == m.registered_by
 
@@ -273,6 +275,8 @@ def test_push_scheduler_starts_only_when_every_prefill_rank_reported():
     assert sched.registered() == {"x"} and sched._reg_partial == {}
     report(HmaPushWorkerMeta(registered={"y": ids}, registered_by={"y": [0, 1]}))
     assert sched.registered() == {"x", "y"}
+    report(HmaPushWorkerMeta(withdrawn={"y"}))    # D cancelled y before any request claimed it
+    assert sched.registered() == {"x"} and "y" in sched._withdrawn
 
 
 def test_push_scheduler_drops_only_unclaimed_stale_registrations():
@@ -339,18 +343,60 @@ def test_push_scheduler_step_report_fast_path_keeps_lease_expiry_and_stats():
     assert conn.get_kv_connector_stats() is None
 
 
-def test_mamba_groups_of_other_block_sizes_refused_with_the_rule(caplog):
-    """D (pull): P's Mamba group of another block size is refused, naming the group and why
-    (a state block is a state, not token rows); D computes the prompt itself."""
+def test_mamba_groups_of_other_block_sizes_map_state_to_state(caplog):
+    """D (pull), P's Mamba group of another block size: D loads up to P's state point (P keeps
+    one state, after remote_num_tokens), fewer tokens when P's state is earlier than D's
+    planned end, none when it is later or P's states are not D's bytes (each refusal logged
+    with the rule); D computes the rest itself."""
     vc = H.vllm_config(block_size=64, mamba_cache_mode="align")
     s = H.make_scheduler(vc, H.qwen3_next_like(num_blocks=64))
-    params = {**H.remote_params("a", s.kv_cache_config, 100), "remote_block_sizes": [32, 32],
-              "hma_regrain_fingerprint": s.connector.scheduler.layout.regrain_fingerprint()}
-    r = H.make_request("a", list(range(1, 101)), 64, params=params)
-    assert s.connector.get_num_new_matched_tokens(r, 0) == (0, False)
-    assert "group 1 (Mamba): P's block size 32 differs from ours 64; a Mamba block holds one " \
-           "state" in caplog.text
-    assert "maps attention groups only" in caplog.text
+    conn = s.connector.scheduler
+    mine = conn.state_bytes
+    assert mine == [None, 96]          # shapes (4, 8) and (16,) of float16, page padded
+
+    def ask(rid, **over):
+        params = dict(do_remote_prefill=True, do_remote_decode=False,
+                      remote_block_ids=[[11, 12, 13, 14], [15]], remote_engine_id="P-engine",
+                      remote_request_id="P-" + rid, remote_host="127.0.0.1", remote_port=5600,
+                      tp_size=1, remote_num_tokens=99, remote_block_sizes=[32, 32],
+                      remote_block_first=[0, 3], remote_state_bytes=list(mine),
+                      hma_regrain_fingerprint=conn.layout.regrain_fingerprint())
+        params.update(over)
+        params = {k: v for k, v in params.items() if v is not None}
+        r = H.make_request(rid, list(range(1, 101)), 64, params=params)
+        return s.connector.get_num_new_matched_tokens(r, 0)
+
+    assert ask("a") == (99, True)               # P's state after 99 tokens = D's load end
+    assert ask("b", remote_num_tokens=80) == (80, True)   # lands on P's earlier state
+    assert ask("c", remote_num_tokens=120) == (0, False)
+    assert "request c: P keeps its Mamba state after 120 tokens and D's load would end at " \
+           "99; a Mamba block holds one state" in caplog.text
+    assert ask("d", remote_state_bytes=None) == (0, False)
+    assert "its params carry no remote_state_bytes" in caplog.text
+    assert ask("e", remote_state_bytes=[None, 97]) == (0, False)
+    assert "group 1 (Mamba): P's state is 97 B per layer, ours 96 B (remote_state_bytes); a " \
+           "state maps only onto a state of equal bytes" in caplog.text
+
+
+def test_push_remap_refuses_mamba_groups_of_other_block_sizes_by_name():
+    """Push mode pairs Mamba state blocks by table position, which differs across block sizes:
+    the remap plan without state sizes (push's) refuses such groups naming the rule; with
+    them (pull's) the states pair."""
+    from hmacore.errors import LayoutError
+    from hmacore.integrations.vllm.nixl._regrain import regrain_plan
+    from hmacore.plan import Region, TransferPlan
+
+    def side(bs, page, base):
+        lay = KVLayout(groups=(GroupSpec(GroupKind.MAMBA, bs, ("m0",)),))
+        return lay, TransferPlan(lay, [Region(base=base, block_len=page, stride=page,
+                                              logical_blocks=8, ratio=1, group=0, state=True,
+                                              layers=("m0",))])
+    (sl, sp), (dl, dp) = side(32, 4096, 1 << 20), side(64, 8192, 1 << 30)
+    with pytest.raises(LayoutError, match=r"groups \[0\] \(Mamba\): a push remap pairs Mamba "
+                       "state blocks by table position"):
+        regrain_plan(sl, dl, sp, dp, [None], [None])
+    plan = regrain_plan(sl, dl, sp, dp, [None], [None], state=[96])
+    assert [p.state_bytes for p in plan.pairs] == [96]
 
 
 def _push_worker(**kw):

@@ -80,11 +80,84 @@ CASES = {
 }
 
 
+def qwen3_next_none(num_blocks: int, bs: int):
+    """qwen3_next_like in Mamba "none" mode as vLLM sets it up: the Mamba block size is
+    max_model_len (MambaModelConfig.verify_and_update_config), equal on both engines, its
+    page padded to this engine's attention page (which follows --block-size)."""
+    kcc = H.qwen3_next_like(num_blocks=num_blocks, bs=bs, mode="none")
+    grp = kcc.kv_cache_groups[1]
+    grp.kv_cache_spec = H.mamba(H.MAX_LEN, kcc.kv_cache_groups[0].kv_cache_spec.page_size_bytes,
+                                "none")
+    return kcc
+
+
+#: P/D with Mamba state groups of other block sizes: (P kwargs, P config, D kwargs, D config,
+#: prompt length); align mode: the Mamba block size is --block-size on each engine
+MAMBA_CASES = {
+    "qwen3next_align_p32_d64": (dict(block_size=32, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=32),
+                                dict(block_size=64, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=64), 200),
+    "qwen3next_align_p64_d32": (dict(block_size=64, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=64),
+                                dict(block_size=32, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=32), 200),
+    # a prompt ending inside a block of both engines
+    "qwen3next_align_p32_d64_150": (dict(block_size=32, mamba_cache_mode="align"),
+                                    lambda: H.qwen3_next_like(num_blocks=64, bs=32),
+                                    dict(block_size=64, mamba_cache_mode="align"),
+                                    lambda: H.qwen3_next_like(num_blocks=64, bs=64), 150),
+    "qwen3next_none_p32_d64": (dict(block_size=32, mamba_cache_mode="none", prefix_caching=False),
+                               lambda: qwen3_next_none(64, 32),
+                               dict(block_size=64, mamba_cache_mode="none", prefix_caching=False),
+                               lambda: qwen3_next_none(64, 64), 200),
+}
+CASES.update(MAMBA_CASES)
+
+
+def _state_page(paged, lay, num_blocks, name, b):
+    """The bytes of block ``b``'s state page of Mamba layer ``name`` (padding included): the
+    page's parts sit back to back from its start (hmacore.paged.layer_geometry)."""
+    _, geo, _ = layer_geometry(lay, num_blocks, page_bytes=paged.page_bytes)
+    s, off, stride, _ = geo[name][0]
+    return paged.storages[s][off + b * stride: off + (b + 1) * stride]
+
+
+def _expect_states(want, P, D, p_table, d_table, s_tokens, end) -> int:
+    """Write, into ``want`` (D's storages), P's state after ``s_tokens`` tokens (P's block at
+    its table position cdiv(s, P's bs) - 1, vLLM's align/none rule) over D's slot for the
+    state after ``end`` tokens (position cdiv(end, D's bs) - 1): the unpadded state bytes
+    only (MambaSpec.state_content_size_bytes); the rest of D's page keeps its bytes."""
+    assert end == s_tokens, f"D's load ends at {end}, P's state is after {s_tokens} tokens"
+    moved = 0
+    lay = D.w.layout
+    _, geo, _ = layer_geometry(lay, D.kcc.num_blocks, page_bytes=D.paged.page_bytes)
+    for g, spec in enumerate(lay.groups):
+        if spec.kind.name != "MAMBA":
+            continue
+        n = D.kcc.kv_cache_groups[g].kv_cache_spec.state_content_size_bytes
+        pbs, dbs = P.w.layout.groups[g].block_size, spec.block_size
+        pb = p_table[g][-(-s_tokens // pbs) - 1]
+        db = d_table[g][-(-end // dbs) - 1]
+        assert pb and db, (g, p_table[g], d_table[g])
+        assert P.paged.page_bytes[g] != D.paged.page_bytes[g] and n < min(
+            P.paged.page_bytes[g], D.paged.page_bytes[g])      # padded differently
+        for name in spec.layer_names:
+            src = _state_page(P.paged, P.w.layout, P.kcc.num_blocks, name, pb)
+            s, off, stride, _ = geo[name][0]
+            a = off + db * stride
+            want[s][a:a + n] = src[:n]
+            moved += n
+    return moved
+
+
 def _expect_tokens(want, lay, page_bytes, geo, table, lo, hi) -> int:
     """Write P's tags for tokens [lo[g], hi[g]) into ``want`` (D's storages) at D's blocks
     ``table``; the bytes written."""
     moved = 0
     for g, spec in enumerate(lay.groups):
+        if spec.kind.name == "MAMBA":
+            continue                       # states: _expect_states
         bs, row = rows(lay, g, page_bytes[g])
         for j, name in enumerate(spec.layer_names):
             (s, off, stride, _), = geo[name]
@@ -122,6 +195,12 @@ def test_pd_pull_other_block_sizes_every_byte(case):
         for g, spec in enumerate(P.w.layout.groups):
             bs, row = rows(P.w.layout, g, P.paged.page_bytes[g])
             for j, name in enumerate(spec.layer_names):
+                if spec.kind.name == "MAMBA":     # every state page P holds: its own bytes
+                    for i, b in enumerate(p_table[g]):
+                        if b:
+                            page = _state_page(P.paged, P.w.layout, P.kcc.num_blocks, name, b)
+                            page[:] = tag(g, j, i, page.shape[0])
+                    continue
                 arr = P.paged.kv_caches[name].reshape(P.kcc.num_blocks, bs, row)
                 for i, b in enumerate(p_table[g]):
                     if b:
@@ -151,7 +230,15 @@ def test_pd_pull_other_block_sizes_every_byte(case):
         end = rr.load_start + rr.num_external_tokens
         lo, hi = token_ranges(lay, end, rr.load_start)
         moved = _expect_tokens(want, lay, D.paged.page_bytes, geo, d_table, lo, hi)
+        if case in MAMBA_CASES:
+            moved += _expect_states(want, P, D, p_table, d_table, params["remote_num_tokens"],
+                                    end)
         _assert_storages(case, D.paged.storages, want, moved)
+        if case in MAMBA_CASES:
+            # D computes the prompt's suffix after the load: the backoff token(s) P left
+            so = D.d.step()
+            assert end == n - D.s.connector.scheduler.backoff
+            assert so.num_scheduled_tokens.get("d-req") == n - end, so.num_scheduled_tokens
         D.d.run()
         H.assert_no_leak(D.s)
         drain_p(P)

@@ -55,6 +55,35 @@ def test_d_deadline_is_a_failed_recv_and_recompute():
         D.close()
 
 
+def test_cancel_after_p_took_the_registration_in_withdraws_it():
+    """D's deadline passes after P's scheduler took the registration in (P stepped in
+    between; the race a loaded machine produced): the cancel withdraws it, P's request that
+    comes later prefills without push at once (no wait for a registration, nothing held)."""
+    P = PH.Engine(GEMMA)
+    D = PH.Engine(GEMMA, extra={"push_recv_timeout": 1.0}, load_failure_policy="recompute")
+    try:
+        d_params, p_params = PH.push_params("late2", P.port)
+        r = H.make_request("d", _prompt(100), 16, params=d_params, max_tokens=2)
+        D.s.add_request(r)
+        # D sends its registration (its deadline runs from here, checked only when D steps)
+        PH.step_until(lambda: "late2" in D.w.worker._expect, [D], what="D's registration sent")
+        PH.step_until(lambda: "late2" in P.conn.registered(), [P], what="P takes it in")
+        PH.step_until(lambda: "d" in D.conn.failed_recving, [D], what="D's deadline")
+        _recomputed(D, r, [P, D])     # P answers the cancel: the registration is withdrawn
+        assert "late2" not in P.conn.registered()
+        assert D.w.worker.counters._data.get("push_cancels_acknowledged") == 1
+        p = H.make_request("p", _prompt(100), 16, params=p_params, max_tokens=1)
+        P.s.add_request(p)
+        P.step()
+        assert p.num_computed_tokens > 0              # scheduled at once: not held for a push
+        PH.step_until(lambda: not P.s.requests, [P], what="P prefills without push")
+        assert not P.conn.leases() and not P.w.worker.stats()   # nothing pushed, nothing held
+        H.assert_no_leak(P.s)
+    finally:
+        P.close()
+        D.close()
+
+
 def test_p_gone_after_some_layers_leaves_nothing_valid():
     P = PH.Engine(GEMMA, max_num_batched_tokens=40)
     # a P closed inside this process is not reported disconnected by NIXL: D's cancel is

@@ -2,16 +2,55 @@
 what each side knows of itself and what the other's TP-aware handshake said: page models of
 each side's kernel (vLLM CPU: K transposed, ``_compat.regrain_page_layout``) and the
 :class:`hmacore.regrain.RegrainPlan`. Shared by the pull worker (D builds it) and the push
-worker (P builds it)."""
+worker (P builds it).
+
+Mamba groups (pull only): a state page holds the state tensors back to back from its start
+(vLLM ``MambaBase.bind_kv_cache`` views them so), padded to the engine's page size
+(``MambaSpec.page_size_padded``: the attention page, which follows ``--block-size``). The
+plan copies the unpadded state (``MambaSpec.state_content_size_bytes``, :func:`state_bytes`)
+from P's state block to D's. D's scheduler has checked P's state bytes (its
+``kv_transfer_params.remote_state_bytes``) equal D's before any load, so D's worker gives its
+own for both sides. Push mode gives none: its steps pair Mamba state blocks by table position,
+which differs across Mamba block sizes, so a push remap with Mamba groups of different block
+sizes is refused here by name."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from ....errors import LayoutError
 from ....regrain import RegrainPlan, TokenPage, plan_pages
 from ....spec import GroupKind, KVLayout
 from .. import _compat as C
 
-__all__ = ["side_pages", "payload_pages", "worker_pages", "regrain_plan"]
+__all__ = ["side_pages", "payload_pages", "worker_pages", "regrain_plan", "state_bytes"]
+
+#: why push mode refuses a block-size remap with Mamba groups (docs/vllm.md)
+PUSH_MAMBA_RULE = ("a push remap pairs Mamba state blocks by table position, and engines of "
+                   "different block sizes keep the state at different positions; Mamba groups "
+                   "remap in pull mode only (transfer_mode='pull'), or start both engines with "
+                   "the same --block-size")
+
+
+def state_bytes(kv_cache_config: Any, layout: KVLayout) -> list[int | None]:
+    """Per group, the unpadded bytes of one layer's Mamba state (None for other groups):
+    ``sum(prod(shape) * dtype size)`` over the state tensors (``MambaSpec.
+    state_content_size_bytes``), whatever page size the engine padded it to."""
+    out: list[int | None] = []
+    for grp, spec in zip(kv_cache_config.kv_cache_groups, layout.groups):
+        if spec.kind != GroupKind.MAMBA:
+            out.append(None)
+            continue
+        vs = grp.kv_cache_spec
+        if isinstance(vs, C.UniformTypeKVCacheSpecs):
+            sizes = {int(x.state_content_size_bytes) for x in vs.kv_cache_specs.values()}
+            if len(sizes) != 1:
+                raise ValueError(f"group of {list(grp.layer_names)}: its Mamba layers hold states "
+                                 f"of different bytes {sorted(sizes)}")
+            out.append(sizes.pop())
+        else:
+            out.append(int(vs.state_content_size_bytes))
+    return out
 
 
 def side_pages(layout: KVLayout, plan: Any, *, page_layout: str, kv_dtype: str, head_dim: int,
@@ -41,9 +80,20 @@ def worker_pages(layout: KVLayout, plan: Any, tp: Any) -> list[TokenPage | None]
 
 
 def regrain_plan(src_layout: KVLayout, dst_layout: KVLayout, src_plan: Any, dst_plan: Any,
-                 src_pages: Any, dst_pages: Any, *, tp: Any = None) -> RegrainPlan:
-    """The RegrainPlan, logged once (both sides' block sizes and page models)."""
-    plan = RegrainPlan(src_layout, dst_layout, src_plan, dst_plan, src_pages, dst_pages, tp=tp)
+                 src_pages: Any, dst_pages: Any, *, tp: Any = None,
+                 state: Sequence[int | None] | None = None) -> RegrainPlan:
+    """The RegrainPlan, logged once (both sides' block sizes and page models). ``state``:
+    per group the Mamba state bytes both sides hold (:func:`state_bytes`; pull: checked equal
+    by D's scheduler); None (push): Mamba groups of different block sizes are refused
+    (:data:`PUSH_MAMBA_RULE`), those of equal block sizes move whole pages of equal bytes."""
+    if state is None:
+        mamba = [g for g, (a, b) in enumerate(zip(src_layout.groups, dst_layout.groups))
+                 if a.kind == GroupKind.MAMBA and a.transfer and b.transfer
+                 and a.block_size != b.block_size]
+        if mamba:
+            raise LayoutError(f"groups {mamba} (Mamba): {PUSH_MAMBA_RULE}")
+    plan = RegrainPlan(src_layout, dst_layout, src_plan, dst_plan, src_pages, dst_pages, tp=tp,
+                       src_state_bytes=state, dst_state_bytes=state)
     C.get_logger(__name__).info(
         "block-size remap: P %s, D %s tokens per block; pages P %s, D %s",
         list(src_layout.block_sizes), list(dst_layout.block_sizes),

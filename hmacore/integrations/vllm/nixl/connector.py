@@ -101,7 +101,8 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                                             posting=sched.posting,
                                             recompute=sched.recompute,
                                             transport=self.transport,
-                                            block_size_remap=sched.block_size_remap)
+                                            block_size_remap=sched.block_size_remap,
+                                            state_bytes=sched.state_bytes)
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:

@@ -125,6 +125,9 @@ class HmaPushWorkerMeta(HmaNixlWorkerMeta):
     #: P: push id -> ``(D's first token, D's token count, D's block sizes)`` of a
     #: registration from a decode engine of other block sizes (a block-size remap)
     regrain: dict[str, tuple[int, int, list[int]]] = dataclasses.field(default_factory=dict)
+    #: P: push ids a rank reported in ``registered`` whose decode side cancelled them before
+    #: any WRITE (P's scheduler forgets them: a request that comes later is not pushed)
+    withdrawn: set[str] = dataclasses.field(default_factory=set)
 
     def aggregate(self, other: Any) -> HmaPushWorkerMeta:
         def unite(name: str) -> dict[str, list[int]]:
@@ -138,4 +141,6 @@ class HmaPushWorkerMeta(HmaNixlWorkerMeta):
                                  registered_by=unite("registered_by"),
                                  holding=unite("holding"), released=unite("released"),
                                  regrain={**self.regrain,
-                                          **(getattr(other, "regrain", None) or {})})
+                                          **(getattr(other, "regrain", None) or {})},
+                                 withdrawn=set(self.withdrawn) | set(
+                                     getattr(other, "withdrawn", None) or ()))

@@ -127,6 +127,9 @@ class HmaPushScheduler(HmaNixlScheduler):
         self._push_steps: dict[str, int] = {}              # rid -> steps pushed so far
         self._push_ended: set[str] = set()                 # worker reported the push over
         self._aborts: set[str] = set()
+        # push ids whose decode side cancelled before P's request came (insertion order,
+        # bounded like the workers' record of ended pushes): that request prefills at once
+        self._withdrawn: dict[str, None] = {}
 
     # -- params ---------------------------------------------------------------------------
     def _push_params(self, params: dict, *, decode_side: bool) -> dict | None:
@@ -160,8 +163,15 @@ class HmaPushScheduler(HmaNixlScheduler):
         rid = request.request_id
         if rid in self._push_reqs:
             return self._push_reqs[rid][1]
+        if rid in self._unpushed:        # refused once (bad params, a withdrawn push): final
+            return None
         pp = self._push_params(params, decode_side=False)
         if pp is None:
+            self._unpushed.add(rid)
+            return None
+        if pp["push_id"] in self._withdrawn:
+            logger.warning("push %s of %s: the decode engine cancelled it before this request "
+                           "came; prefilling without push", pp["push_id"], rid)
             self._unpushed.add(rid)
             return None
         self._push_reqs[rid] = (request, pp["push_id"])
@@ -326,7 +336,8 @@ class HmaPushScheduler(HmaNixlScheduler):
         released = getattr(wmeta, "released", None)
         if not (connector_output.finished_sending or connector_output.finished_recving
                 or connector_output.failed_recving or getattr(wmeta, "registered", None)
-                or holding or released or self._leases or self._reg_partial):
+                or holding or released or self._leases or self._reg_partial
+                or getattr(wmeta, "withdrawn", None)):
             # the common step: nothing reported, no lease to expire
             if self._unclaimed_at:
                 self._drop_stale_registrations(self.clock())
@@ -357,6 +368,7 @@ class HmaPushScheduler(HmaNixlScheduler):
                     self._unclaimed_at[pid] = self.clock()
             else:
                 self._reg_partial[pid] = (table, ranks, first)
+        self._withdraw(getattr(wmeta, "withdrawn", None) or ())
         now = self.clock()
         self._drop_stale_registrations(now)
         sending = set()
@@ -368,6 +380,31 @@ class HmaPushScheduler(HmaNixlScheduler):
                 self._push_ended.add(rid)        # ended (failed) before the request finished
         self._expire_leases(now, sending)
         connector_output.finished_sending = sending or None
+
+    def _withdraw(self, pids: Any) -> None:
+        """Registrations the decode side cancelled before any WRITE (its deadline passed while
+        P's request had not come): forgotten, so a request that comes later prefills without
+        push, and one that claimed it but has not pushed yet prefills without push at once.
+        One already pushing stays: its workers end that push (``finished_sending``, nothing
+        held). Work: one scan of the push requests per withdrawn claimed registration (rare)."""
+        for pid in pids:
+            if pid in self._claimed:
+                rid = next((r for r, (_, q) in self._push_reqs.items() if q == pid), None)
+                if rid is None or self._push_steps.get(rid, 0) > 0:
+                    continue
+                self._unpushed.add(rid)
+                if rid in self.trackers:
+                    self.trackers.finish(rid)
+                logger.warning("push %s of %s: the decode engine cancelled it before its first "
+                               "step; prefilling without push", pid, rid)
+            else:
+                self._withdrawn[pid] = None
+                while len(self._withdrawn) > 4096:
+                    del self._withdrawn[next(iter(self._withdrawn))]
+            self._registered.pop(pid, None)
+            self._reg_partial.pop(pid, None)
+            self._regrain.pop(pid, None)
+            self._unclaimed_at.pop(pid, None)
 
     def report_due(self, now: float) -> bool:
         """Also a registration unclaimed past ``kv_lease_duration`` (dropped in

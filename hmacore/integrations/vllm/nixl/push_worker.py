@@ -279,6 +279,7 @@ class HmaPushWorker:
         self._consumers_of: dict[int, tuple[int, ...]] = {}   # D TP size -> consumer ranks
         self._regs: dict[str, _Reg] = {}
         self._new_regs: dict[str, list[list[int]]] = {}
+        self._withdrawn: set[str] = set()         # reported registrations cancelled since
         self._pending_regs: list[tuple[float, str, dict]] = []
         self._pushes: dict[str, _Push] = {}
         self._dead: deque[str] = deque(maxlen=4096)
@@ -1229,6 +1230,10 @@ class HmaPushWorker:
         if p is None:                  # nothing posted yet: only tell D
             reg = self._regs.pop(pid, None)
             self._dead.append(pid)
+            if self._new_regs.pop(pid, None) is not None:    # not reported yet: never is
+                self._new_regrain.pop(pid, None)
+            elif reg is not None and reg.reported:
+                self._withdrawn.add(pid)     # reported: the scheduler must forget it
             if reg is not None:
                 self._tell_failed(pid, reg.agents.values())
             return
@@ -1340,15 +1345,15 @@ class HmaPushWorker:
             del self._expect[pid]
 
     def build_worker_meta(self) -> HmaPushWorkerMeta | None:
-        if not (self._new_regs or self._holding or self._released):
+        if not (self._new_regs or self._holding or self._released or self._withdrawn):
             return None
         meta = HmaPushWorkerMeta(registered=self._new_regs,
                                  registered_by={pid: [self.rank] for pid in self._new_regs},
                                  holding={rid: [self.rank] for rid in self._holding},
                                  released={rid: [self.rank] for rid in self._released},
-                                 regrain=self._new_regrain)
+                                 regrain=self._new_regrain, withdrawn=self._withdrawn)
         self._new_regs, self._holding, self._released = {}, set(), set()
-        self._new_regrain = {}
+        self._new_regrain, self._withdrawn = {}, set()
         return meta
 
     def holds(self) -> dict[str, set[str]]:

@@ -40,18 +40,19 @@ from .._clip import clip_table
 from .._config import NIXL_KEYS, check_keys, flag, number, side_channel, text
 from .._metrics import StatsCounter
 from ..layout import layout_from_kv_cache_config
+from ._regrain import state_bytes
 from .metadata import HmaNixlConnectorMetadata, RecvRequest, RemotePeer
 
 logger = C.get_logger(__name__)
 
 __all__ = ["HmaNixlScheduler"]
 
-#: why a block-size remap leaves Mamba groups out (docs/vllm.md, "Different block sizes")
+#: what a block-size remap needs of P's Mamba state (docs/vllm.md, "Mamba state across
+#: block sizes"): D reads P's state after exactly the tokens it loads
 MAMBA_REMAP_RULE = (
     "a Mamba block holds one state (the state after the tokens up to its position), not token "
-    "rows, so blocks of another size hold states at other token positions: a block-size remap "
-    "maps attention groups only (vLLM's align mode sets the Mamba block size to --block-size: "
-    "start both engines with the same --block-size, or the same mamba_block_size)")
+    "rows: a remap reads P's state after exactly the tokens D loads, and P keeps one state, "
+    "after the remote_num_tokens it computed")
 
 _REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
@@ -131,6 +132,11 @@ class HmaNixlScheduler:
                               f"{list(POSTINGS)}, got {posting!r}")
         self.posting = posting
         has_mamba = any(s.kind == GroupKind.MAMBA for s in self.layout.groups)
+        # per group the unpadded bytes of one layer's Mamba state (None: not Mamba): P sends
+        # them (remote_state_bytes), D's remap requires P's equal to its own
+        self.state_bytes = state_bytes(kv_cache_config, self.layout)
+        self._remap_mamba = [g for g, s in enumerate(self.layout.groups)
+                             if s.kind == GroupKind.MAMBA and s.transfer]
         # Tokens D recomputes itself (Mamba needs h(N-1) to derive h(N)); P stops short.
         self.backoff = max(1 if has_mamba else 0, C.prefill_lookahead_tokens(vllm_config) - 1)
         # Pull mode follows no request per step: D reads its table at allocation, P gets its
@@ -189,6 +195,12 @@ class HmaNixlScheduler:
                                "fingerprint %s vs %s); no remote load", fp,
                                self.layout.regrain_fingerprint())
                 return self._known_only(params, release)
+            why = self._state_mismatch(params.get("remote_state_bytes"))
+            if why:
+                logger.warning("P's block sizes %s differ from ours %s and %s; no remote load",
+                               params.get("remote_block_sizes"),
+                               list(self.layout.block_sizes), why)
+                return self._known_only(params, release)
         elif fp is not None and fp != self.layout.pairing_fingerprint():
             logger.warning("P's KV layout fingerprint %s differs from ours %s (groups, block "
                            "sizes or windows disagree); no remote load", fp,
@@ -219,6 +231,22 @@ class HmaNixlScheduler:
             logger.warning("kv_transfer_params rejected (%s); no remote load%s", e,
                            "; telling P to free its blocks" if peer is not None else "")
             return peer if peer is not None else self._known_only(params, release)
+
+    def _state_mismatch(self, theirs: Any) -> str:
+        """Why P's Mamba states cannot map onto ours in a remap ('' when they can): P's
+        ``remote_state_bytes`` must name, for every moved Mamba group, a state of our bytes
+        (pages may be padded differently; the states must be equal)."""
+        if not self._remap_mamba:
+            return ""
+        if not isinstance(theirs, list) or len(theirs) != self.layout.num_groups:
+            return (f"its params carry no remote_state_bytes (one per group; got {theirs!r}): "
+                    f"the Mamba states of groups {self._remap_mamba} cannot be checked")
+        for g in self._remap_mamba:
+            if theirs[g] != self.state_bytes[g]:
+                return (f"group {g} (Mamba): P's state is {theirs[g]!r} B per layer, ours "
+                        f"{self.state_bytes[g]} B (remote_state_bytes); a state maps only onto "
+                        "a state of equal bytes (same model, same TP size)")
+        return ""
 
     def _known_only(self, params: dict, release: bool) -> RemotePeer | None:
         """With ``release``, params refused for P's layout or endpoint: a notify-only entry
@@ -252,9 +280,11 @@ class HmaNixlScheduler:
                           else list(p_layout.block_sizes))
 
     def _remote_layout(self, sizes: Any):
-        """P's layout: ours, or ours with P's block size per attention group when
-        ``remote_block_sizes`` differs (a block-size remap, hmacore.regrain; the sizes must be
-        integer multiples of ours, Mamba groups equal). ValueError naming the rule."""
+        """P's layout: ours, or ours with P's block size per group when ``remote_block_sizes``
+        differs (a block-size remap, hmacore.regrain; attention sizes must be integer
+        multiples of ours; a Mamba group may hold its states at other positions, as vLLM's
+        align mode sets its block size to ``--block-size``: the remap maps state to state,
+        see :meth:`get_num_new_matched_tokens`). ValueError naming the rule."""
         if sizes is None or list(sizes) == list(self.layout.block_sizes):
             return self.layout
         if not isinstance(sizes, list) or len(sizes) != self.layout.num_groups or any(
@@ -266,8 +296,10 @@ class HmaNixlScheduler:
                 groups.append(spec)
                 continue
             if spec.kind == GroupKind.MAMBA:
-                raise ValueError(f"group {g} (Mamba): P's block size {bs} differs from ours "
-                                 f"{spec.block_size}; {MAMBA_REMAP_RULE}")
+                # a state page, padded to P's attention page (which scales with its block size)
+                groups.append(dataclasses.replace(
+                    spec, block_size=bs, page_bytes=spec.page_bytes * bs // spec.block_size))
+                continue
             block_size_ratio(bs, spec.block_size)
             kbs = spec.kernel_block_size
             groups.append(dataclasses.replace(
@@ -371,7 +403,8 @@ class HmaNixlScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        if self._remote(params) is None:
+        remote = self._remote(params)
+        if remote is None:
             return 0, False
         # Where the load starts (tokens); update_state_after_alloc needs it for sync loads,
         # whose loaded blocks vLLM already hashed at allocation. Overwritten on every call.
@@ -383,8 +416,26 @@ class HmaNixlScheduler:
             # A sync load is computed-on-arrival: leave >= 1 prompt token for the forward pass
             # (async loads get this from vLLM's finished_recving path instead).
             n = min(n, C.prompt_len(request) - 1)
+        if remote.block_sizes is not None and self._remap_mamba:
+            n = self._state_point(request, remote, n)
         count = n - num_computed_tokens
         return (count, not self.sync_load) if count > 0 else (0, False)
+
+    def _state_point(self, request: Any, remote: RemotePeer, n: int) -> int:
+        """A remap with Mamba groups: where D's load may end. P keeps one state, after the
+        ``remote_num_tokens`` s it computed (its running-state slot, at P's table position
+        ``cdiv(s, P's bs) - 1``); D's slot for the state after its load's end e sits at
+        ``cdiv(e, D's bs) - 1``. So the load ends at s: at n = s as planned (P computed the
+        prompt less the same backoff), fewer external tokens when s < n (D computes the rest
+        itself), none when s > n or unknown (no P state where D needs one; logged)."""
+        s = remote.num_tokens
+        if s <= 0 or s > n:
+            logger.warning("request %s: P keeps its Mamba state after %s tokens and D's load "
+                           "would end at %d; %s, so none is at D's point; no remote load",
+                           request.request_id, s or "an unknown number of", n,
+                           MAMBA_REMAP_RULE)
+            return 0
+        return s
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Schedule the D-side load on the first call with params (P: nothing to do; its
@@ -555,6 +606,7 @@ class HmaNixlScheduler:
             remote_num_tokens=int(request.num_computed_tokens),
             remote_block_sizes=list(self.layout.block_sizes),
             remote_block_first=[len(t) - len(c) for t, c in zip(table, clipped)],
+            remote_state_bytes=list(self.state_bytes),
             remote_blocks_expiry_time=expiry,
             hma_layout_fingerprint=self.layout.pairing_fingerprint(),
             hma_regrain_fingerprint=self.layout.regrain_fingerprint())

@@ -192,7 +192,8 @@ class HmaNixlWorker:
                  confirm_timeout: float = 30.0, posting: str = "auto",
                  recompute: bool = False,
                  transport: str = "nixl",
-                 block_size_remap: bool = True) -> None:
+                 block_size_remap: bool = True,
+                 state_bytes: Any = None) -> None:
         self.transport = check_transport(transport)
         configure_ucx_env()  # before nixl is first imported (NixlAgent imports it lazily)
         self.layout = layout
@@ -208,6 +209,9 @@ class HmaNixlWorker:
         self.posting = posting
         self.recompute = recompute      # kv_load_failure_policy == "recompute"
         self.block_size_remap = block_size_remap   # other block sizes: hmacore.regrain
+        # per group the unpadded Mamba state bytes (None: not Mamba); a remap moves those
+        # bytes of each state page (P's are checked equal by D's scheduler, per request)
+        self.state_bytes = None if state_bytes is None else list(state_bytes)
         self.agent: KvTransport | None = None
         self.server: HandshakeServer | None = None
         self._done_msg = done_message(self.rank, self.tp_size)
@@ -378,7 +382,8 @@ class HmaNixlWorker:
             readers[r] = name
             assert p.tp is not None
             plans[r] = regrain_plan(p.tp.kv_layout(), self.layout, rplan, self.agent.plan,
-                                    payload_pages(p, rplan), lpages, tp=tp)
+                                    payload_pages(p, rplan), lpages, tp=tp,
+                                    state=self.state_bytes)
         peers = tuple(readers[r] if r in readers else self.agent.add_notify_peer(got[r])
                       for r in range(remote_tp))
         return _Source(tuple(readers[r] for r in sorted(readers)), peers,
@@ -387,7 +392,10 @@ class HmaNixlWorker:
     def _read_regrain(self, rr, src: _Source, posted: list[Transfer]) -> None:
         """One READ of byte runs per source rank (appended to ``posted`` as posted): tokens
         ``[load_start, load_start + external)`` of every attention group (clipped per group by
-        :func:`token_ranges`), Mamba state slots paired from the front."""
+        :func:`token_ranges`), Mamba state slots paired from the front: P's clipped list is
+        its running-state slot (the state after ``remote_num_tokens``, at P's position
+        ``cdiv(n, P's bs) - 1``), D's the slot for the state after the tokens it loads (at
+        ``cdiv(end, D's bs) - 1``); D's scheduler made ``end`` equal P's ``n``."""
         remote = rr.remote
         if rr.num_external_tokens <= 0 or len(rr.local_first) != len(rr.local_block_ids) \
                 or remote.block_first is None:
