@@ -393,8 +393,7 @@ class HmaPushScheduler(HmaNixlScheduler):
                 if rid is None or self._push_steps.get(rid, 0) > 0:
                     continue
                 self._unpushed.add(rid)
-                if rid in self.trackers:
-                    self.trackers.finish(rid)
+                self._pushing.pop(rid, None)
                 logger.warning("push %s of %s: the decode engine cancelled it before its first "
                                "step; prefilling without push", pid, rid)
             else:
