@@ -655,15 +655,16 @@ def timed_steps(cell: Cell, engines: list[Engine], steps: int) -> tuple[dict[str
     return samples, done
 
 
-def check_tables(e: Engine) -> str | None:
-    """hmacore variants: every tracked request's followed table mirrors vLLM's KV cache
-    manager view (equal wherever vLLM's entry is not the null block; stale entries only where
-    vLLM nulled a block in place; push P: 0 also where D registered no block, see
-    push_scheduler's sparse rule). None when it holds (or the connector tracks nothing: pull
-    mode follows no request), else the first difference."""
+def check_tables(e: Engine, trk=None) -> str | None:
+    """hmacore variants: every tracked request's followed table (``trk``, default the
+    scheduler side's; push P: its worker's, see worker_bench) mirrors vLLM's KV cache manager
+    view (equal wherever vLLM's entry is not the null block; stale entries only where vLLM
+    nulled a block in place; push P: 0 also where D registered no block, the sparse rule of
+    TrackerSet.step_pairs). None when it holds (or nothing is tracked: pull mode follows no
+    request), else the first difference."""
     conn = e.s.connector
     sched = getattr(conn, "scheduler", None) if conn is not None else None
-    trk = getattr(sched, "trackers", None)
+    trk = getattr(sched, "trackers", None) if trk is None else trk
     if trk is None:
         return None
     mgr = e.s.kv_cache_manager
@@ -812,6 +813,9 @@ def run_group(cell: Cell, wl: Workload, steps: int, variants, keep: bool) -> dic
         err = check_tables(e)
         if err is not None:
             rec["variants"][e.v.name]["table_check"] = err
+        elif e.v.name == "hma_push_P":     # its scheduler follows no table (design (b))
+            rec["variants"][e.v.name]["table_check"] = "n/a (P's worker follows the tables: " \
+                "--worker checks them)"
         elif e.v.connector and e.v.connector.startswith("Hma"):
             rec["variants"][e.v.name]["table_check"] = "equal"
     rec["status"] = "ran"
@@ -942,7 +946,24 @@ def worker_connector(e: Engine, tag: str):
     return w, paged
 
 
-WORKER_VARIANTS = ("hma_pull_P", "hma_pull_D", "hma_store")
+WORKER_VARIANTS = ("hma_pull_P", "hma_pull_D", "hma_store", "hma_push_P")
+
+
+def seed_push_worker(e: Engine, w) -> None:
+    """Push P: what P's worker would hold when the worker bench joins a running engine: D's
+    registrations (as reported, consumed by no decode rank of this worker: its steps are
+    planned in full, tables followed and pairs made, but no WRITE is posted, no NIXL peer
+    being there) and the tables of the requests already pushing (vLLM's, dense)."""
+    from hmacore.integrations.vllm.nixl.push_worker import _Reg
+    worker = w.worker
+    worker._consumers_of[1] = ()
+    for pid, ids in push_registration(e.kcc, e.wl).registered.items():
+        worker._regs[pid] = _Reg(1, ids, reported=True)
+    sched, mgr = e.s.connector.scheduler, e.s.kv_cache_manager
+    for rid in sched._pushing:
+        if rid in e.s.requests and sched._push_steps.get(rid):
+            worker.tables.add(rid, [list(g) for g in mgr.get_block_ids(rid)])
+            worker._followed[sched._push_reqs[rid][1]] = rid
 
 
 def worker_bench(cell: Cell, engines: list[Engine], steps: int) -> dict[str, dict]:
@@ -962,12 +983,16 @@ def worker_bench(cell: Cell, engines: list[Engine], steps: int) -> dict[str, dic
         except Exception as ex:
             res[e.v.name] = {"status": f"n/a ({type(ex).__name__}: {str(ex)[:160]})"}
             continue
-        ns, wall, saves = [], [], 0
+        ns, wall, saves, pushed = [], [], 0, 0
+        push = e.v.name == "hma_push_P"
         try:
+            if push:
+                seed_push_worker(e, w)
             for _ in range(steps):
                 so = e.s.schedule()
                 meta = so.kv_connector_metadata
                 saves += len(getattr(meta, "saves", ()) or ())
+                pushed += len(getattr(meta, "push_saves", ()) or ())
                 c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
                 w.bind_connector_metadata(meta)
                 w.start_load_kv(None)
@@ -976,12 +1001,19 @@ def worker_bench(cell: Cell, engines: list[Engine], steps: int) -> dict[str, dic
                 w.clear_connector_metadata()
                 ns.append(time.thread_time_ns() - c0)
                 wall.append(time.perf_counter_ns() - t0)
+                if push:       # the worker's tables after the step, by the sparse rule
+                    err = check_tables(e, w.worker.tables)
+                    if err is not None:
+                        raise AssertionError(f"P's worker table: {err}")
                 e.s.update_from_output(so, e.fake_output(so))
             ms = [x / 1e6 for x in ns]
             wms = [x / 1e6 for x in wall]
             res[e.v.name] = {"status": "ran", "steps": len(ms), "median_ms": percentile(ms, 50),
                              "p90_ms": percentile(ms, 90), "wall_median_ms": percentile(wms, 50),
-                             "store_saves": saves}
+                             "mean_ms": sum(ms) / len(ms), "store_saves": saves}
+            if push:
+                res[e.v.name].update(push_saves=pushed, table_check="equal",
+                                     failed=sum(not r["ok"] for r in w.worker.stats()))
         except Exception as ex:
             res[e.v.name] = {"status": f"failed ({type(ex).__name__}: {str(ex)[:160]})"}
         finally:

@@ -21,7 +21,8 @@ import bench_product as B  # noqa: E402
 
 SPLIT = ("_follow_step", "_follow_entries", "_push_plan", "_track_full",
          "_is_push_producer", "_drop_stale_registrations", "_expire_leases", "lookup")
-#: the followed requests' TrackerSet calls (push: step_pairs is the step's one C call)
+#: the followed requests' TrackerSet calls (the store's and pull's followers; push P's
+#: scheduler follows no table: its worker does, bench_product.py --worker times that)
 TRACKER_SPLIT = ("add", "reserve", "step_pairs", "apply_step_lists", "finish")
 
 

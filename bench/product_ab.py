@@ -1,6 +1,6 @@
 """A/B of one product-benchmark variant against a changed copy, side by side in one run.
 
-    python bench/product_ab.py hma_push_P ab_probes.push_no_reserve \
+    python bench/product_ab.py hma_push_P ab_probes.push_extra_allocs \
         --layouts gptoss --requests 256 --prompts 32768 --kinds prefill \
         --variants vllm_nixl_P hma_push_P --steps 120 --out /tmp/ab
 

@@ -52,6 +52,7 @@ class Engine:
                 "TeDescAgent" if TRANSPORT else "DescAgent")
         self.layers = sorted(self.layout.layer_to_group, key=layer_sort_key)
         self.metas: list = []
+        self.planned: list = []     # per step: P's worker's planned saves (request id -> save)
         self.outputs: list = []
         self.forward = True
         self.mirror_checks = 0
@@ -86,18 +87,23 @@ class Engine:
     def step(self):
         so = self.s.schedule()
         self.metas.append(so.kv_connector_metadata)
-        # the push follower's tables (P-side push requests) against vLLM's own, every step
-        trk, mgr = getattr(self.conn, "trackers", None), self.s.kv_cache_manager
-        for rid in so.num_scheduled_tokens:
-            if trk is not None and rid in trk:
-                assert_push_mirror(self.conn, rid, trk.block_ids(rid), mgr.get_block_ids(rid),
-                                   self.kcc, (rid, len(self.metas)))
-                self.mirror_checks += 1
-        self._check_push_saves(so)
         self.w.bind_connector_metadata(so.kv_connector_metadata)
         if so.total_num_scheduled_tokens and self.forward:
             self._forward(so)
         self.w.start_load_kv(None)
+        worker = self.w.worker
+        if hasattr(worker, "planned"):
+            # P's worker planned the step (its first save_kv_layer / start_load_kv): its own
+            # tables of the push requests against vLLM's, and its WRITE pairs
+            self.planned.append(dict(worker.planned)
+                                if so.kv_connector_metadata is worker._step_meta else {})
+            trk, mgr = worker.tables, self.s.kv_cache_manager
+            for rid in so.num_scheduled_tokens:
+                if rid in trk:
+                    assert_push_mirror(self.conn, rid, trk.block_ids(rid),
+                                       mgr.get_block_ids(rid), self.kcc, (rid, len(self.metas)))
+                    self.mirror_checks += 1
+            self._check_push_saves(so)
         self.w.wait_for_save()
         r = self.w.get_transfer_results(so.finished_req_ids)
         wmeta = self.w.build_connector_worker_meta()
@@ -109,10 +115,13 @@ class Engine:
         return so
 
     def _check_push_saves(self, so) -> None:
-        """Every PushSave of the step (built in one C call for all push requests) against
-        the per-request pairing of vLLM's own table with D's registration over the step's
-        tokens (pair_block_spans): the same WRITE pairs, group by group."""
-        saves = getattr(so.kv_connector_metadata, "push_saves", None) or {}
+        """Every PushSave the scheduler sent this step carries the step's token span, and
+        P's worker planned each (pairs built in one C call for all push requests from its
+        own tables) to the per-request pairing of vLLM's own table with D's registration
+        over the step's tokens (pair_block_spans): the same WRITE pairs, group by group."""
+        sent = getattr(so.kv_connector_metadata, "push_saves", None) or {}
+        saves = self.planned[-1]
+        assert set(saves) <= set(sent), (set(saves), set(sent))
         conn, mgr = self.conn, self.s.kv_cache_manager
         for rid, save in saves.items():
             req = self.s.requests[rid]
@@ -120,6 +129,7 @@ class Engine:
             computed = req.num_computed_tokens - n       # schedule() advanced it already
             start = 0 if save.step == 0 else computed
             end = min(computed + n, req.num_prompt_tokens)
+            assert (sent[rid].start, sent[rid].end) == (save.start, save.end) == (start, end)
             table = [np.asarray(g, np.int32) for g in mgr.get_block_ids(rid)]
             want = pair_block_spans(table, conn._registered[save.push_id],
                                     [g.block_size for g in self.layout.groups], start, end)

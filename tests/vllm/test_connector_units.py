@@ -1,6 +1,7 @@
 """HmaNixlConnector pieces outside a full flow: clip golden vectors (vllm-hma.md §13.2),
 parameter validation, single-group finish, heartbeats, metadata serialization."""
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -10,7 +11,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
 from hmacore import GroupKind, GroupSpec, KVLayout
-from hmacore.errors import BlockTableError
 from hmacore.integrations.vllm._clip import clip_table
 from hmacore.integrations.vllm.nixl.metadata import HmaNixlWorkerMeta
 from hmacore.integrations.vllm.nixl.connector import HmaNixlConnector
@@ -455,26 +455,30 @@ def test_push_remap_across_tp_names_what_cannot_be_planned():
 
 
 def test_push_remap_step_that_cannot_be_planned_ends_the_push():
-    """P: a remap step whose tokens D registered no block for (a null id where D needs a
-    token) is refused naming the group and the blocks; the push ends (D is told)."""
-    from types import SimpleNamespace
-
-    from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
+    """P's worker: a remap step whose tokens D registered no block for (a null id where D
+    needs a token) is refused naming the group and the blocks; the push fails (D is told),
+    the worker follows the request no more and nothing raises."""
+    from hmacore.integrations.vllm.nixl.push_metadata import PushSave
+    from hmacore.integrations.vllm.nixl.push_worker import HmaPushWorker, _Reg
     vc = H.vllm_config(extra={"transfer_mode": "push"})
-    sched = HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.gemma_like()).scheduler
+    layout = HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.gemma_like()).scheduler.layout
+    w = HmaPushWorker(layout, 400, "p-engine", "127.0.0.1", 1)     # no agent: nothing sent
     theirs = [[1, 0, 3, 4, 5], [0, 0, 3, 4, 5]]            # D 32-token blocks, 150 tokens
-    sched.update_connector_output(SimpleNamespace(
-        finished_recving=None, failed_recving=None, finished_sending=None,
-        kv_connector_worker_meta=HmaPushWorkerMeta(registered={"x": theirs},
-                                                   regrain={"x": (0, 150, [32, 32])})))
-    assert sched.registered() == {"x"} and sched._regrain["x"] == (0, 150, [32, 32])
-    req = SimpleNamespace(request_id="r", kv_transfer_params={"do_remote_decode": True,
-                                                                "transfer_mode": "push",
-                                                                "push_id": "x"})
-    assert sched._is_push_producer(req) == "x"
-    sched.trackers.add("r", [np.arange(1, 11, dtype=np.int32)] * 2)
-    with pytest.raises(BlockTableError, match=r"group 0: tokens \[0, 150\) need D's blocks "
-                       r"0..4; .* null"):
-        sched._regrain_save("r", "x", 0, True, 0, 150)
-    saves = sched._regrain_saves([("r", "x", 0, True, 0, 150)], {})
-    assert saves == {} and "x" in sched._aborts and "r" in sched._unpushed
+    w._regs["x"] = _Reg(1, theirs, agents={0: "d-agent"}, reported=True,
+                        remap=(0, 150, [32, 32]))
+    table = [list(range(1, 11))] * 2                       # P: 16-token blocks
+    save = PushSave(request_id="r", push_id="x", step=0, final=True, start=0, end=150,
+                    new_block_ids=table, full=True)
+    assert w._plan_step([save]) == []
+    err = w._pushes["x"].failed
+    assert err is not None and "step 0 cannot be planned" in err
+    assert re.search(r"group 0: tokens \[0, 150\) need D's blocks 0..4; .* null", err), err
+    assert "r" not in w.tables and "x" not in w._followed
+    # D registered every block it needs: the same step is planned as token ranges
+    w2 = HmaPushWorker(layout, 400, "p-engine", "127.0.0.1", 1)
+    w2._regs["x"] = _Reg(1, [[1, 2, 3, 4, 5], [0, 0, 3, 4, 5]], agents={0: "d-agent"},
+                         reported=True, remap=(0, 150, [32, 32]))
+    planned = w2._plan_step([save])
+    assert len(planned) == 1 and planned[0].regrain is not None and not w2._pushes
+    assert planned[0].local_block_ids[0].tolist() == list(range(1, 11))
+    assert planned[0].remote_block_ids[0].tolist() == [1, 2, 3, 4, 5]

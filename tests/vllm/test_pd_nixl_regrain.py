@@ -304,7 +304,7 @@ class PushEngine(PH.Engine):
 
     def _check_push_saves(self, so) -> None:
         # remap steps carry token ranges and each side's blocks (checked by D's bytes)
-        saves = getattr(so.kv_connector_metadata, "push_saves", None) or {}
+        saves = self.planned[-1]          # P's worker planned them (design (b))
         self.remap_saves += sum(s.regrain is not None for s in saves.values())
 
 
@@ -353,7 +353,7 @@ def test_pd_push_other_block_sizes_every_byte(case):
         PH.step_until(lambda: not D.conn.awaiting(), [P, D], what="the pushes complete")
         assert not D.conn.failed_recving
         for k in range(len(lengths)):
-            steps = [m.push_saves[f"p-{k}"] for m in P.metas if m and f"p-{k}" in m.push_saves]
+            steps = [m[f"p-{k}"] for m in P.planned if f"p-{k}" in m]
             assert steps and all(s.regrain is not None for s in steps) and steps[-1].final
         assert P.remap_saves > (len(lengths) if budget < sum(lengths) else 0)
         lay = D.layout

@@ -138,7 +138,7 @@ def test_push_moves_every_byte(case, order):
         assert P.mirror_checks >= len(steps) - 1
         # every push step's WRITE pairs equal the per-request pairing of vLLM's own table
         assert P.save_checks == len(steps)
-        _check_counts(P, steps)
+        _check_counts(P, [m["p-req"] for m in P.planned if "p-req" in m])
         stats = P.w.stats()
         assert stats and stats[-1]["ok"] and stats[-1]["push_id"] == "push-1", stats
         assert stats[-1]["steps"] == len(steps)
@@ -166,6 +166,46 @@ def test_two_pushes_in_one_batch():
         for k in range(2):
             _check_bytes(D, f"d{k}")
         _finish(P, D, None)
+    finally:
+        P.close()
+        D.close()
+
+
+@pytest.mark.parametrize("case", ["gemma-chunk40", "qwen3next-chunk64", "dsv4-chunk200"])
+def test_push_survives_preemption_mid_prompt(case):
+    """vLLM preempts P's push request mid-prompt (``reset_prefix_cache`` with running
+    requests: every running request preempted, its blocks freed, the prefix cache emptied)
+    and resumes it with a new table: the scheduler output's resumed entry is its WHOLE
+    table, which replaces P's worker's table instead of being appended. The push restarts
+    from token 0 in the new blocks; every byte D asked for arrives; nothing leaks."""
+    P, D, n = _engines(case)
+    try:
+        prompt = [1 + i % 900 for i in range(n)]
+        d_params, p_params = PH.push_params("push-pre", P.port)
+        hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+        d_req = H.make_request("d-req", prompt, hbs, params=d_params, max_tokens=3)
+        p_req = H.make_request("p-req", prompt, hbs, params=p_params, max_tokens=1)
+        D.s.add_request(d_req)
+        D.step()
+        P.s.add_request(p_req)
+        PH.step_until(lambda: any(m and "p-req" in m.push_saves for m in P.metas), [P, D],
+                      what="P's first push step")
+        first = [list(map(int, g)) for g in P.s.kv_cache_manager.get_block_ids("p-req")]
+        assert not P.metas[-1].push_saves["p-req"].final
+        assert P.s.reset_prefix_cache(reset_running_requests=True)
+        assert p_req.num_preemptions == 1
+        PH.step_until(lambda: "d-req" not in D.conn.awaiting(), [P, D], timeout=60,
+                      what="the push completes")
+        sent = [m.push_saves["p-req"] for m in P.metas if m and "p-req" in m.push_saves]
+        resumed = [s for s in sent[1:] if s.full]
+        assert len(resumed) == 1 and resumed[0].start == 0      # the whole table again
+        again = [list(map(int, g)) for g in P.s.kv_cache_manager.get_block_ids("p-req")]
+        assert again != first[:len(again)], "the resumed request was meant to get new blocks"
+        assert "d-req" not in D.conn.failed_recving
+        _check_bytes(D, "d-req")
+        assert P.save_checks == len(sent) and P.mirror_checks >= len(sent) - 1
+        _finish(P, D, "d-req")
+        assert len(P.w.worker.tables) == 0
     finally:
         P.close()
         D.close()

@@ -113,7 +113,7 @@ def test_hook_errors_do_not_escape(monkeypatch):
 
 
 def test_unpairable_step_gives_up_the_push(monkeypatch):
-    """P's scheduler cannot pair a push step (a BlockTableError, e.g. D registered ids that
+    """P's worker cannot pair a push step (a BlockTableError, e.g. D registered ids that
     do not fit): the request prefills without push, D is told, nothing raises or leaks."""
     from hmacore.errors import BlockTableError
 
@@ -125,29 +125,33 @@ def test_unpairable_step_gives_up_the_push(monkeypatch):
         D.s.add_request(r)
         PH.step_until(lambda: "odd" in P.conn.registered(), [D, P], what="P registers")
 
-        # the step's batched pairing refuses (it changes nothing), and so does pairing this
-        # request alone: the fallback gives up its push; following the step still works
-        from hmacore.integrations.vllm.nixl import push_scheduler
-        batched = P.conn.trackers.step_pairs
+        # P's worker plans the step: its batched pairing refuses (it changes nothing), and so
+        # does pairing this request alone: the push fails on the worker, D is told, P's
+        # scheduler learns it ended (finished_sending) and holds nothing for it
+        tables = P.w.worker.tables
+        batched = tables.step_pairs
+        refused = []
 
         def refuse_pairs(scheduled, new_ids, theirs, spans, block_sizes):
             if any(t is not None for t in theirs):
+                refused.append(list(scheduled))
                 raise BlockTableError("group 1: 3 local vs 2 remote blocks")
             return batched(scheduled, new_ids, theirs, spans, block_sizes)
 
-        def unpairable(*args, **kwargs):
-            raise BlockTableError("group 1: 3 local vs 2 remote blocks")
-
-        monkeypatch.setattr(P.conn.trackers, "step_pairs", refuse_pairs)
-        monkeypatch.setattr(push_scheduler, "pair_block_spans", unpairable)
+        monkeypatch.setattr(tables, "step_pairs", refuse_pairs)
         p = H.make_request("p", _prompt(100), 16, params=p_params, max_tokens=1)
         P.s.add_request(p)
         PH.step_until(lambda: not P.s.requests and r.request_id in D.conn.failed_recving
                       or r.status == H.RequestStatus.FINISHED_ERROR, [P, D], timeout=60,
                       what="P gives up, D hears of it")
         assert p.status == H.RequestStatus.FINISHED_LENGTH_CAPPED
+        assert refused == [["p"], ["p"]]        # the batch, then the request alone
+        # the worker failed the push itself (not P's lease running out), so P held nothing
+        stats = P.w.stats()
+        assert stats and not stats[-1]["ok"] and "cannot be planned" in stats[-1]["error"], stats
         PH.step_until(lambda: not P.s.requests, [P], timeout=60, what="P ends its request")
         H.assert_no_leak(P.s)
+        assert len(tables) == 0 and P.conn.leases() == {}
         _settled(D, r, "fail", P)
     finally:
         P.close()

@@ -230,9 +230,17 @@ def test_mixed_tp_and_block_sizes_push_every_byte(engines, pool, p_key, d_key):
     if D.tp == 2 and pool == "remap-gemma":
         ctl = D.ranks[0].call("check_tokens", table=table, lo=list(lo), hi=list(hi), as_rank=1)
         assert ctl["bad"] > 0
-    remapped = [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
-                if s.push_id == f"push-{rid}"]
-    assert remapped and all(s.regrain is not None for s in remapped)
+    sent = [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
+             if s.push_id == f"push-{rid}"]
+    for st in P.call_all("push_state"):       # every P rank planned each step as a remap
+        # (the rank processes serve the whole module: earlier tests' pushes come first)
+        mine = [x for x in st["planned"] if x[0] == f"push-{rid}"][-len(sent):]
+        assert [x[1] for x in mine] == [s.step for s in sent]
+        ended = [r for r in st["stats"] if r["push_id"] == f"push-{rid}"]
+        assert ended and ended[-1]["ok"], st["stats"]
+        # a rank WRITEing to no decode rank (MLA replicated) plans nothing
+        assert all(x[2] for x in mine) == bool(ended[-1]["consumers"]), (mine, ended[-1])
+    assert sent
     D.run_out()
     H.assert_no_leak(D.s)
     P.run_out()

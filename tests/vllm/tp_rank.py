@@ -69,6 +69,7 @@ def main() -> None:
     conn.register_kv_caches(caches)
     print(json.dumps({"ready": conn.worker.name, "port": conn.worker.port,
                       "agent": type(conn.worker.agent).__name__}), flush=True)
+    planned: list = []   # P: (push id, step, remap?) of every step this rank's worker planned
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -101,10 +102,13 @@ def main() -> None:
                    "expect": sorted(w._expect),
                    "stats": [{k: v for k, v in r.items() if k in ("push_id", "ok", "rank",
                                                                   "consumers", "steps")}
-                             for r in w.stats()]}
+                             for r in w.stats()],
+                   "planned": planned}
         elif op == "step":
             conn.bind_connector_metadata(_unb64(cmd["meta"]))
             conn.start_load_kv(None)
+            planned.extend([sv.push_id, sv.step, sv.regrain is not None]   # P: its own plan
+                           for sv in getattr(conn.worker, "planned", {}).values())
             if cmd.get("forward"):    # the forward pass: layer by layer, as the model runner
                 for name in sorted(caches, key=layer_sort_key):
                     for table in cmd.get("fill", {}).values():   # P computes these blocks

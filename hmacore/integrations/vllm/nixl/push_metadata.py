@@ -5,7 +5,9 @@ Decode first: D's scheduler hands its workers a :class:`PushRegistration` (D's p
 ids); each D worker (TP rank) sends it to every P rank as a NIXL notification; each P worker
 reports it to P's scheduler (:class:`HmaPushWorkerMeta`, once the D ranks it writes to all
 registered); P's scheduler then puts one :class:`PushSave` per scheduled push
-request into each step's metadata; P's worker WRITEs each layer as soon as it is computed.
+request into each step's metadata (its token span and vLLM's new block ids); P's worker
+follows the request's table from them, pairs it with D's registration and WRITEs each layer
+as soon as it is computed.
 
 Units: block ids are per KV cache group (blocks of that group, vLLM group order); a
 *positional* table has one entry per block position of the request (position p holds tokens
@@ -60,25 +62,36 @@ class PushRegistration:
 
 @dataclasses.dataclass
 class PushSave:
-    """P scheduler -> P worker: this step's WRITEs of one push request.
+    """P scheduler -> P worker: this step of one push request (design (b) of issue 15: the
+    scheduler follows no table; the worker does).
 
-    ``local_block_ids[g][i]`` (P's block) goes to ``remote_block_ids[g][i]`` (D's block): the
-    block positions whose tokens (fully or partly) become computed in this step, pairs with a
-    null id on either side left out; one int32 array per group. ``step``: 0, 1, ... per
-    request; ``final``: the prompt's last step (after it every layer's notification and
-    ``done`` go to D).
+    ``start``, ``end``: the tokens ``[start, end)`` whose KV this step writes (every token up
+    to the step's end in step 0, so a local prefix hit on P is pushed too). ``new_block_ids``:
+    the request's entry of vLLM's scheduler output, passed as vLLM built it (one id list per
+    group, or None: no new block): its new blocks, or its whole table when ``full`` (its
+    first scheduled step; a request resumed after a preemption, whose table then replaces
+    the worker's). ``step``: 0, 1, ... per request; ``final``: the prompt's last step (after
+    it every layer's notification and ``done`` go to D).
+
+    Filled by P's worker when it plans the step (:meth:`HmaPushWorker._plan_step`), never
+    sent: ``local_block_ids[g][i]`` (P's block) goes to ``remote_block_ids[g][i]`` (D's
+    block), the block positions of the step's tokens with a null id on either side left
+    out, one int32 array per group; ``regrain``: a block-size remap (D's blocks of another
+    size), ``(lo, hi, local_first, remote_first)`` per group, the ids then being each side's
+    blocks holding tokens ``[lo, hi)`` (entry i is that side's block ``first + i``), Mamba
+    groups paired state blocks (:meth:`hmacore.regrain.RegrainPlan.runs`).
     """
 
     request_id: str
     push_id: str
     step: int
-    local_block_ids: list[Any]
-    remote_block_ids: list[Any]
     final: bool
-    #: a block-size remap (D's blocks of another size): ``(lo, hi, local_first, remote_first)``
-    #: per group; the ids are then each side's blocks holding tokens ``[lo, hi)`` (entry i
-    #: is that side's block ``first + i``), Mamba groups paired state blocks
-    #: (:meth:`hmacore.regrain.RegrainPlan.runs`)
+    start: int = 0
+    end: int = 0
+    new_block_ids: Any = None
+    full: bool = False
+    local_block_ids: list[Any] = dataclasses.field(default_factory=list)
+    remote_block_ids: list[Any] = dataclasses.field(default_factory=list)
     regrain: tuple[list[int], list[int], list[int], list[int]] | None = None
 
 

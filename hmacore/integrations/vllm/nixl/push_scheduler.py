@@ -15,13 +15,14 @@ it (ranks holding registrations tell those decode ranks it failed; D then recomp
 TP > 1 a push counts as registered once every prefill rank reported it
 (``HmaPushWorkerMeta.registered_by``: a rank reports once all decode ranks it writes to
 registered). Once registered, every step's metadata carries a :class:`PushSave` per scheduled
-push request: P's and D's ids of the block positions whose tokens become computed in this step
-(all positions up to the step's end in the first pushed step, so a local prefix hit on P is
-pushed too). ``request_finished`` keeps the blocks (returns True) until the worker reports the
-push ended (``finished_sending``), or the lease (``kv_lease_duration`` s) expires. A decode
-engine of other block sizes (its worker reports D's block sizes, first token and token count:
-``HmaPushWorkerMeta.regrain``) gets its steps planned in token ranges instead of block pairs
-(:meth:`_regrain_saves`, ``PushSave.regrain``).
+push request: the tokens that become computed in this step (all tokens up to the step's end in
+the first pushed step, so a local prefix hit on P is pushed too) and vLLM's new block ids of
+the request, by reference. P's scheduler follows no block table: P's worker follows its own
+and pairs it with D's registration (design (b) of issue 15). ``request_finished`` keeps the
+blocks (returns True) until the worker reports the push ended (``finished_sending``), or the
+lease (``kv_lease_duration`` s) expires. A decode engine of other block sizes (its worker
+reports D's block sizes, first token and token count: ``HmaPushWorkerMeta.regrain``) gets its
+steps planned in token ranges instead of block pairs, by P's worker (``PushSave.regrain``).
 
 Units: tokens, blocks of each group (positional tables), seconds of ``clock``.
 """
@@ -34,13 +35,11 @@ from typing import Any
 import numpy as np
 
 from ....errors import BlockTableError, ConfigError, HmacoreError
-from ....regrain import token_ranges
-from ....tables import TrackerSet, from_wire, pair_block_spans
+from ....tables import from_wire
 from ....spec import GroupKind
 from .._config import number
 from .. import _compat as C
 from .._clip import clip_table
-from .._roles import TableFollower
 from .scheduler import HmaNixlScheduler
 from .push_metadata import (TRANSFER_MODES, HmaPushConnectorMetadata, PushRegistration,
                             PushSave, check_push_id)
@@ -71,7 +70,7 @@ def _positional(ids: Any, pid: str) -> tuple[np.ndarray, ...] | None:
         return None
 
 
-class HmaPushScheduler(TableFollower, HmaNixlScheduler):
+class HmaPushScheduler(HmaNixlScheduler):
     """Push-mode bookkeeping of one engine (scheduler process); see the module docstring.
 
     Extra ``kv_connector_extra_config`` keys: ``push_register_timeout`` (P: seconds a push
@@ -83,13 +82,10 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
     one state slot (the block holding the state after the loaded tokens; P computes the prompt
     less the backoff token).
 
-    P's followed tables are sparse (``TrackerSet.step_pairs``): a pushing request's table
-    holds vLLM's id at every position where D's registration holds a block, the only
-    positions ever paired, and 0 at the others (out of D's window, D's local hits), which
-    are never read from vLLM's lists.
+    P's scheduler follows no block table: each step's :class:`PushSave` carries the token
+    span and vLLM's new ids of each pushing request, and P's worker follows its own sparse
+    table and pairs it with D's registration (:class:`~.push_worker.HmaPushWorker`).
     """
-
-    first_table_as_appends = True
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -107,9 +103,6 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         self.register_timeout = number(extra, "push_register_timeout", 30.0, positive=True)
         self.recv_timeout = number(extra, "push_recv_timeout", 60.0, positive=True)
         self.cancel_ack_timeout = number(extra, "push_cancel_ack_timeout", 60.0, positive=True)
-        # P side push requests, followed until their final WRITE (TableFollower)
-        self.trackers = TrackerSet(self.layout)
-        self._block_sizes = tuple(s.block_size for s in self.layout.groups)
         # D side
         self._regs_pending: dict[str, PushRegistration] = {}
         # request id -> the block ids its registration lets P write (kept until the worker
@@ -122,7 +115,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         self._hold_since: dict[str, float] = {}
         self._registered: dict[str, list[list[int]]] = {}  # push id -> D's positional table
         # push id -> (D's first token, D's token count, D's block sizes): a decode engine of
-        # other block sizes (its steps are planned by _regrain_saves)
+        # other block sizes (kept while the push lasts; its steps are planned by P's worker)
         self._regrain: dict[str, tuple[int, int, list[int]]] = {}
         self._claimed: set[str] = set()                    # push ids of this engine's requests
         # complete registrations no request claimed yet: push id -> arrival (clock s), in
@@ -231,8 +224,8 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
             return
         if params.get("do_remote_decode"):
             if self._is_push_producer(request) is not None:
-                # followed from its first scheduled step's full table (same allocation)
-                self._follow_from_output(request.request_id, request.num_prompt_tokens)
+                # its steps go to the worker from its first scheduled one (full table)
+                self._pushing[request.request_id] = None
             return
         if not params.get("do_remote_prefill"):
             return
@@ -279,161 +272,51 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
         return meta
 
     def _push_plan(self, scheduler_output: Any) -> dict[str, PushSave]:
-        """P: one :class:`PushSave` per scheduled push request with something to write. The
-        followed requests' new ids are appended and every WRITE pair of the step is made in
-        one C call (:meth:`TrackerSet.step_pairs`): the work follows the step's new blocks,
-        never the prompt, and makes no Python object per block; what is left per request is
-        deciding its token span and wrapping its pairs (views of the step's arrays)."""
-        scheduled, new_ids = self._follow_entries(scheduler_output)
-        if not scheduled:
+        """P: one :class:`PushSave` per scheduled push request: the step's token span and
+        vLLM's new block ids of the request as vLLM handed them (by reference; the whole
+        table when ``full``: its first scheduled step, or resumed after a preemption). P's
+        worker follows its own table from them and pairs it with D's registration, which it
+        holds (design (b) of issue 15): the work here is finding the pushing requests'
+        entries in the scheduler output and their spans, never a table or a block."""
+        pushing = self._pushing
+        if not pushing:
             return {}
-        n = len(scheduled)
-        theirs: list[Any] = [None] * n
-        spans: list[tuple[int, int] | None] = [None] * n
-        plans: list[tuple[str, int, bool] | None] = [None] * n
-        remaps: list[tuple[str, str, int, bool, int, int]] = []   # block-size remap pushes
-        # what each pushes this step: tokens [start, end) (every position up to the step's
-        # end in its first pushed step, so a local prefix hit on P is pushed too)
+        saves: dict[str, PushSave] = {}
         num_sched = scheduler_output.num_scheduled_tokens
         push_reqs, registered, steps = self._push_reqs, self._registered, self._push_steps
         unpushed, ended = self._unpushed, self._push_ended
-        for r, rid in enumerate(scheduled):
+        for rid, ids, full in C.scheduled_entries(scheduler_output, list(pushing)):
             entry = push_reqs.get(rid)
             if entry is None or rid in unpushed or rid in ended:
+                pushing.pop(rid, None)
                 continue
             request, pid = entry
-            remote = registered.get(pid)
-            count = num_sched.get(rid, 0)
-            if remote is None or count <= 0:
+            if pid not in registered:     # (held until registered: not reached in practice)
+                self._give_up_push(rid, BlockTableError("scheduled without a registration"))
                 continue
             total = request.num_prompt_tokens
             step = steps.get(rid, 0)
             computed = request.num_computed_tokens
+            # tokens [start, end): every position up to the step's end in its first pushed
+            # step, so a local prefix hit on P is pushed too
             start = 0 if step == 0 else computed
-            end = min(computed + count, total)
-            if start >= end:
-                continue
-            if pid in self._regrain:      # followed in the batch, planned in token ranges
-                remaps.append((rid, pid, step, end >= total, start, end))
-                continue
-            theirs[r] = remote
-            spans[r] = (start, end)
-            plans[r] = (pid, step, end >= total)
-        try:
-            local, rem, offsets = self.trackers.step_pairs(scheduled, new_ids, theirs, spans,
-                                                           self._block_sizes)
-        except HmacoreError as e:       # e.g. D registered ids P cannot pair: nothing applied
-            saves = self._push_plan_each(scheduled, new_ids, theirs, spans, plans, e)
-            return self._regrain_saves(remaps, saves) if remaps else saves
-        saves: dict[str, PushSave] = {}
-        G = len(self._block_sizes)
-        off = offsets.tolist()
-        for r, p in enumerate(plans):
-            if p is None:
-                continue
-            rid = scheduled[r]
-            pid, step, final = p
-            cuts = off[r * G:(r + 1) * G + 1]
+            end = min(computed + num_sched[rid], total)
+            final = end >= total
+            saves[rid] = PushSave(request_id=rid, push_id=pid, step=step, final=final,
+                                  start=start, end=end, new_block_ids=ids, full=full)
             steps[rid] = step + 1
-            if final:
-                # the prompt's last push: nothing more to follow for this request
-                self.trackers.finish(rid)
-            pairs = tuple(zip(cuts, cuts[1:]))
-            saves[rid] = PushSave(
-                request_id=rid, push_id=pid, step=step,
-                local_block_ids=[local[a:b] for a, b in pairs],
-                remote_block_ids=[rem[a:b] for a, b in pairs], final=final)
-        return self._regrain_saves(remaps, saves) if remaps else saves
-
-    def _regrain_saves(self, remaps, saves: dict[str, PushSave]) -> dict[str, PushSave]:
-        """P: the steps of pushes into a decode engine of other block sizes: per group the
-        step's tokens that D needs (:func:`hmacore.regrain.token_ranges` from D's first token
-        and token count, intersected with the step's ``[start, end)``) and each side's blocks
-        holding them; Mamba groups pair state blocks by position as usual. The worker turns
-        them into byte runs (RegrainPlan). A step that cannot be planned ends the push."""
-        for rid, pid, step, final, start, end in remaps:
-            try:
-                saves[rid] = self._regrain_save(rid, pid, step, final, start, end)
-            except HmacoreError as e:
-                self._give_up_push(rid, e)
-                continue
-            self._planned(rid, step, final)
+            if final:           # the prompt's last push: nothing more to send for it
+                del pushing[rid]
         return saves
 
-    def _planned(self, rid: str, step: int, final: bool) -> None:
-        """A push step of ``rid`` is planned: the next one is ``step + 1``; after the final
-        one P stops following the request."""
-        self._push_steps[rid] = step + 1
-        if final:
-            self.trackers.finish(rid)
+    @property
+    def _pushing(self) -> dict[str, None]:
+        """P: push requests whose steps still go to the worker (from their allocation until
+        their final step, a give-up or the end of the request), in arrival order."""
+        return self.__dict__.setdefault("_pushing_reqs", {})
 
-    def _regrain_save(self, rid: str, pid: str, step: int, final: bool, start: int,
-                      end: int) -> PushSave:
-        d_start, n, d_sizes = self._regrain[pid]
-        if final and end < n:
-            raise BlockTableError(f"the decode engine expects {n} tokens, this prompt has {end}")
-        mine, theirs = self.trackers.block_ids(rid, copy=False), self._registered[pid]
-        lo, hi = token_ranges(self.layout, n, d_start)
-        state = None
-        src, dst, los, his, sf, df = [], [], [], [], [], []
-        empty = np.empty(0, dtype=np.int32)
-        for g, spec in enumerate(self.layout.groups):
-            a, b = max(lo[g], start), min(hi[g], end)
-            if spec.kind == GroupKind.MAMBA:
-                if state is None:
-                    state = pair_block_spans(mine, theirs, self._block_sizes, start, end)
-                pair, a, b = (state[0][g], state[1][g]), 0, 0
-            elif a >= b or not spec.transfer:
-                pair, a, b = (empty, empty), 0, 0
-            else:
-                ends = []
-                for side, table, bs in (("P", mine[g], spec.block_size),
-                                        ("D", theirs[g], d_sizes[g])):
-                    ids = np.asarray(table[a // bs:(b - 1) // bs + 1], dtype=np.int32)
-                    if ids.shape[0] != (b - 1) // bs - a // bs + 1 or not ids.all():
-                        raise BlockTableError(
-                            f"group {g}: tokens [{a}, {b}) need {side}'s blocks {a // bs}.."
-                            f"{(b - 1) // bs}; its table holds {len(table)} positions, null "
-                            "among them or too few")
-                    ends.append(ids)
-                pair = (ends[0], ends[1])
-            src.append(pair[0])
-            dst.append(pair[1])
-            los.append(a)
-            his.append(b)
-            sf.append(a // spec.block_size)
-            df.append(a // d_sizes[g])
-        return PushSave(request_id=rid, push_id=pid, step=step, local_block_ids=src,
-                        remote_block_ids=dst, final=final, regrain=(los, his, sf, df))
-
-    def _push_plan_each(self, scheduled, new_ids, theirs, spans, plans,
-                        err: Exception) -> dict[str, PushSave]:
-        """The step's plan when the batched call refused it (it changed nothing): follow the
-        step without pairing, then pair each push request alone; a request whose pairs are
-        refused runs on without push (:meth:`_give_up_push`), the others push as usual."""
-        logger.debug("batched push plan refused (%s); pairing request by request", err)
-        self.trackers.step_pairs(scheduled, new_ids, [None] * len(scheduled),
-                                 [None] * len(scheduled), self._block_sizes)
-        saves: dict[str, PushSave] = {}
-        for rid, remote, span, p in zip(scheduled, theirs, spans, plans):
-            if p is None or span is None:
-                continue
-            pid, step, final = p
-            try:
-                local, rem = pair_block_spans(self.trackers.block_ids(rid, copy=False), remote,
-                                              self._block_sizes, span[0], span[1])
-            except HmacoreError as e:
-                self._give_up_push(rid, e)
-                continue
-            self._planned(rid, step, final)
-            saves[rid] = PushSave(request_id=rid, push_id=pid, step=step,
-                                  local_block_ids=list(local), remote_block_ids=list(rem),
-                                  final=final)
-        return saves
-
-    def _on_followed(self, rid: str, num_prompt_tokens: int) -> None:
-        # a push request's table fills up to its prompt: room for it once, no regrowth
-        self.trackers.reserve(rid, [-(-num_prompt_tokens // bs) for bs in self._block_sizes])
+    def _unfollow(self, rid: str) -> None:
+        self._pushing.pop(rid, None)
 
     def _give_up_push(self, rid: str, err: Exception) -> None:
         """A push request whose step cannot be paired: it runs on without push (its blocks
@@ -443,8 +326,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
                        "told the push failed)", pid, rid, err)
         self._unpushed.add(rid)
         self._aborts.add(pid)
-        if rid in self.trackers:
-            self.trackers.finish(rid)
+        self._pushing.pop(rid, None)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Fold the workers' report: D loads finished/failed; P registrations, pushes ended
@@ -511,8 +393,7 @@ class HmaPushScheduler(TableFollower, HmaNixlScheduler):
                 if rid is None or self._push_steps.get(rid, 0) > 0:
                     continue
                 self._unpushed.add(rid)
-                if rid in self.trackers:
-                    self.trackers.finish(rid)
+                self._pushing.pop(rid, None)
                 logger.warning("push %s of %s: the decode engine cancelled it before its first "
                                "step; prefilling without push", pid, rid)
             else:

@@ -30,8 +30,12 @@ on ``side_channel_host:port + rank`` answers decode ranks.
 * P: a rank reports a push id (worker metadata, ``registered_by`` = this rank) once every
   *consumer* decode rank (:func:`hmacore.tp.consumer_ranks`; equal TP: the same rank)
   registered; a registration whose rank / TP claim contradicts its sender's handshake, or
-  that disagrees with the push's earlier ones, is refused. In ``save_kv_layer`` the layer's
-  WRITE (its group's blocks of this step's :class:`PushSave`) is posted at once to every
+  that disagrees with the push's earlier ones, is refused. Each step (``start_load_kv``, else
+  the first ``save_kv_layer``) the worker follows its pushing requests' tables from the
+  :class:`PushSave` new ids (a ``full`` table replaces: first step, or resumed after a
+  preemption) and pairs the step's tokens with D's registration (:meth:`_plan_step`, one
+  ``TrackerSet.step_pairs`` call; a step it cannot plan fails that push alone). In
+  ``save_kv_layer`` the layer's WRITE (its group's pairs of the planned step) is posted at once to every
   consumer: whole pages at equal TP, else this rank's head slices / replicated pages from the
   :class:`~hmacore.tp.TpPairPlan` seen from that decode rank, used in the WRITE direction.
   One LayerwisePusher request per (push, step, consumer), all of a step under one tag: the
@@ -48,7 +52,7 @@ on ``side_channel_host:port + rank`` answers decode ranks.
 Units: block ids per group; descriptor ids from LayerPlan; times ``time.monotonic()`` seconds.
 PP = 1. Other block sizes (``block_size_remap``, default on), at equal or different TP
 sizes: P writes each layer as byte runs (:mod:`hmacore.regrain`) of the step's tokens D
-needs, planned in token ranges by the scheduler (``PushSave.regrain``); across TP sizes the
+needs, planned in token ranges by this worker (``PushSave.regrain``); across TP sizes the
 plan of each (P rank, consumer D rank) pairs only the chunks of the heads that D rank takes
 from this P rank (``RegrainPlan(tp=(mapping seen from D, P rank))``, as pull's per source
 rank). D checks at the handshake that a remap with each of its source ranks can be planned
@@ -64,12 +68,16 @@ import time
 from collections import deque
 from typing import Any
 
-from ....errors import ConfigError, HandshakeError, HmacoreError, LayoutError
+import numpy as np
+
+from ....errors import BlockTableError, ConfigError, HandshakeError, HmacoreError, LayoutError
 from .._metrics import StatsCounter
 from ....layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushState, \
     runs_by_layer
 from ....plan import TransferPlan
-from ....regrain import RegrainPlan
+from ....regrain import RegrainPlan, token_ranges
+from ....spec import GroupKind
+from ....tables import TrackerSet, from_wire, pair_block_spans
 from ....tp import TpMapping, TpPairPlan, consumer_ranks
 from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
 from ....transport.base import check_transport, make_desc_transport
@@ -117,6 +125,17 @@ def _regrain_plan_with(src_layout: Any, src_plan: Any, src_pages: Any, dst_layou
         raise HandshakeError(f"block-size remap with {who}: {e}") from e
 
 
+def _positional(ids: Any, num_groups: int) -> tuple[np.ndarray, ...]:
+    """D's registered positional table (null block 0 allowed: positions P must not write)
+    as int32 arrays, converted once per push; BlockTableError naming the rule otherwise."""
+    if len(ids) != num_groups:
+        raise BlockTableError(f"the registration has {len(ids)} groups, the layout {num_groups}")
+    try:
+        return tuple(np.array(g, dtype=np.int32) for g in from_wire(ids, num_groups))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise BlockTableError(f"registration rejected: {e}") from e
+
+
 class _Inbox:
     """The receiver's transport: notifications the worker routed to it."""
 
@@ -155,6 +174,9 @@ class _Reg:
     ids: list[list[int]]
     agents: dict[int, str] = dataclasses.field(default_factory=dict)
     reported: bool = False
+    #: a decode engine of other block sizes: (D's first token, D's token count, D's sizes)
+    remap: tuple[int, int, list[int]] | None = None
+    table: tuple[np.ndarray, ...] | None = None    # ``ids`` as int32 arrays (first step)
 
 
 @dataclasses.dataclass
@@ -264,6 +286,13 @@ class HmaPushWorker:
         self._sending: set[str] = set()
         self._step_meta: Any = None
         self._step_saves: list[tuple[str, list[str], bool]] = []  # (push id, subs, final)
+        # P's own tables of the requests it pushes (design (b) of issue 15: fed by each
+        # step's PushSave.new_block_ids, sparse as TrackerSet.step_pairs keeps them)
+        self.tables = TrackerSet(layout)
+        self._block_sizes = tuple(g.block_size for g in layout.groups)
+        self._followed: dict[str, str] = {}       # push id -> request id with a table here
+        #: the last step's planned saves (request id -> PushSave with its WRITE pairs)
+        self.planned: dict[str, PushSave] = {}
         self._stats: deque[dict] = deque(maxlen=1024)
         self._need_fwd_end: dict[str, dict] = {}   # ended in this step's forward pass
 
@@ -535,8 +564,9 @@ class HmaPushWorker:
 
     # -- per step ---------------------------------------------------------------------------
     def start_load_kv(self, meta: HmaPushConnectorMetadata) -> None:
-        """D: send registrations and expect pushes. P: aborts, expiries, step preparation.
-        Never raises once registered: a failure ends the request it concerns."""
+        """D: send registrations and expect pushes. P: aborts, expiries, then the step's
+        plan (:meth:`_prepare_step`; else the first ``save_kv_layer`` makes it). Never raises
+        once registered: a failure ends the request it concerns."""
         if self.agent is None:
             raise RuntimeError("register_kv_caches must run before start_load_kv")
         self._guard("adopting handshakes", self._poll_connects)
@@ -561,7 +591,12 @@ class HmaPushWorker:
                     p.subs.clear()
                     self._pushes.pop(pid, None)
                     self._regs.pop(pid, None)
+                    self._unfollow(pid)
                     self._dead.append(pid)
+        if getattr(meta, "push_saves", None):
+            # P: plan the step now (tables followed, pairs made, pushes started), so every
+            # step's new block ids reach this worker's tables even without a saved layer
+            self._guard("step preparation", self._prepare_step, meta)
 
     def _guard(self, what: str, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)``; an exception is logged and counted, never raised into vLLM's
@@ -843,27 +878,190 @@ class HmaPushWorker:
         if not reg.reported and set(need) <= set(reg.agents):
             reg.reported = True
             self._new_regs[pid] = reg.ids
-            if agent in self._regrain:      # P's scheduler plans its steps in token ranges
-                self._new_regrain[pid] = (doc["start"], doc["n"],
-                                          list(self._regrain[agent][0].dst_block_sizes))
+            if agent in self._regrain:      # its steps are planned in token ranges
+                reg.remap = (int(doc["start"]), int(doc["n"]),
+                             [int(b) for b in self._regrain[agent][0].dst_block_sizes])
+                self._new_regrain[pid] = reg.remap
 
     # -- P: layer-wise writes ---------------------------------------------------------------
     def _prepare_step(self, meta: Any) -> None:
         """Once per step (first save_kv_layer, else start_load_kv): start this step's pushes."""
         if meta is self._step_meta:
             return
-        self._step_meta, self._step_saves = meta, []
+        self._step_meta, self._step_saves, self.planned = meta, [], {}
         saves = getattr(meta, "push_saves", None) or {}
         if not saves:
             return
         self._accept_peers()
-        for save in saves.values():
+        planned = self._guard("planning the push step", self._plan_step, list(saves.values()))
+        if planned is None:           # raised (a bug): every push of the step fails
+            planned = []
+            for save in saves.values():
+                self._refuse(save, "its step could not be planned")
+        self.planned = {save.request_id: save for save in planned}
+        for save in planned:
             subs = self._guard(f"start of push {save.push_id!r}", self._start_sub, save)
             if subs:
                 self._step_saves.append((save.push_id, subs, save.final))
             elif subs is None and save.push_id in self._pushes:   # raised: end it failed
                 self._fail_push(save.push_id, self._pushes[save.push_id],
                                 "its step could not start")
+
+    def _plan_step(self, saves: list[PushSave]) -> list[PushSave]:
+        """P: follow this step's pushing requests' tables (vLLM's new ids from the metadata,
+        appended sparse, or a full table that replaces) and pair the step's tokens with D's
+        registration, every request in one C call (:meth:`TrackerSet.step_pairs`); a remap
+        push's table is followed dense and its step planned in token ranges. Returns the
+        saves with their WRITE pairs (or ``regrain`` plans) filled in. A request whose table
+        or pairs are refused has its push failed (D is told; nothing raises into vLLM)."""
+        tables, G = self.tables, len(self._block_sizes)
+        out: list[PushSave] = []
+        rids: list[str] = []
+        new_ids: list[Any] = []
+        theirs: list[Any] = []
+        spans: list[tuple[int, int] | None] = []
+        batch: list[tuple[PushSave, _Reg]] = []
+        for save in saves:
+            pid, rid = save.push_id, save.request_id
+            reg = self._regs.get(pid)
+            if pid in self._dead or reg is None or not reg.reported:
+                self._unfollow(pid)
+                out.append(save)           # _start_sub answers (dead, or no registration)
+                continue
+            try:
+                if not self._consumers(reg.dtp):   # this rank WRITEs to no decode rank:
+                    self._unfollow(pid)            # nothing to follow or pair
+                    out.append(save)
+                    continue
+                if reg.table is None:
+                    reg.table = _positional(reg.ids, len(self._block_sizes))
+                if save.full or self._followed.get(pid) != rid:
+                    if not save.full:
+                        raise BlockTableError(f"step {save.step} brings new block ids but this "
+                                              "worker holds no table of the request (its first "
+                                              "step was not seen)")
+                    self._unfollow(pid)    # a resumed request: its full table replaces
+                    tables.add(rid, [[] for _ in range(G)])
+                    self._followed[pid] = rid
+            except HmacoreError as e:
+                self._refuse(save, str(e))
+                continue
+            rids.append(rid)
+            new_ids.append(save.new_block_ids)
+            remap = reg.remap is not None
+            theirs.append(None if remap else reg.table)
+            spans.append(None if remap else (save.start, save.end))
+            batch.append((save, reg))
+        if not batch:
+            return out
+        try:
+            local, rem, offsets = tables.step_pairs(rids, new_ids, theirs, spans,
+                                                    self._block_sizes)
+            cuts = offsets.tolist()
+            pairs = []
+            for r in range(len(batch)):
+                c = cuts[r * G:(r + 1) * G + 1]
+                pairs.append(([local[a:b] for a, b in zip(c, c[1:])],
+                              [rem[a:b] for a, b in zip(c, c[1:])]))
+        except HmacoreError as e:      # nothing applied: each request alone
+            logger.debug("batched push plan refused (%s); planning request by request", e)
+            pairs = []
+            for r in range(len(batch)):
+                try:
+                    one = tables.step_pairs([rids[r]], [new_ids[r]], [theirs[r]], [spans[r]],
+                                            self._block_sizes)
+                except HmacoreError as err:
+                    pairs.append(err)
+                    continue
+                c = one[2].tolist()
+                pairs.append(([one[0][a:b] for a, b in zip(c, c[1:])],
+                              [one[1][a:b] for a, b in zip(c, c[1:])]))
+        for (save, reg), pair in zip(batch, pairs):
+            if isinstance(pair, HmacoreError):
+                self._refuse(save, str(pair))
+                continue
+            try:
+                if reg.remap is not None:
+                    save = self._regrain_save(save, reg)
+                else:       # a copy: the metadata (shared by in-process ranks) stays as sent
+                    save = dataclasses.replace(save, new_block_ids=None,
+                                               local_block_ids=pair[0], remote_block_ids=pair[1])
+            except HmacoreError as e:
+                self._refuse(save, str(e))
+                continue
+            if save.final:             # the prompt's last push: nothing more to follow
+                self._unfollow(save.push_id)
+            out.append(save)
+        return out
+
+    def _regrain_save(self, save: PushSave, reg: _Reg) -> PushSave:
+        """A push into a decode engine of other block sizes: per group the step's tokens D
+        needs (:func:`hmacore.regrain.token_ranges` from D's first token and token count,
+        intersected with the step's ``[start, end)``) and each side's blocks holding them;
+        Mamba groups pair state blocks by position as usual. :meth:`_layer_runs` turns them
+        into byte runs (RegrainPlan). Raises BlockTableError when it cannot be planned."""
+        d_start, n, d_sizes = reg.remap            # type: ignore[misc]
+        start, end = save.start, save.end
+        if save.final and end < n:
+            raise BlockTableError(f"the decode engine expects {n} tokens, this prompt has {end}")
+        mine, theirs = self.tables.block_ids(save.request_id, copy=False), reg.table
+        lo, hi = token_ranges(self.layout, n, d_start)
+        state = None
+        src, dst, los, his, sf, df = [], [], [], [], [], []
+        empty = np.empty(0, dtype=np.int32)
+        for g, spec in enumerate(self.layout.groups):
+            a, b = max(lo[g], start), min(hi[g], end)
+            if spec.kind == GroupKind.MAMBA:
+                if state is None:
+                    state = pair_block_spans(mine, theirs, self._block_sizes, start, end)
+                pair, a, b = (state[0][g], state[1][g]), 0, 0
+            elif a >= b or not spec.transfer:
+                pair, a, b = (empty, empty), 0, 0
+            else:
+                ends = []
+                for side, table, bs in (("P", mine[g], spec.block_size),
+                                        ("D", theirs[g], d_sizes[g])):
+                    ids = np.asarray(table[a // bs:(b - 1) // bs + 1], dtype=np.int32)
+                    if ids.shape[0] != (b - 1) // bs - a // bs + 1 or not ids.all():
+                        raise BlockTableError(
+                            f"group {g}: tokens [{a}, {b}) need {side}'s blocks {a // bs}.."
+                            f"{(b - 1) // bs}; its table holds {len(table)} positions, null "
+                            "among them or too few")
+                    ends.append(ids)
+                pair = (ends[0], ends[1])
+            src.append(pair[0])
+            dst.append(pair[1])
+            los.append(a)
+            his.append(b)
+            sf.append(a // spec.block_size)
+            df.append(a // d_sizes[g])
+        return dataclasses.replace(save, new_block_ids=None, local_block_ids=src,
+                                   remote_block_ids=dst, regrain=(los, his, sf, df))
+
+    def _unfollow(self, pid: str) -> None:
+        """Drop this worker's table of push ``pid``'s request (final step, end, abort)."""
+        rid = self._followed.pop(pid, None)
+        if rid is not None and rid in self.tables:
+            self.tables.finish(rid)
+
+    def _refuse(self, save: PushSave, why: str) -> None:
+        """P: a step that cannot be planned (the table or its pairs refused): the push fails
+        here (D is told; the request is reported in ``finished_sending`` once nothing of it
+        is in flight, so P's scheduler holds no block for it) and is followed no more."""
+        pid = save.push_id
+        self._unfollow(pid)
+        p = self._pushes.get(pid)
+        if p is None:
+            reg = self._regs.get(pid)
+            peers: dict[int, str] = {}
+            if reg is not None:
+                try:
+                    peers = {d: reg.agents[d] for d in self._consumers(reg.dtp)
+                             if d in reg.agents}
+                except HmacoreError:
+                    peers = dict(reg.agents)
+            p = self._pushes[pid] = _Push(save.request_id, peers)
+        self._fail_push(pid, p, f"step {save.step} cannot be planned: {why}")
 
     def _start_sub(self, save: PushSave) -> list[str]:
         """Start one step of a push: one pusher request per consumer D rank (ids
@@ -1022,6 +1220,7 @@ class HmaPushWorker:
             self._tell_failed(pid, p.peers.values())
 
     def _abort(self, pid: str, why: str) -> None:
+        self._unfollow(pid)
         p = self._pushes.get(pid)
         if p is None:                  # nothing posted yet: only tell D
             reg = self._regs.pop(pid, None)
@@ -1067,6 +1266,7 @@ class HmaPushWorker:
             else:
                 self._acknowledge(pid, sorted(p.cancelled_by))
         self._regs.pop(pid, None)
+        self._unfollow(pid)
         self._dead.append(pid)
         self._sending.add(p.request_id)
         gap = (p.last_write_done - p.forward_end) * 1e3 if p.forward_end and \
