@@ -1,9 +1,10 @@
 """Scheduler -> worker payloads of :class:`HmaStoreConnector` (they cross process boundaries:
-plain lists, bytes and ints only). Tokens are tokens; block tables per group, blocks of that
+lists, int32 arrays, bytes and ints, all picklable). Tokens are tokens; block tables per group, blocks of that
 group (vLLM group order)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from .._compat import KVConnectorMetadata
 
@@ -42,7 +43,7 @@ class StoreSave:
     request_id: str
     start_token: int
     num_tokens: int
-    block_ids: list[list[int]]
+    block_ids: list[Any]         # per group an int32 array (or a list of ints)
     hashes: bytes
     digest_size: int
     #: (group, block id) of Mamba (align mode) groups whose state after exactly

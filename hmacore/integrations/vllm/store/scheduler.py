@@ -274,9 +274,11 @@ class HmaStoreScheduler(TableFollower):
         for g, view in enumerate(views):
             bs = finder.block_sizes[g]
             lo = min(end // bs, cdiv(start, bs))
-            group = view[lo:min(end // bs, view.shape[0])].tolist()
+            # an int32 copy (the tracker's storage moves on), never a list: no Python object
+            # per block on this per-step path
+            group = view[lo:min(end // bs, view.shape[0])].copy()
             gone = min(max(skipped_blocks(self.layout.groups[g], processed) - lo, 0), len(group))
-            group[:gone] = [0] * gone
+            group[:gone] = 0
             ids.append(group)
             offsets.append(lo)
             if g in finder.group_ids:
