@@ -213,15 +213,19 @@ def test_push_survives_preemption_mid_prompt(case):
         D.close()
 
 
-# (case, shared prefix tokens, A's prompt tokens, B's prompt tokens, P's local hit on B)
+# (case, shared prefix tokens, A's prompt tokens, B's prompt tokens, P's local hit on B,
+#  P's push steps of B)
 PREFIX_HIT = {
     # full + sliding window 64 (bs 16): a hit of 6 blocks, then 2 steps ([0, 136), [136, 150));
     # the full group wants positions 0..9 (0..5 from P's hit), the sliding group its window's
     # 5..9 (5 from P's hit; P's hit blocks 0..1 are nulled out of the window, not needed)
-    "gemma-chunk40": (100, 130, 150, 96),
+    "gemma-chunk40": (100, 130, 150, 96, 2),
     # full + Mamba in align mode (bs 64): vLLM keeps the state at every block boundary, so
     # B hits 2 blocks (the state after token 128 included); D wants full positions 0..3
-    "qwen3next-chunk64": (150, 170, 200, 128),
+    "qwen3next-chunk64": (150, 170, 200, 128, 2),
+    # five groups (bs 256, 64, 64, 4, 8): a hit of 512 tokens (vLLM's hit is a multiple of
+    # every group's block size); the SWA groups' and C128's windows reach into the hit
+    "dsv4-chunk200": (520, 560, 600, 512, 1),
 }
 
 
@@ -231,7 +235,7 @@ def test_push_with_local_prefix_hit_on_p(case):
     push request B shares A's first blocks: vLLM's scheduler on P gives B a local hit, P
     computes only the rest, and its first pushed step's span starts at token 0 so the hit
     blocks reach D too. Every byte D asked for arrives, in every group and layer."""
-    shared, n_a, n_b, hit = PREFIX_HIT[case]
+    shared, n_a, n_b, hit, num_steps = PREFIX_HIT[case]
     P, D, _ = _engines(case)
     try:
         hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
@@ -269,12 +273,13 @@ def test_push_with_local_prefix_hit_on_p(case):
         # D asked for blocks inside P's hit (full attention: all of them), and got them
         bs0 = D.layout.groups[0].block_size
         assert all(reg.block_ids[0][:hit // bs0]), reg.block_ids[0]
-        for g, spec in zip(reg.block_ids, D.layout.groups):
-            if spec.sliding_window:      # the window reaches into the hit
-                assert any(g[:hit // spec.block_size]), g
+        # and a sliding window that reaches into the hit
+        sliding = [(g, spec) for g, spec in zip(reg.block_ids, D.layout.groups)
+                   if spec.sliding_window]
+        assert not sliding or any(any(g[:hit // spec.block_size]) for g, spec in sliding)
         steps = [m.push_saves["p-req"] for m in P.metas if m and "p-req" in m.push_saves]
         assert [s.step for s in steps] == list(range(len(steps))) and steps[-1].final
-        assert len(steps) == 2       # P computes only past the hit (two chunks in both cases)
+        assert len(steps) == num_steps          # P computes only the tokens past its hit
         assert P.save_checks == len(steps)
         _check_counts(P, [m["p-req"] for m in P.planned if "p-req" in m])
         _finish(P, D, "d-req")
