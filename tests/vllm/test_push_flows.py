@@ -7,6 +7,8 @@ forward pass produces them. Checked: every byte of every block D asked for (patt
 token position, so partly filled blocks re-written in a later step are covered), that P
 was held before the registration, that nothing leaks on either side.
 """
+import time
+
 import pytest
 
 import harness as H
@@ -206,6 +208,81 @@ def test_push_survives_preemption_mid_prompt(case):
         assert P.save_checks == len(sent) and P.mirror_checks >= len(sent) - 1
         _finish(P, D, "d-req")
         assert len(P.w.worker.tables) == 0
+    finally:
+        P.close()
+        D.close()
+
+
+# (case, shared prefix tokens, A's prompt tokens, B's prompt tokens, P's local hit on B,
+#  P's push steps of B)
+PREFIX_HIT = {
+    # full + sliding window 64 (bs 16): a hit of 6 blocks, then 2 steps ([0, 136), [136, 150));
+    # the full group wants positions 0..9 (0..5 from P's hit), the sliding group its window's
+    # 5..9 (5 from P's hit; P's hit blocks 0..1 are nulled out of the window, not needed)
+    "gemma-chunk40": (100, 130, 150, 96, 2),
+    # full + Mamba in align mode (bs 64): vLLM keeps the state at every block boundary, so
+    # B hits 2 blocks (the state after token 128 included); D wants full positions 0..3
+    "qwen3next-chunk64": (150, 170, 200, 128, 2),
+    # five groups (bs 256, 64, 64, 4, 8): a hit of 512 tokens (vLLM's hit is a multiple of
+    # every group's block size); the SWA groups' and C128's windows reach into the hit
+    "dsv4-chunk200": (520, 560, 600, 512, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFIX_HIT))
+def test_push_with_local_prefix_hit_on_p(case):
+    """P first serves a plain request A, so its full blocks are in P's prefix cache; then
+    push request B shares A's first blocks: vLLM's scheduler on P gives B a local hit, P
+    computes only the rest, and its first pushed step's span starts at token 0 so the hit
+    blocks reach D too. Every byte D asked for arrives, in every group and layer."""
+    shared, n_a, n_b, hit, num_steps = PREFIX_HIT[case]
+    P, D, _ = _engines(case)
+    try:
+        hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+        common = [1 + i % 900 for i in range(shared)]
+        a = H.make_request("a-req", common + [901 + i for i in range(n_a - shared)], hbs,
+                           max_tokens=1)
+        P.s.add_request(a)
+        PH.step_until(lambda: not P.s.requests, [P], what="P serves A")
+        H.assert_no_leak(P.s)
+        prompt = common + [950 + i for i in range(n_b - shared)]
+        d_params, p_params = PH.push_params("push-hit", P.port)
+        d_req = H.make_request("d-req", prompt, hbs, params=d_params, max_tokens=3)
+        p_req = H.make_request("p-req", prompt, hbs, params=p_params, max_tokens=1)
+        D.s.add_request(d_req)
+        D.step()                                     # registration sent to P
+        P.s.add_request(p_req)
+        deadline = time.monotonic() + 30
+        while True:                  # held until D's registration arrives, then the local hit
+            so = P.step()
+            if "p-req" in so.num_scheduled_tokens:
+                break
+            assert time.monotonic() < deadline, ("P never scheduled B", P.conn.held())
+            D.step()
+        # what P had computed when it first scheduled B: its local hit
+        first = p_req.num_computed_tokens - so.num_scheduled_tokens["p-req"]
+        assert first == hit, (first, hit)
+        save0 = P.metas[-1].push_saves["p-req"]
+        PH.step_until(lambda: "d-req" not in D.conn.awaiting(), [P, D],
+                      what="the push completes")
+        assert "d-req" not in D.conn.failed_recving
+        reg = _check_bytes(D, "d-req")
+        # (the hit's tokens are in the first pushed step's span: it starts at token 0)
+        assert save0.step == 0 and save0.start == 0 and save0.end > hit, save0
+        assert reg.start_tokens == 0 and reg.num_tokens == n_b - P.conn.backoff
+        # D asked for blocks inside P's hit (full attention: all of them), and got them
+        bs0 = D.layout.groups[0].block_size
+        assert all(reg.block_ids[0][:hit // bs0]), reg.block_ids[0]
+        # and a sliding window that reaches into the hit
+        sliding = [(g, spec) for g, spec in zip(reg.block_ids, D.layout.groups)
+                   if spec.sliding_window]
+        assert not sliding or any(any(g[:hit // spec.block_size]) for g, spec in sliding)
+        steps = [m.push_saves["p-req"] for m in P.metas if m and "p-req" in m.push_saves]
+        assert [s.step for s in steps] == list(range(len(steps))) and steps[-1].final
+        assert len(steps) == num_steps          # P computes only the tokens past its hit
+        assert P.save_checks == len(steps)
+        _check_counts(P, [m["p-req"] for m in P.planned if "p-req" in m])
+        _finish(P, D, "d-req")
     finally:
         P.close()
         D.close()
