@@ -14,10 +14,14 @@ Reports (every hmacore answer is checked equal to the Python index's before timi
   each run starts from an emptied engine (``reset_engine`` / a new dict, timed);
 - the subscriber's path (``bench_batches``): the same stream as vLLM emits it (a BlockStored
   per group per 2048-token prefill chunk, a BlockRemoved per evicted block), encoded and
-  decoded by msgspec (not timed), handed as ``batch.events`` to ``RoutingIndex.apply_events``
+  decoded by msgspec (not timed; hmacore's with the subscriber's ``index_decoder``), handed as
+  ``batch.events`` to ``RoutingIndex.apply_events``
   (one call), against ``py_subscriber`` walking the same decoded events into a dict of counts
   (its hashes pre-folded to 8-byte keys, not timed); and one engine step's batch (per group a
   5-block BlockStored, then one BlockRemoved per hash: 20 rows for two groups), 2000 calls;
+- the subscriber's whole work from the payload bytes (``bench_payload``): decode + apply, the
+  same streams with vLLM's token ids and parent hash in the payload; hmacore's subscriber with
+  its index decoder and with the full schema, the Python subscriber with either;
 - query time for 4k / 32k / 128k-token prompts over N engines, engine i holding the first
   (i+1)/N of the prompt in every group, or engine 0 all of it and the others none: hash
   computation (vLLM's sha256 chain, the same
@@ -46,6 +50,7 @@ from hmacore.presets import get_preset  # noqa: E402
 from hmacore.route_index import OP_REMOVE, OP_STORE, RoutingIndex  # noqa: E402
 from hmacore.transport import kv_event_wire as W  # noqa: E402
 from hmacore.transport.kv_events import _EVENT_TYPES, SPEC_KINDS  # noqa: E402
+
 
 SIZES = (4096, 32768, 131072)
 
@@ -147,24 +152,25 @@ def as_events(index, ops, groups, ints, chunk_tokens=CHUNK_TOKENS):
                                  block_size=index.finder.block_sizes[g]))
         i = j
     payload = msgspec.msgpack.encode(W.EventBatch(ts=0.0, events=evs))
-    ints_events = W.decoder().decode(payload).events
+    ints_events = W.index_decoder().decode(payload).events     # the subscriber's decoding
     for ev in evs:
         ev.block_hashes = [v.to_bytes(8, "big") for v in ev.block_hashes]
     bytes_events = W.decoder().decode(msgspec.msgpack.encode(W.EventBatch(ts=0.0, events=evs)))
     return ints_events, bytes_events.events
 
 
-def py_subscriber(counts, events):
+def py_subscriber(counts, events, types=(W.BlockStored, W.BlockRemoved, W.AllBlocksCleared)):
     """The Python index's subscriber: walk the decoded events, count (group, key) per hash."""
+    stored, _, cleared = types
     for ev in events:
         t = type(ev)
-        if t is W.AllBlocksCleared:
+        if t is cleared:
             counts.clear()
             continue
         if ev.medium is not None and ev.medium != W.MEDIUM_GPU:
             continue
         g = ev.group_idx or 0
-        if t is W.BlockStored:
+        if t is stored:
             for h in ev.block_hashes:
                 counts[(g, h)] = counts.get((g, h), 0) + 1
         else:
@@ -181,21 +187,9 @@ def bench_batches(layout, repeat, rng):
     call), against ``py_subscriber``; the big stream of :func:`bench_events` and one engine
     step's batch (per group a 5-block BlockStored, then 10 single-hash BlockRemoved)."""
     index = RoutingIndex(layout)
-    ops, groups, ints = event_stream(index, rng)
-    step_ops, step_groups, step_ints = [], [], []
-    for g in index.finder.group_ids:
-        hs = rng.integers(0, 2**63, 5).tolist()
-        step_ops += [OP_STORE] * 5
-        step_groups += [g] * 5
-        step_ints += hs
-    step_ops += [OP_REMOVE] * len(step_ints)
-    step_groups += step_groups
-    step_ints += step_ints
-    step_ints = step_ints[:len(step_ops)]
     out = []
-    for label, (o, g, v), reps in (
-            ("stream", (ops, groups, ints), repeat),
-            ("step", (step_ops, step_groups, step_ints), repeat)):
+    for label, (o, g, v), reps in (("stream", event_stream(index, rng), repeat),
+                                   ("step", step_rows(index, rng), repeat)):
         ev_int, ev_bytes = as_events(index, o, g, v)
         key = index.add_engine(label)
         py_counts: dict = {}
@@ -217,6 +211,80 @@ def bench_batches(layout, repeat, rng):
         assert index.resident_blocks(key) == len(py_counts)
         out.append((label, len(ev_int), len(o), t_hm / calls, t_py / calls))
     return out
+
+
+def payload_of(index, ops, groups, ints, rng):
+    """The rows as vLLM's publisher sends them (:func:`as_events`' events with what vLLM puts
+    beside the hashes: each stored block's ``block_size`` token ids, the parent hash), one
+    msgpack payload."""
+    evs = []
+    for ev in as_events(index, ops, groups, ints)[0]:
+        if type(ev) is W.IndexBlockStored:
+            n = len(ev.block_hashes) * index.finder.block_sizes[ev.group_idx]
+            ev = W.BlockStored(block_hashes=ev.block_hashes, medium=ev.medium,
+                               group_idx=ev.group_idx, kv_cache_spec_kind=ev.kv_cache_spec_kind,
+                               block_size=index.finder.block_sizes[ev.group_idx],
+                               parent_block_hash=ev.block_hashes[0],
+                               token_ids=rng.integers(1, 30000, n).tolist())
+        else:
+            ev = W.BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium,
+                                group_idx=ev.group_idx)
+        evs.append(ev)
+    return msgspec.msgpack.encode(W.EventBatch(ts=time.time(), events=evs))
+
+
+def bench_payload(layout, repeat, rng):
+    """The subscriber's whole work per batch, from the payload bytes it receives: decode, then
+    apply. hmacore's subscriber (``index_decoder``: token ids skipped unbuilt, then
+    ``apply_events``) against the same with the full schema (the subscriber before) and the
+    Python subscriber with either decoder. Streams as :func:`bench_batches`."""
+    index = RoutingIndex(layout)
+    full, part = W.decoder(), W.index_decoder()
+    full_types = (W.BlockStored, W.BlockRemoved, W.AllBlocksCleared)
+    out = []
+    for label, (o, g, v), calls in (("stream", event_stream(index, rng), 1),
+                                    ("step", step_rows(index, rng), 500)):
+        payload = payload_of(index, o, g, v, rng)
+        key = index.add_engine("p-" + label)
+        counts: dict = {}
+
+        def hm(dec, types):
+            def run():
+                if label == "stream":
+                    index.reset_engine(key)
+                for _ in range(calls):
+                    index.apply_events(key, dec.decode(payload).events, types,
+                                       spec_kinds=SPEC_KINDS)
+            return run
+
+        def py(dec, types):
+            def run():
+                if label == "stream":
+                    counts.clear()
+                for _ in range(calls):
+                    py_subscriber(counts, dec.decode(payload).events, types)
+            return run
+        times = {}
+        for name, fn in (("hm", hm(part, W.INDEX_EVENT_TYPES)), ("hm_full", hm(full, full_types)),
+                         ("py", py(part, W.INDEX_EVENT_TYPES)), ("py_full", py(full, full_types))):
+            times[name] = timed(fn, repeat)[0] / calls
+            if name.startswith("py"):
+                assert index.resident_blocks(key) == len(counts)
+        out.append((label, len(o), len(payload), times))
+    return out
+
+
+def step_rows(index, rng):
+    """One engine step's rows: per group a 5-block store, then one remove per hash."""
+    ops, groups, ints = [], [], []
+    for g in index.finder.group_ids:
+        ops += [OP_STORE] * 5
+        groups += [g] * 5
+        ints += rng.integers(0, 2**63, 5).tolist()
+    ops += [OP_REMOVE] * len(ints)
+    groups += groups
+    ints += ints
+    return np.array(ops, np.int8), np.array(groups, np.int32), np.array(ints, np.uint64)
 
 
 def split_events(layout, repeat, rng):
@@ -325,6 +393,15 @@ def main(argv=None):
     for label, n_ev, n_rows, t_hm, t_py in bench_batches(layout, args.repeat, rng):
         print(f"| {label} | {n_ev} | {n_rows} | {t_hm * 1e6:.1f} us | {t_py * 1e6:.1f} us | "
               f"{n_rows / t_hm:,.0f} | {n_rows / t_py:,.0f} | {t_py / t_hm:.1f}x |")
+    print("\n| payload -> decode + apply | rows | bytes | hmacore (index decoder) | hmacore, "
+          "full schema | Python, index decoder | Python, full schema | ratio | ratio, full "
+          "schemas |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, n_rows, nbytes, t in bench_payload(layout, args.repeat, rng):
+        print(f"| {label} | {n_rows} | {nbytes} | {t['hm'] * 1e6:.1f} us | "
+              f"{t['hm_full'] * 1e6:.1f} us | {t['py'] * 1e6:.1f} us | "
+              f"{t['py_full'] * 1e6:.1f} us | {t['py'] / t['hm']:.1f}x | "
+              f"{t['py_full'] / t['hm_full']:.1f}x |")
     n_ev, rows, t_walk, t_table = split_events(layout, args.repeat, rng)
     print(f"\nstream split ({n_ev} events, {rows} rows): walk + validate + pack "
           f"{t_walk * 1e6:.0f} us ({t_walk / rows * 1e9:.1f} ns/row), table "

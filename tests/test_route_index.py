@@ -19,10 +19,13 @@ from hmacore.presets import get_preset
 from hmacore.route_hashing import BlockHasher
 from hmacore.route_index import OP_CLEAR, OP_REMOVE, OP_STORE, RoutingIndex
 from hmacore.transport import kv_event_wire as W
-from hmacore.transport.kv_events import _EVENT_TYPES, SPEC_KINDS
+from hmacore.transport.kv_events import SPEC_KINDS
 
 from hits_scenarios import layouts
 from oracle_route import OracleRoute, fold
+
+#: the full wire schema's classes (the subscriber decodes into W.INDEX_EVENT_TYPES; both work)
+_EVENT_TYPES = (W.BlockStored, W.BlockRemoved, W.AllBlocksCleared)
 
 
 def chain(n: int, seed: int, width: int = 32) -> list[bytes]:
@@ -397,16 +400,21 @@ def wire_events(events, int_hashes, draw_medium):
         hashes = [as_event_hash(d, int_hashes) for _, _, d in rows]
         medium = draw_medium()
         gi = None if g == 0 and medium == "GPU" else g
-        cls = W.BlockStored if op == OP_STORE else W.BlockRemoved
-        out.append(cls(block_hashes=hashes, group_idx=gi, medium=medium))
+        if op == OP_STORE:      # with what vLLM sends beside (the index decoder skips it)
+            out.append(W.BlockStored(block_hashes=hashes, group_idx=gi, medium=medium,
+                                     parent_block_hash=hashes[0], block_size=4,
+                                     token_ids=list(range(70_000, 70_000 + 4 * len(hashes)))))
+        else:
+            out.append(W.BlockRemoved(block_hashes=hashes, group_idx=gi, medium=medium))
     return out
 
 
 @settings(max_examples=min(300, int(os.environ.get("HMACORE_EXAMPLES", "2000"))), deadline=None)
 @given(scenarios(), st.data())
 def test_apply_events_matches_oracle(sc, data):
-    """apply_events on the scenario's batches (as structs, or decoded by msgspec) equals the
-    Python subscriber's oracle and the flattened-rows path, hit and residency, every batch."""
+    """apply_events on the scenario's batches (as structs, or decoded by msgspec with the full
+    schema or the subscriber's index decoder) equals the Python subscriber's oracle and the
+    flattened-rows path, hit and residency, every batch."""
     layout, int_hashes, prompts, engines, batches = sc
     index = RoutingIndex(layout, int_hashes=int_hashes)
     rows_index = RoutingIndex(layout, int_hashes=int_hashes)
@@ -419,10 +427,15 @@ def test_apply_events_matches_oracle(sc, data):
     medium = lambda: data.draw(st.sampled_from(["GPU", "GPU", "GPU", None, "CPU"]))  # noqa: E731
     for key, events in batches:
         evs = wire_events(events, int_hashes, medium)
-        if data.draw(st.booleans()):
-            evs = W.decoder().decode(msgspec.msgpack.encode(W.EventBatch(ts=0.0,
-                                                                           events=evs))).events
-        got = index.apply_events(key, evs, _EVENT_TYPES, spec_kinds=SPEC_KINDS)
+        how, types, given = data.draw(st.sampled_from(["structs", "full", "index"])), \
+            _EVENT_TYPES, evs
+        if how != "structs":
+            payload = msgspec.msgpack.encode(W.EventBatch(ts=0.0, events=evs))
+            if how == "full":
+                given = W.decoder().decode(payload).events
+            else:
+                given, types = W.index_decoder().decode(payload).events, W.INDEX_EVENT_TYPES
+        got = index.apply_events(key, given, types, spec_kinds=SPEC_KINDS)
         oracle.apply_events(key, evs)
         gpu = [ev for ev in evs if isinstance(ev, W.AllBlocksCleared) or ev.medium != "CPU"]
         flat = [(0 if isinstance(ev, W.AllBlocksCleared) else

@@ -8,6 +8,8 @@ import numpy.typing as npt
 from ._hits import HitKernel
 
 MAX_ENGINES: int
+#: the event fields apply_events reads (per class: stored, then removed)
+_FIELD_NAMES: tuple[str, ...]
 
 @final
 class SharedResidency:

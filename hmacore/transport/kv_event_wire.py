@@ -10,15 +10,23 @@ buffered ``(b"", topic, seq, payload)`` with ``seq >= start_seq``, then ``(b"", 
 
 The structs below decode that format for vLLM 0.32 and 0.33 (0.33 adds
 ``BlockStored.lookahead_token_ids``);
-tests/test_kv_event_wire.py checks them against the installed vLLM's own classes, so a
+tests/vllm/test_kv_events.py checks them against the installed vLLM's own classes, so a
 schema change fails there first. Unknown fields are ignored (vLLM adds optional fields).
+
+The subscriber decodes with :func:`index_decoder`: the ``Index*`` structs carry only the
+fields the routing index reads (hashes, medium, group, spec kind, lookahead), so msgspec skips
+the token ids (``block_size`` ints per stored hash, most of a batch's bytes) without building
+an int object for each: 3.3-6.2x faster decoding of vLLM-like batches than the full schema
+(docs/routing.md, "From the payload"). A field the index does not read is then not validated
+either.
 """
 from __future__ import annotations
 
 import msgspec
 
 __all__ = ["WIRE_VERSIONS", "BlockStored", "BlockRemoved", "AllBlocksCleared", "EventBatch",
-           "REPLAY_END_SEQ", "decoder", "MEDIUM_GPU"]
+           "REPLAY_END_SEQ", "decoder", "MEDIUM_GPU", "IndexBlockStored", "IndexBlockRemoved",
+           "IndexAllBlocksCleared", "IndexEventBatch", "INDEX_EVENT_TYPES", "index_decoder"]
 
 #: vLLM versions whose wire format these structs decode
 WIRE_VERSIONS = ("0.32", "0.33")
@@ -65,3 +73,41 @@ def decoder() -> msgspec.msgpack.Decoder:
     """A decoder of one payload into an :class:`EventBatch` (raises ``msgspec.DecodeError``
     / ``msgspec.ValidationError`` on anything else)."""
     return msgspec.msgpack.Decoder(EventBatch)
+
+
+# -- what the routing index reads: the subscriber's decoding ----------------------------------
+class IndexBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    """``BlockStored`` without the fields the index does not read (token ids, parent hash,
+    block size, LoRA): msgspec skips them in C."""
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class IndexBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class IndexAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True,
+                            gc=False):
+    pass
+
+
+class IndexEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[IndexBlockStored | IndexBlockRemoved | IndexAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+#: the classes ``index_decoder`` decodes events into (``RoutingIndex.apply_events``' types)
+INDEX_EVENT_TYPES = (IndexBlockStored, IndexBlockRemoved, IndexAllBlocksCleared)
+
+
+def index_decoder() -> msgspec.msgpack.Decoder:
+    """A decoder of one payload into an :class:`IndexEventBatch` (the subscriber's): the
+    fields the routing index reads, the rest skipped unbuilt."""
+    return msgspec.msgpack.Decoder(IndexEventBatch)

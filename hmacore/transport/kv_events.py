@@ -3,7 +3,8 @@
 One :class:`KVEventSubscriber` follows N engine streams (one per engine and data-parallel
 rank, each vLLM's ``--kv-events-config`` ``{"enable_kv_cache_events": true, "publisher":
 "zmq", "endpoint": ..., "replay_endpoint": ...}``) on one background thread, decodes each
-``KVEventBatch`` (hmacore/transport/kv_event_wire.py, no vLLM import) and applies it to the
+``KVEventBatch`` (hmacore/transport/kv_event_wire.py's ``index_decoder``: the fields the
+index reads, token ids skipped; no vLLM import) and applies it to the
 index in one ``RoutingIndex.apply_events`` call (the decoded events as they are).
 
 Exactness needs every batch of a stream once and in order. Per stream the subscriber expects
@@ -20,7 +21,8 @@ sequence number ``expected`` (the publisher counts from 0):
   anything else is a new stream (the engine restarted and counts from 0 again): the engine is
   reset and the new stream followed from there.
 - a frame that is not ``(topic, 8-byte seq, payload)`` is dropped (``bad_frames``); a payload
-  that does not decode, names another data-parallel rank than the stream's, or that the index
+  that does not decode (the fields the index reads; the others, token ids included, are
+  skipped unbuilt and unchecked), names another data-parallel rank than the stream's, or that the index
   refuses (group out of range, malformed hash), or whose ``kv_cache_spec_kind`` contradicts
   the index's layout (the router was given the wrong groups: also logged) loses that batch's
   events, so the engine is reset (``bad_batches``). The index is never half-updated
@@ -66,7 +68,7 @@ SPEC_KINDS = {"full_attention": GroupKind.FULL, "mla_attention": GroupKind.FULL,
 
 logger = logging.getLogger("hmacore.kv_events")
 #: the wire classes RoutingIndex.apply_events reads a decoded batch's events as
-_EVENT_TYPES = (W.BlockStored, W.BlockRemoved, W.AllBlocksCleared)
+_EVENT_TYPES = W.INDEX_EVENT_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +204,7 @@ class KVEventSubscriber:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._cond = threading.Condition()
-        self._decoder = W.decoder()
+        self._decoder = W.index_decoder()     # token ids skipped, not built
         self.error: BaseException | None = None   # what stopped the thread, if anything
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -415,7 +417,7 @@ class KVEventSubscriber:
         while len(st.recent) > self._recent:
             st.recent.popitem(last=False)
 
-    def _tier_rows(self, batch: W.EventBatch) -> tuple[list, list, list]:
+    def _tier_rows(self, batch: W.IndexEventBatch) -> tuple[list, list, list]:
         """(ops, groups, hashes) of the events on another medium than the GPU, flattened to
         one row per hash, in order (the GPU events were applied by ``apply_events``, which
         validated the whole batch)."""
@@ -423,11 +425,11 @@ class KVEventSubscriber:
         groups: list[int] = []
         hashes: list[Hashable] = []
         for ev in batch.events:
-            if isinstance(ev, W.AllBlocksCleared) or ev.medium is None \
+            if isinstance(ev, W.IndexAllBlocksCleared) or ev.medium is None \
                     or ev.medium == W.MEDIUM_GPU:
                 continue
             n = len(ev.block_hashes)
-            ops.extend([OP_STORE if isinstance(ev, W.BlockStored) else OP_REMOVE] * n)
+            ops.extend([OP_STORE if isinstance(ev, W.IndexBlockStored) else OP_REMOVE] * n)
             groups.extend([0 if ev.group_idx is None else ev.group_idx] * n)
             hashes.extend(ev.block_hashes)
         return ops, groups, hashes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
+import typing
 
 import msgspec
 import pytest
@@ -167,6 +168,22 @@ def test_wire_structs_match_vllm():
         assert getattr(a, f) == getattr(full, f, None), f
     assert (b.block_hashes, b.medium, b.group_idx) == ([b"\x01" * 32], None, None)
     assert isinstance(c, W.AllBlocksCleared)
+    # the subscriber's index decoder: the same tags, a subset of the fields with their types,
+    # every field RoutingIndex.apply_events reads, the same values from vLLM's own encoding
+    from hmacore._fast._route import _FIELD_NAMES
+    for whole, part in zip((W.BlockStored, W.BlockRemoved, W.AllBlocksCleared),
+                           W.INDEX_EVENT_TYPES):
+        assert part.__struct_config__.tag == whole.__struct_config__.tag
+        want = typing.get_type_hints(whole)
+        assert {f: want[f] for f in part.__struct_fields__} == typing.get_type_hints(part)
+    assert set(_FIELD_NAMES) <= set(W.IndexBlockStored.__struct_fields__)
+    got = W.index_decoder().decode(msgspec.msgpack.encode(src))
+    assert got.ts == 1.25 and got.data_parallel_rank == 3
+    a, b, c = got.events
+    for f in W.IndexBlockStored.__struct_fields__:
+        assert getattr(a, f) == getattr(full, f, None), f
+    assert (b.block_hashes, b.medium, b.group_idx) == ([b"\x01" * 32], None, None)
+    assert isinstance(c, W.IndexAllBlocksCleared)
 
 
 def test_live_stream_with_replay_of_missed_batches(index):
