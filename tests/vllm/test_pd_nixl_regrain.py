@@ -292,6 +292,10 @@ class PushEngine(PH.Engine):
             spec = self.layout.groups[g]
             bs, row = rows(self.layout, g, self.paged.page_bytes[g])
             j = spec.layer_names.index(layer)
+            if spec.kind.name == "MAMBA":
+                self._forward_state(so, g, j, layer)
+                self.w.save_kv_layer(layer, None, None)
+                continue
             arr = self.paged.kv_caches[layer].reshape(self.kcc.num_blocks, bs, row)
             for rid, n in so.num_scheduled_tokens.items():
                 req = self.s.requests[rid]
@@ -301,6 +305,23 @@ class PushEngine(PH.Engine):
                     if t // bs < len(table) and table[t // bs]:
                         arr[table[t // bs], t % bs] = tag(g, j, t, row)
             self.w.save_kv_layer(layer, None, None)
+
+    def _forward_state(self, so, g, j, layer) -> None:
+        """A Mamba layer: the state after this step's last computed prompt token ``end`` goes
+        to the block at position cdiv(end, bs) - 1 (vLLM align mode; "none" mode: the block
+        size is max_model_len, position 0, overwritten each step), its whole page (padding
+        included) the tag of (group, layer, end): a state of another step differs."""
+        bs = self.layout.groups[g].block_size
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.s.requests[rid]
+            end = min(req.num_computed_tokens, req.num_prompt_tokens)
+            if end <= max(0, req.num_computed_tokens - n):
+                continue                       # nothing of the prompt computed this step
+            table = self.s.kv_cache_manager.get_block_ids(rid)[g]
+            b = table[-(-end // bs) - 1]
+            assert b, (rid, g, end, table)
+            page = _state_page(self.paged, self.layout, self.kcc.num_blocks, layer, b)
+            page[:] = tag(g, j, end, page.shape[0])
 
     def _check_push_saves(self, so) -> None:
         # remap steps carry token ranges and each side's blocks (checked by D's bytes)
@@ -322,6 +343,66 @@ PUSH_CASES = {   # name: (P kwargs, P config, D kwargs, D config, prompt, P's bu
                             dict(block_size=32), lambda: H.gemma_like(num_blocks=128, bs=32),
                             [10, 100, 150, 37], 64),
 }
+#: Mamba state groups of other block sizes (TP 1): the state after P's prompt (less the
+#: backoff) lands in D's slot for the state after its registered tokens
+PUSH_MAMBA_CASES = {
+    # align mode, one budget: vLLM still cuts the prompt at its last block boundary (2 steps)
+    "qwen3next_align_p32_d64": (dict(block_size=32, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=32),
+                                dict(block_size=64, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=64), [200], 256),
+    "qwen3next_align_p64_d32": (dict(block_size=64, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=64),
+                                dict(block_size=32, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=32), [200], 256),
+    # P's state point (129 - 1 backoff = 128) on a block boundary of both engines, and a
+    # prompt ending inside a block of both (149) in one batch
+    "qwen3next_align_p32_d64_ends": (dict(block_size=32, mamba_cache_mode="align"),
+                                     lambda: H.qwen3_next_like(num_blocks=64, bs=32),
+                                     dict(block_size=64, mamba_cache_mode="align"),
+                                     lambda: H.qwen3_next_like(num_blocks=64, bs=64),
+                                     [129, 150], 512),
+    # chunked prefill: P's states of earlier steps sit at other positions, not D's to take
+    "qwen3next_align_p64_d32_chunk64": (dict(block_size=64, mamba_cache_mode="align"),
+                                        lambda: H.qwen3_next_like(num_blocks=64, bs=64),
+                                        dict(block_size=32, mamba_cache_mode="align"),
+                                        lambda: H.qwen3_next_like(num_blocks=64, bs=32),
+                                        [200], 64),
+    # "none" mode: one state block (position 0) rewritten every step; only the last is D's
+    "qwen3next_none_p32_d64_chunk64": (dict(block_size=32, mamba_cache_mode="none",
+                                            prefix_caching=False),
+                                       lambda: qwen3_next_none(64, 32),
+                                       dict(block_size=64, mamba_cache_mode="none",
+                                            prefix_caching=False),
+                                       lambda: qwen3_next_none(64, 64), [200], 64),
+}
+PUSH_CASES.update(PUSH_MAMBA_CASES)
+
+
+def _expect_pushed_states(want, P, D, reg, s_tokens) -> int:
+    """Write into ``want`` (D's storages) the state P's forward pass left after its
+    ``s_tokens`` prompt tokens (PushEngine._forward_state's tag of (group, layer, s)) over
+    D's registered slot for the state after ``reg.num_tokens`` tokens (position
+    cdiv(n, D's bs) - 1): its unpadded state bytes only; D's padding keeps its bytes."""
+    assert reg.num_tokens == s_tokens, (reg.num_tokens, s_tokens)
+    moved = 0
+    lay = D.layout
+    _, geo, _ = layer_geometry(lay, D.kcc.num_blocks, page_bytes=D.paged.page_bytes)
+    for g, spec in enumerate(lay.groups):
+        if spec.kind.name != "MAMBA":
+            continue
+        n = D.kcc.kv_cache_groups[g].kv_cache_spec.state_content_size_bytes
+        assert P.paged.page_bytes[g] != D.paged.page_bytes[g] and n < min(
+            P.paged.page_bytes[g], D.paged.page_bytes[g])      # padded differently
+        slot = -(-reg.num_tokens // spec.block_size) - 1
+        assert [p for p, b in enumerate(reg.block_ids[g]) if b] == [slot]
+        db = reg.block_ids[g][slot]
+        for j, name in enumerate(spec.layer_names):
+            s, off, stride, _ = geo[name][0]
+            a = off + db * stride
+            want[s][a:a + n] = tag(g, j, s_tokens, n)
+            moved += n
+    return moved
 
 
 @pytest.mark.parametrize("case", list(PUSH_CASES))
@@ -364,6 +445,8 @@ def test_pd_push_other_block_sizes_every_byte(case):
             reg = PH.registration(D, f"d-{k}")
             lo, hi = token_ranges(lay, reg.num_tokens, reg.start_tokens)
             moved += _expect_tokens(want, lay, D.paged.page_bytes, geo, reg.block_ids, lo, hi)
+            if case in PUSH_MAMBA_CASES:
+                moved += _expect_pushed_states(want, P, D, reg, lengths[k] - P.conn.backoff)
         _assert_storages(case, D.paged.storages, want, moved)
         PH.step_until(lambda: not D.s.requests, [D], what="D finishes")
         H.assert_no_leak(D.s)
