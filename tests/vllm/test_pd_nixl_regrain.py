@@ -456,3 +456,71 @@ def test_pd_push_other_block_sizes_every_byte(case):
     finally:
         P.close()
         D.close()
+
+
+def _qwen3_next_other_state(num_blocks: int, bs: int):
+    """qwen3_next_like whose Mamba layer holds a larger state (another model): state bytes
+    differ from qwen3_next_like's, the page still padded to the attention page."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+    kcc = H.qwen3_next_like(num_blocks=num_blocks, bs=bs)
+    page = kcc.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    kcc.kv_cache_groups[1].kv_cache_spec = MambaSpec(
+        block_size=bs, shapes=((4, 8), (32,)), dtypes=(H.DT, H.DT), page_size_padded=page,
+        mamba_cache_mode="align")
+    return kcc
+
+
+def test_push_remap_refuses_mamba_states_of_other_bytes():
+    """Push into a decode engine of other block sizes whose Mamba state has other bytes: P's
+    worker refuses D's registration naming the rule (before any WRITE), D's request fails
+    (failed_recving, nothing of P's in D's memory), P prefills without push after its
+    registration timeout."""
+    P = PushEngine(lambda: H.qwen3_next_like(num_blocks=64, bs=32), max_num_batched_tokens=256,
+                   block_size=32, mamba_cache_mode="align", extra={"push_register_timeout": 1.0})
+    D = PushEngine(lambda: _qwen3_next_other_state(64, 64), max_num_batched_tokens=256,
+                   block_size=64, mamba_cache_mode="align")
+    try:
+        assert P.w.worker.state_bytes != D.w.worker.state_bytes
+        before = [s.copy() for s in D.paged.storages]
+        prompt = [1 + i % 900 for i in range(150)]
+        d_params, p_params = PH.push_params("states", P.port)
+        D.s.add_request(H.make_request("d", prompt, H.C.resolve_kv_cache_block_sizes(
+            D.kcc, D.vc)[1], params=d_params, max_tokens=2))
+        D.step()
+        P.s.add_request(H.make_request("p", prompt, H.C.resolve_kv_cache_block_sizes(
+            P.kcc, P.vc)[1], params=p_params, max_tokens=1))
+        PH.step_until(lambda: "d" in D.conn.failed_recving, [P, D], what="D's request fails")
+        errs = " ".join(P.w.worker.errors)
+        assert "Mamba groups [1]: the decode engine's state bytes [128] differ from this " \
+               "engine's [96] (registration field 'state')" in errs, errs
+        for a, b in zip(D.paged.storages, before):
+            assert np.array_equal(a, b)
+        PH.step_until(lambda: not P.s.requests, [P], what="P runs without push")
+        assert all(not m.push_saves for m in P.metas if m)
+        H.assert_no_leak(P.s)
+    finally:
+        P.close()
+        D.close()
+
+
+def test_push_remap_state_points_must_agree():
+    """P's worker pairs a Mamba state only between equal points: P's state after its prompt
+    (``end``) must be the state D registered its slot for (``n``); else BlockTableError
+    naming both (the push fails, never a wrong state). Equal points pair P's block at
+    cdiv(end, P's bs) - 1 with D's at cdiv(n, D's bs) - 1; a null slot on D moves nothing."""
+    from hmacore.errors import BlockTableError
+    from hmacore.integrations.vllm.nixl.push_worker import HmaPushWorker
+    w = object.__new__(HmaPushWorker)
+    w._block_sizes = (32, 32)
+    mine = np.arange(1, 9, dtype=np.int32)            # P's blocks 1..8 at positions 0..7
+    theirs = np.array([0, 0, 70, 0], dtype=np.int32)  # D's slot at position 2 (bs 64)
+    with pytest.raises(BlockTableError, match=r"group 1 \(Mamba\): this engine's state is "
+                       r"after its 150 prompt tokens, the decode engine registered its state "
+                       r"slot for 149 tokens"):
+        w._state_pair(1, mine, theirs, 150, 149, 64)
+    p, d = w._state_pair(1, mine, theirs, 149, 149, 64)
+    assert (p.tolist(), d.tolist()) == ([5], [70])    # cdiv(149, 32) - 1 = 4; cdiv(149, 64) - 1
+    p, d = w._state_pair(1, mine, np.zeros(4, np.int32), 149, 149, 64)
+    assert p.size == d.size == 0
+    with pytest.raises(BlockTableError, match="holds no state block at position 4"):
+        w._state_pair(1, np.zeros(8, np.int32), theirs, 149, 149, 64)
