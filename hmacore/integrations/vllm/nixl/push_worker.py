@@ -56,7 +56,10 @@ needs, planned in token ranges by this worker (``PushSave.regrain``); across TP 
 plan of each (P rank, consumer D rank) pairs only the chunks of the heads that D rank takes
 from this P rank (``RegrainPlan(tp=(mapping seen from D, P rank))``, as pull's per source
 rank). D checks at the handshake that a remap with each of its source ranks can be planned
-(HandshakeError naming the rank otherwise, e.g. head-sliced ``NHD`` pages).
+(HandshakeError naming the rank otherwise, e.g. head-sliced ``NHD`` pages). Mamba groups (TP
+1): D's registration carries its state bytes (``state``), refused by name unless equal to
+P's; the step that ends P's prompt moves P's state at its state point into D's registered
+slot, unpadded state bytes only (:meth:`HmaPushWorker._state_pair`).
 """
 from __future__ import annotations
 
