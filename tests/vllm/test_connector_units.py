@@ -379,9 +379,9 @@ def test_mamba_groups_of_other_block_sizes_map_state_to_state(caplog):
 
 
 def test_push_remap_refuses_mamba_groups_of_other_block_sizes_by_name():
-    """Push mode pairs Mamba state blocks by table position, which differs across block sizes:
-    the remap plan without state sizes (push's) refuses such groups naming the rule; with
-    them (pull's) the states pair."""
+    """A remap plan without state sizes (a push worker given none) refuses Mamba groups of
+    other block sizes naming the rule; with them (pull's, and push's from its KV cache
+    config) the states pair."""
     from hmacore.errors import LayoutError
     from hmacore.integrations.vllm.nixl._regrain import regrain_plan
     from hmacore.plan import Region, TransferPlan
@@ -392,8 +392,8 @@ def test_push_remap_refuses_mamba_groups_of_other_block_sizes_by_name():
                                               logical_blocks=8, ratio=1, group=0, state=True,
                                               layers=("m0",))])
     (sl, sp), (dl, dp) = side(32, 4096, 1 << 20), side(64, 8192, 1 << 30)
-    with pytest.raises(LayoutError, match=r"groups \[0\] \(Mamba\): a push remap pairs Mamba "
-                       "state blocks by table position"):
+    with pytest.raises(LayoutError, match=r"groups \[0\] \(Mamba\): a remap moves a Mamba "
+                       "state by its unpadded bytes and this worker was given none"):
         regrain_plan(sl, dl, sp, dp, [None], [None])
     plan = regrain_plan(sl, dl, sp, dp, [None], [None], state=[96])
     assert [p.state_bytes for p in plan.pairs] == [96]

@@ -292,6 +292,10 @@ class PushEngine(PH.Engine):
             spec = self.layout.groups[g]
             bs, row = rows(self.layout, g, self.paged.page_bytes[g])
             j = spec.layer_names.index(layer)
+            if spec.kind.name == "MAMBA":
+                self._forward_state(so, g, j, layer)
+                self.w.save_kv_layer(layer, None, None)
+                continue
             arr = self.paged.kv_caches[layer].reshape(self.kcc.num_blocks, bs, row)
             for rid, n in so.num_scheduled_tokens.items():
                 req = self.s.requests[rid]
@@ -301,6 +305,23 @@ class PushEngine(PH.Engine):
                     if t // bs < len(table) and table[t // bs]:
                         arr[table[t // bs], t % bs] = tag(g, j, t, row)
             self.w.save_kv_layer(layer, None, None)
+
+    def _forward_state(self, so, g, j, layer) -> None:
+        """A Mamba layer: the state after this step's last computed prompt token ``end`` goes
+        to the block at position cdiv(end, bs) - 1 (vLLM align mode; "none" mode: the block
+        size is max_model_len, position 0, overwritten each step), its whole page (padding
+        included) the tag of (group, layer, end): a state of another step differs."""
+        bs = self.layout.groups[g].block_size
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.s.requests[rid]
+            end = min(req.num_computed_tokens, req.num_prompt_tokens)
+            if end <= max(0, req.num_computed_tokens - n):
+                continue                       # nothing of the prompt computed this step
+            table = self.s.kv_cache_manager.get_block_ids(rid)[g]
+            b = table[-(-end // bs) - 1]
+            assert b, (rid, g, end, table)
+            page = _state_page(self.paged, self.layout, self.kcc.num_blocks, layer, b)
+            page[:] = tag(g, j, end, page.shape[0])
 
     def _check_push_saves(self, so) -> None:
         # remap steps carry token ranges and each side's blocks (checked by D's bytes)
@@ -322,6 +343,66 @@ PUSH_CASES = {   # name: (P kwargs, P config, D kwargs, D config, prompt, P's bu
                             dict(block_size=32), lambda: H.gemma_like(num_blocks=128, bs=32),
                             [10, 100, 150, 37], 64),
 }
+#: Mamba state groups of other block sizes (TP 1): the state after P's prompt (less the
+#: backoff) lands in D's slot for the state after its registered tokens
+PUSH_MAMBA_CASES = {
+    # align mode, one budget: vLLM still cuts the prompt at its last block boundary (2 steps)
+    "qwen3next_align_p32_d64": (dict(block_size=32, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=32),
+                                dict(block_size=64, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=64), [200], 256),
+    "qwen3next_align_p64_d32": (dict(block_size=64, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=64),
+                                dict(block_size=32, mamba_cache_mode="align"),
+                                lambda: H.qwen3_next_like(num_blocks=64, bs=32), [200], 256),
+    # P's state point (129 - 1 backoff = 128) on a block boundary of both engines, and a
+    # prompt ending inside a block of both (149) in one batch
+    "qwen3next_align_p32_d64_ends": (dict(block_size=32, mamba_cache_mode="align"),
+                                     lambda: H.qwen3_next_like(num_blocks=64, bs=32),
+                                     dict(block_size=64, mamba_cache_mode="align"),
+                                     lambda: H.qwen3_next_like(num_blocks=64, bs=64),
+                                     [129, 150], 512),
+    # chunked prefill: P's states of earlier steps sit at other positions, not D's to take
+    "qwen3next_align_p64_d32_chunk64": (dict(block_size=64, mamba_cache_mode="align"),
+                                        lambda: H.qwen3_next_like(num_blocks=64, bs=64),
+                                        dict(block_size=32, mamba_cache_mode="align"),
+                                        lambda: H.qwen3_next_like(num_blocks=64, bs=32),
+                                        [200], 64),
+    # "none" mode: one state block (position 0) rewritten every step; only the last is D's
+    "qwen3next_none_p32_d64_chunk64": (dict(block_size=32, mamba_cache_mode="none",
+                                            prefix_caching=False),
+                                       lambda: qwen3_next_none(64, 32),
+                                       dict(block_size=64, mamba_cache_mode="none",
+                                            prefix_caching=False),
+                                       lambda: qwen3_next_none(64, 64), [200], 64),
+}
+PUSH_CASES.update(PUSH_MAMBA_CASES)
+
+
+def _expect_pushed_states(want, P, D, reg, s_tokens) -> int:
+    """Write into ``want`` (D's storages) the state P's forward pass left after its
+    ``s_tokens`` prompt tokens (PushEngine._forward_state's tag of (group, layer, s)) over
+    D's registered slot for the state after ``reg.num_tokens`` tokens (position
+    cdiv(n, D's bs) - 1): its unpadded state bytes only; D's padding keeps its bytes."""
+    assert reg.num_tokens == s_tokens, (reg.num_tokens, s_tokens)
+    moved = 0
+    lay = D.layout
+    _, geo, _ = layer_geometry(lay, D.kcc.num_blocks, page_bytes=D.paged.page_bytes)
+    for g, spec in enumerate(lay.groups):
+        if spec.kind.name != "MAMBA":
+            continue
+        n = D.kcc.kv_cache_groups[g].kv_cache_spec.state_content_size_bytes
+        assert P.paged.page_bytes[g] != D.paged.page_bytes[g] and n < min(
+            P.paged.page_bytes[g], D.paged.page_bytes[g])      # padded differently
+        slot = -(-reg.num_tokens // spec.block_size) - 1
+        assert [p for p, b in enumerate(reg.block_ids[g]) if b] == [slot]
+        db = reg.block_ids[g][slot]
+        for j, name in enumerate(spec.layer_names):
+            s, off, stride, _ = geo[name][0]
+            a = off + db * stride
+            want[s][a:a + n] = tag(g, j, s_tokens, n)
+            moved += n
+    return moved
 
 
 @pytest.mark.parametrize("case", list(PUSH_CASES))
@@ -334,6 +415,9 @@ def test_pd_push_other_block_sizes_every_byte(case):
     P = PushEngine(pk, max_num_batched_tokens=budget, **pkw)
     D = PushEngine(dk, max_num_batched_tokens=max(budget, 1024 if "dsv4" in case else 256),
                    **dkw)
+    # D's own forward pass stays off: with Mamba groups D computes the backoff token itself
+    # once its push is in, which may come a step before another request's push ends
+    D.forward = False
     try:
         assert P.layout.block_sizes != D.layout.block_sizes
         before = [s.copy() for s in D.paged.storages]
@@ -364,6 +448,8 @@ def test_pd_push_other_block_sizes_every_byte(case):
             reg = PH.registration(D, f"d-{k}")
             lo, hi = token_ranges(lay, reg.num_tokens, reg.start_tokens)
             moved += _expect_tokens(want, lay, D.paged.page_bytes, geo, reg.block_ids, lo, hi)
+            if case in PUSH_MAMBA_CASES:
+                moved += _expect_pushed_states(want, P, D, reg, lengths[k] - P.conn.backoff)
         _assert_storages(case, D.paged.storages, want, moved)
         PH.step_until(lambda: not D.s.requests, [D], what="D finishes")
         H.assert_no_leak(D.s)
@@ -373,3 +459,71 @@ def test_pd_push_other_block_sizes_every_byte(case):
     finally:
         P.close()
         D.close()
+
+
+def _qwen3_next_other_state(num_blocks: int, bs: int):
+    """qwen3_next_like whose Mamba layer holds a larger state (another model): state bytes
+    differ from qwen3_next_like's, the page still padded to the attention page."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+    kcc = H.qwen3_next_like(num_blocks=num_blocks, bs=bs)
+    page = kcc.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    kcc.kv_cache_groups[1].kv_cache_spec = MambaSpec(
+        block_size=bs, shapes=((4, 8), (32,)), dtypes=(H.DT, H.DT), page_size_padded=page,
+        mamba_cache_mode="align")
+    return kcc
+
+
+def test_push_remap_refuses_mamba_states_of_other_bytes():
+    """Push into a decode engine of other block sizes whose Mamba state has other bytes: P's
+    worker refuses D's registration naming the rule (before any WRITE), D's request fails
+    (failed_recving, nothing of P's in D's memory), P prefills without push after its
+    registration timeout."""
+    P = PushEngine(lambda: H.qwen3_next_like(num_blocks=64, bs=32), max_num_batched_tokens=256,
+                   block_size=32, mamba_cache_mode="align", extra={"push_register_timeout": 1.0})
+    D = PushEngine(lambda: _qwen3_next_other_state(64, 64), max_num_batched_tokens=256,
+                   block_size=64, mamba_cache_mode="align")
+    try:
+        assert P.w.worker.state_bytes != D.w.worker.state_bytes
+        before = [s.copy() for s in D.paged.storages]
+        prompt = [1 + i % 900 for i in range(150)]
+        d_params, p_params = PH.push_params("states", P.port)
+        D.s.add_request(H.make_request("d", prompt, H.C.resolve_kv_cache_block_sizes(
+            D.kcc, D.vc)[1], params=d_params, max_tokens=2))
+        D.step()
+        P.s.add_request(H.make_request("p", prompt, H.C.resolve_kv_cache_block_sizes(
+            P.kcc, P.vc)[1], params=p_params, max_tokens=1))
+        PH.step_until(lambda: "d" in D.conn.failed_recving, [P, D], what="D's request fails")
+        errs = " ".join(P.w.worker.errors)
+        assert "Mamba groups [1]: the decode engine's state bytes [128] differ from this " \
+               "engine's [96] (registration field 'state')" in errs, errs
+        for a, b in zip(D.paged.storages, before):
+            assert np.array_equal(a, b)
+        PH.step_until(lambda: not P.s.requests, [P], what="P runs without push")
+        assert all(not m.push_saves for m in P.metas if m)
+        H.assert_no_leak(P.s)
+    finally:
+        P.close()
+        D.close()
+
+
+def test_push_remap_state_points_must_agree():
+    """P's worker pairs a Mamba state only between equal points: P's state after its prompt
+    (``end``) must be the state D registered its slot for (``n``); else BlockTableError
+    naming both (the push fails, never a wrong state). Equal points pair P's block at
+    cdiv(end, P's bs) - 1 with D's at cdiv(n, D's bs) - 1; a null slot on D moves nothing."""
+    from hmacore.errors import BlockTableError
+    from hmacore.integrations.vllm.nixl.push_worker import HmaPushWorker
+    w = object.__new__(HmaPushWorker)
+    w._block_sizes = (32, 32)
+    mine = np.arange(1, 9, dtype=np.int32)            # P's blocks 1..8 at positions 0..7
+    theirs = np.array([0, 0, 70, 0], dtype=np.int32)  # D's slot at position 2 (bs 64)
+    with pytest.raises(BlockTableError, match=r"group 1 \(Mamba\): this engine's state is "
+                       r"after its 150 prompt tokens, the decode engine registered its state "
+                       r"slot for 149 tokens"):
+        w._state_pair(1, mine, theirs, 150, 149, 64)
+    p, d = w._state_pair(1, mine, theirs, 149, 149, 64)
+    assert (p.tolist(), d.tolist()) == ([5], [70])    # cdiv(149, 32) - 1 = 4; cdiv(149, 64) - 1
+    p, d = w._state_pair(1, mine, np.zeros(4, np.int32), 149, 149, 64)
+    assert p.size == d.size == 0
+    with pytest.raises(BlockTableError, match="holds no state block at position 4"):
+        w._state_pair(1, np.zeros(8, np.int32), theirs, 149, 149, 64)

@@ -4,15 +4,17 @@ each side's kernel (vLLM CPU: K transposed, ``_compat.regrain_page_layout``) and
 :class:`hmacore.regrain.RegrainPlan`. Shared by the pull worker (D builds it) and the push
 worker (P builds it).
 
-Mamba groups (pull only): a state page holds the state tensors back to back from its start
+Mamba groups (TP 1): a state page holds the state tensors back to back from its start
 (vLLM ``MambaBase.bind_kv_cache`` views them so), padded to the engine's page size
 (``MambaSpec.page_size_padded``: the attention page, which follows ``--block-size``). The
 plan copies the unpadded state (``MambaSpec.state_content_size_bytes``, :func:`state_bytes`)
-from P's state block to D's. D's scheduler has checked P's state bytes (its
+from P's state block to D's. Pull: D's scheduler has checked P's state bytes (its
 ``kv_transfer_params.remote_state_bytes``) equal D's before any load, so D's worker gives its
-own for both sides. Push mode gives none: its steps pair Mamba state blocks by table position,
-which differs across Mamba block sizes, so a push remap with Mamba groups of different block
-sizes is refused here by name."""
+own for both sides. Push: P's worker gives its own, and refuses a registration whose
+``state`` (D's state bytes) differs before any WRITE; its prompt's last step pairs P's state
+block at P's state point with D's slot for the state D registered (``HmaPushWorker.
+_state_pair``). A worker given no state bytes refuses Mamba groups of different block sizes
+by name (:data:`PUSH_MAMBA_RULE`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -23,13 +25,23 @@ from ....regrain import RegrainPlan, TokenPage, plan_pages
 from ....spec import GroupKind, KVLayout
 from .. import _compat as C
 
-__all__ = ["side_pages", "payload_pages", "worker_pages", "regrain_plan", "state_bytes"]
+__all__ = ["side_pages", "payload_pages", "worker_pages", "regrain_plan", "state_bytes",
+           "check_push_mamba"]
 
-#: why push mode refuses a block-size remap with Mamba groups (docs/vllm.md)
-PUSH_MAMBA_RULE = ("a push remap pairs Mamba state blocks by table position, and engines of "
-                   "different block sizes keep the state at different positions; Mamba groups "
-                   "remap in pull mode only (transfer_mode='pull'), or start both engines with "
-                   "the same --block-size")
+#: why a remap worker given no Mamba state bytes refuses Mamba groups of other block sizes
+PUSH_MAMBA_RULE = ("a remap moves a Mamba state by its unpadded bytes and this worker was given "
+                   "none (HmaPushWorker(state_bytes=...), which HmaNixlConnector passes from "
+                   "its KV cache config); start both engines with the same --block-size")
+
+
+def check_push_mamba(src_layout: KVLayout, dst_layout: KVLayout) -> None:
+    """Without state bytes: LayoutError naming the Mamba groups of different block sizes
+    (:data:`PUSH_MAMBA_RULE`); those of equal block sizes move whole pages of equal bytes."""
+    mamba = [g for g, (a, b) in enumerate(zip(src_layout.groups, dst_layout.groups))
+             if a.kind == GroupKind.MAMBA and a.transfer and b.transfer
+             and a.block_size != b.block_size]
+    if mamba:
+        raise LayoutError(f"groups {mamba} (Mamba): {PUSH_MAMBA_RULE}")
 
 
 def state_bytes(kv_cache_config: Any, layout: KVLayout) -> list[int | None]:
@@ -84,14 +96,10 @@ def regrain_plan(src_layout: KVLayout, dst_layout: KVLayout, src_plan: Any, dst_
                  state: Sequence[int | None] | None = None) -> RegrainPlan:
     """The RegrainPlan, logged once (both sides' block sizes and page models). ``state``:
     per group the Mamba state bytes both sides hold (:func:`state_bytes`; pull: checked equal
-    by D's scheduler); None (push): Mamba groups of different block sizes are refused
-    (:data:`PUSH_MAMBA_RULE`), those of equal block sizes move whole pages of equal bytes."""
+    by D's scheduler; push: by P's worker on each registration); None:
+    :func:`check_push_mamba`."""
     if state is None:
-        mamba = [g for g, (a, b) in enumerate(zip(src_layout.groups, dst_layout.groups))
-                 if a.kind == GroupKind.MAMBA and a.transfer and b.transfer
-                 and a.block_size != b.block_size]
-        if mamba:
-            raise LayoutError(f"groups {mamba} (Mamba): {PUSH_MAMBA_RULE}")
+        check_push_mamba(src_layout, dst_layout)
     plan = RegrainPlan(src_layout, dst_layout, src_plan, dst_plan, src_pages, dst_pages, tp=tp,
                        src_state_bytes=state, dst_state_bytes=state)
     C.get_logger(__name__).info(

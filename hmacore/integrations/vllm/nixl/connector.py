@@ -90,7 +90,8 @@ class HmaNixlConnector(RoleDispatch, C.KVConnectorBase_V1, C.SupportsHMA):
                                             progress_delay_us=sched.progress_delay_us,
                                             posting=sched.posting,
                                             transport=self.transport,
-                                            block_size_remap=sched.block_size_remap)
+                                            block_size_remap=sched.block_size_remap,
+                                            state_bytes=sched.state_bytes)
             else:
                 from .worker import HmaNixlWorker  # imports the NIXL driver lazily
                 self.worker = HmaNixlWorker(sched.layout, int(kv_cache_config.num_blocks),

@@ -79,7 +79,8 @@ class PushSave:
     out, one int32 array per group; ``regrain``: a block-size remap (D's blocks of another
     size), ``(lo, hi, local_first, remote_first)`` per group, the ids then being each side's
     blocks holding tokens ``[lo, hi)`` (entry i is that side's block ``first + i``), Mamba
-    groups paired state blocks (:meth:`hmacore.regrain.RegrainPlan.runs`).
+    groups paired state blocks (:meth:`hmacore.regrain.RegrainPlan.runs`): none before the
+    prompt's last step, then P's state block at its state point and D's registered slot.
     """
 
     request_id: str

@@ -56,7 +56,10 @@ needs, planned in token ranges by this worker (``PushSave.regrain``); across TP 
 plan of each (P rank, consumer D rank) pairs only the chunks of the heads that D rank takes
 from this P rank (``RegrainPlan(tp=(mapping seen from D, P rank))``, as pull's per source
 rank). D checks at the handshake that a remap with each of its source ranks can be planned
-(HandshakeError naming the rank otherwise, e.g. head-sliced ``NHD`` pages).
+(HandshakeError naming the rank otherwise, e.g. head-sliced ``NHD`` pages). Mamba groups (TP
+1): D's registration carries its state bytes (``state``), refused by name unless equal to
+P's; the step that ends P's prompt moves P's state at its state point into D's registered
+slot, unpadded state bytes only (:meth:`HmaPushWorker._state_pair`).
 """
 from __future__ import annotations
 
@@ -77,13 +80,13 @@ from ....layerwise import LayerPlan, LayerwisePusher, LayerwiseReceiver, PushSta
 from ....plan import TransferPlan
 from ....regrain import RegrainPlan, token_ranges
 from ....spec import GroupKind
-from ....tables import TrackerSet, from_wire, pair_block_spans
+from ....tables import TrackerSet, from_wire
 from ....tp import TpMapping, TpPairPlan, consumer_ranks
 from ....transport import DEFAULT_PROGRESS_DELAY_US, configure_ucx_env
 from ....transport.base import check_transport, make_desc_transport
 from ....transport.handshake import HandshakePayload, HandshakeServer, exchange_handshake
 from .._roles import close_transport
-from ._regrain import payload_pages, regrain_plan, worker_pages
+from ._regrain import check_push_mamba, payload_pages, regrain_plan, worker_pages
 from ._tp import check_rank_peer
 from .push_metadata import PUSH_AGENT_SUFFIX, HmaPushConnectorMetadata, HmaPushWorkerMeta, \
     PushSave
@@ -109,18 +112,23 @@ _CANCELLED = b"CANCELLED:"   # P -> D "<push_id>:CANCELLED:<P agent>": no WRITE 
 
 def _regrain_plan_with(src_layout: Any, src_plan: Any, src_pages: Any, dst_layout: Any,
                        dst_plan: Any, dst_pages: Any, mapping: Any, src_rank: int, who: str,
-                       log: bool = True) -> Any:
+                       log: bool = True, state: Any = None) -> Any:
     """The RegrainPlan P rank ``src_rank`` -> one D rank (``mapping``: that D rank's
-    TpMapping at other TP sizes, else None). What a remap cannot plan (chunks whose bytes per
-    token differ, e.g. NHD pages head-sliced by TP; unmodelled CPU kernels) is a
-    HandshakeError naming ``who``."""
+    TpMapping at other TP sizes, else None). ``state``: per group this worker's Mamba state
+    bytes (:func:`~._regrain.state_bytes`), taken for both sides (P checks D's registration
+    carries equal ones before any WRITE: :meth:`HmaPushWorker._state_mismatch`). What a
+    remap cannot plan (chunks whose bytes per token differ, e.g. NHD pages head-sliced by TP;
+    unmodelled CPU kernels; Mamba groups without state bytes) is a HandshakeError naming
+    ``who``."""
     tp = None if mapping is None else (mapping, src_rank)
     try:
         if log:
             return regrain_plan(src_layout, dst_layout, src_plan, dst_plan, src_pages,
-                                dst_pages, tp=tp)
+                                dst_pages, tp=tp, state=state)
+        if state is None:
+            check_push_mamba(src_layout, dst_layout)
         return RegrainPlan(src_layout, dst_layout, src_plan, dst_plan, src_pages, dst_pages,
-                           tp=tp)
+                           tp=tp, src_state_bytes=state, dst_state_bytes=state)
     except LayoutError as e:
         raise HandshakeError(f"block-size remap with {who}: {e}") from e
 
@@ -229,8 +237,12 @@ class HmaPushWorker:
                  gate_timeout: float = 5.0, tp: Any = None,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
                  posting: str = "auto", transport: str = "nixl",
-                 block_size_remap: bool = True) -> None:
+                 block_size_remap: bool = True, state_bytes: Any = None) -> None:
         self.transport = check_transport(transport)
+        #: per group the unpadded bytes of one layer's Mamba state (None: not a Mamba group;
+        #: all None: unknown, a remap with Mamba groups of other block sizes is refused)
+        self.state_bytes = None if state_bytes is None else [
+            None if b is None else int(b) for b in state_bytes]
         self.block_size_remap = block_size_remap   # other block sizes: hmacore.regrain
         if self.transport == "mooncake" and host in ("0.0.0.0", "::", ""):
             raise ConfigError("transport 'mooncake' advertises the address its engine listens "
@@ -423,7 +435,8 @@ class HmaPushWorker:
                                                                       self.tp),
                                   dlayout, dplan, payload_pages(payload, dplan),
                                   self._mapping_of(d, dtp, payload.tp.page_layout), self.rank,
-                                  f"decode rank {d} of TP {dtp} ({name!r})")
+                                  f"decode rank {d} of TP {dtp} ({name!r})",
+                                  state=self.state_bytes)
         pair_layer = plan.pair_layers(self.layers.layers)
         self.pusher.add_runs_peer(name)
         self.agent.add_runs_peer(name, dplan.registration_ranges())
@@ -492,7 +505,7 @@ class HmaPushWorker:
             pplan = TransferPlan.from_region_table(player, p.regions, mem_type=p.mem_type)
             _regrain_plan_with(player, pplan, payload_pages(p, pplan), self.layout, self.plan,
                                mine, mapping, r, f"prefill rank {r} ({p.agent_name!r})",
-                               log=False)
+                               log=False, state=self.state_bytes)
 
     def _handshake_loop(self) -> None:
         """The handshake thread: one prefill address at a time, results to ``_hs_done``. It
@@ -636,7 +649,7 @@ class HmaPushWorker:
             msg = reg.push_id.encode() + b":" + _REG + json.dumps(
                 {"agent": self.name, "ids": reg.block_ids, "rank": self.rank,
                  "tp": self.tp_size, "start": int(getattr(reg, "start_tokens", 0)),
-                 "n": int(reg.num_tokens)}).encode()
+                 "n": int(reg.num_tokens), "state": self.state_bytes}).encode()
             if reg.awaiting:
                 keys = tuple(push_tag(reg.push_id, p, src.tp) for p in src.from_ranks)
                 for k in keys:
@@ -817,12 +830,20 @@ class HmaPushWorker:
                     if any(isinstance(v, bool) or not isinstance(v, int) for v in (start, n)) \
                             or not 0 <= start <= n:
                         raise ValueError(f"token range [{start!r}, {n!r}) is not one")
+                    state = doc.get("state")
+                    if state is not None and (not isinstance(state, list) or len(
+                            state) != self.layout.num_groups or any(
+                            v is not None and (isinstance(v, bool) or not isinstance(v, int))
+                            for v in state)):
+                        raise ValueError(f"'state' must be None or {self.layout.num_groups} "
+                                         f"entries of int or None, got {state!r}")
                 except (ValueError, KeyError, TypeError) as e:
                     self._error(f"malformed push registration for {pid!r}: {e}")
                     continue
                 self._pending_regs.append((time.monotonic(), pid.decode(errors="replace"),
                                            {"agent": doc["agent"], "ids": ids, "rank": rank,
-                                            "tp": tp, "start": start, "n": n}))
+                                            "tp": tp, "start": start, "n": n,
+                                            "state": state}))
             else:
                 self._inbox.msgs.append(m)
         if self._pending_regs:
@@ -847,6 +868,14 @@ class HmaPushWorker:
                         f"TP {doc['tp']}, but its handshake said rank {d} of TP {dtp}; refused")
             return
         if pid in self._dead:       # already ended or aborted here: D must not wait for it
+            try:
+                self.agent.send_notif(agent, f"{self._tag(pid)}:failed".encode())
+            except Exception:  # noqa: BLE001 - its deadline fails it anyway
+                pass
+            return
+        why = self._state_mismatch(agent, doc.get("state"))
+        if why is not None:        # a wrong state must never land: D's request fails now
+            self._error(f"push registration {pid!r} from {agent!r} refused: {why}")
             try:
                 self.agent.send_notif(agent, f"{self._tag(pid)}:failed".encode())
             except Exception:  # noqa: BLE001 - its deadline fails it anyway
@@ -882,6 +911,27 @@ class HmaPushWorker:
                 reg.remap = (int(doc["start"]), int(doc["n"]),
                              [int(b) for b in self._regrain[agent][0].dst_block_sizes])
                 self._new_regrain[pid] = reg.remap
+
+    def _state_mismatch(self, agent: str, theirs: Any) -> str | None:
+        """P: why a registration from decode agent ``agent`` (of other block sizes) cannot
+        take this engine's Mamba states, or None: each Mamba group's unpadded state bytes
+        (``state`` of D's registration, :func:`~._regrain.state_bytes`) must equal ours,
+        as pull's ``remote_state_bytes`` rule (the plan copies ours on both sides)."""
+        if agent not in self._regrain:
+            return None
+        groups = [g for g, spec in enumerate(self.layout.groups)
+                  if spec.kind == GroupKind.MAMBA and spec.transfer]
+        if not groups:
+            return None
+        mine = self.state_bytes or [None] * self.layout.num_groups
+        got = theirs if theirs is not None else [None] * self.layout.num_groups
+        bad = [g for g in groups if got[g] != mine[g]]
+        if not bad:
+            return None
+        return (f"Mamba groups {bad}: the decode engine's state bytes "
+                f"{[got[g] for g in bad]} differ from this engine's {[mine[g] for g in bad]} "
+                "(registration field 'state'); a state maps only onto a state of equal bytes "
+                "(same model, same TP size)")
 
     # -- P: layer-wise writes ---------------------------------------------------------------
     def _prepare_step(self, meta: Any) -> None:
@@ -997,24 +1047,24 @@ class HmaPushWorker:
     def _regrain_save(self, save: PushSave, reg: _Reg) -> PushSave:
         """A push into a decode engine of other block sizes: per group the step's tokens D
         needs (:func:`hmacore.regrain.token_ranges` from D's first token and token count,
-        intersected with the step's ``[start, end)``) and each side's blocks holding them;
-        Mamba groups pair state blocks by position as usual. :meth:`_layer_runs` turns them
-        into byte runs (RegrainPlan). Raises BlockTableError when it cannot be planned."""
+        intersected with the step's ``[start, end)``) and each side's blocks holding them.
+        Mamba groups (:meth:`_state_pair`): the prompt's last step only, P's state block at
+        its state point to D's state slot. :meth:`_layer_runs` turns them into byte runs
+        (RegrainPlan). Raises BlockTableError when it cannot be planned."""
         d_start, n, d_sizes = reg.remap            # type: ignore[misc]
         start, end = save.start, save.end
         if save.final and end < n:
             raise BlockTableError(f"the decode engine expects {n} tokens, this prompt has {end}")
         mine, theirs = self.tables.block_ids(save.request_id, copy=False), reg.table
         lo, hi = token_ranges(self.layout, n, d_start)
-        state = None
         src, dst, los, his, sf, df = [], [], [], [], [], []
         empty = np.empty(0, dtype=np.int32)
         for g, spec in enumerate(self.layout.groups):
             a, b = max(lo[g], start), min(hi[g], end)
             if spec.kind == GroupKind.MAMBA:
-                if state is None:
-                    state = pair_block_spans(mine, theirs, self._block_sizes, start, end)
-                pair, a, b = (state[0][g], state[1][g]), 0, 0
+                pair, a, b = (empty, empty), 0, 0
+                if spec.transfer and save.final:
+                    pair = self._state_pair(g, mine[g], theirs[g], end, n, d_sizes[g])
             elif a >= b or not spec.transfer:
                 pair, a, b = (empty, empty), 0, 0
             else:
@@ -1037,6 +1087,33 @@ class HmaPushWorker:
             df.append(a // d_sizes[g])
         return dataclasses.replace(save, new_block_ids=None, local_block_ids=src,
                                    remote_block_ids=dst, regrain=(los, his, sf, df))
+
+    def _state_pair(self, g: int, mine: Any, theirs: Any, end: int, n: int,
+                    d_bs: int) -> tuple[np.ndarray, np.ndarray]:
+        """Mamba group ``g`` of a remap push, in the step that ends P's prompt: P's state
+        after its ``end`` prompt tokens sits at table position ``cdiv(end, P's bs) - 1`` (vLLM
+        align mode: the Mamba block size is --block-size; "none" mode: max_model_len, position
+        0), written by this step's forward pass; D's slot for the state after its ``n``
+        tokens at ``cdiv(n, D's bs) - 1``. Earlier steps' states are not what D needs, so
+        only this step moves one. The points must agree (``end == n``: both engines drop the
+        same backoff from the same prompt); else BlockTableError naming both (a wrong state
+        is never written). A null slot on D (a local hit of D's): nothing to move."""
+        if end != n:
+            raise BlockTableError(
+                f"group {g} (Mamba): this engine's state is after its {end} prompt tokens, the "
+                f"decode engine registered its state slot for {n} tokens; a push remap moves a "
+                "Mamba state only between equal points (same prompt, same backoff on both "
+                "engines)")
+        p_pos, d_pos = -(-end // self._block_sizes[g]) - 1, -(-n // d_bs) - 1
+        p = int(mine[p_pos]) if 0 <= p_pos < len(mine) else 0
+        d = int(theirs[d_pos]) if 0 <= d_pos < len(theirs) else 0
+        empty = np.empty(0, dtype=np.int32)
+        if not d:
+            return empty, empty
+        if not p:
+            raise BlockTableError(f"group {g} (Mamba): this engine's table holds no state block "
+                                  f"at position {p_pos} (the state after {end} tokens)")
+        return np.array([p], dtype=np.int32), np.array([d], dtype=np.int32)
 
     def _unfollow(self, pid: str) -> None:
         """Drop this worker's table of push ``pid``'s request (final step, end, abort)."""
