@@ -473,29 +473,43 @@ def _qwen3_next_other_state(num_blocks: int, bs: int):
     return kcc
 
 
-def test_push_remap_refuses_mamba_states_of_other_bytes():
+@pytest.mark.parametrize("p_first", [True, False], ids=["p-request-first", "refusal-first"])
+def test_push_remap_refuses_mamba_states_of_other_bytes(p_first):
     """Push into a decode engine of other block sizes whose Mamba state has other bytes: P's
     worker refuses D's registration naming the rule (before any WRITE), D's request fails
-    (failed_recving, nothing of P's in D's memory), P prefills without push after its
-    registration timeout."""
+    (failed_recving, nothing of P's in D's memory), P prefills without push at once: the
+    refusal withdraws the push from P's scheduler, whether P's request came before it
+    (``p-request-first``: the request was waiting for the registration) or comes after it
+    (``refusal-first``: forced, P's request is added only once P's worker has refused).
+    P's registration timeout (600 s) is far past step_until's bound, so waiting it out fails
+    the test. (It used to be 1 s: a registration reaching a loaded P later than that found
+    the push already given up and was answered ``failed`` without the state check.)"""
     P = PushEngine(lambda: H.qwen3_next_like(num_blocks=64, bs=32), max_num_batched_tokens=256,
-                   block_size=32, mamba_cache_mode="align", extra={"push_register_timeout": 1.0})
+                   block_size=32, mamba_cache_mode="align",
+                   extra={"push_register_timeout": 600.0})
     D = PushEngine(lambda: _qwen3_next_other_state(64, 64), max_num_batched_tokens=256,
                    block_size=64, mamba_cache_mode="align")
+    rule = ("Mamba groups [1]: the decode engine's state bytes [128] differ from this "
+            "engine's [96] (registration field 'state')")
     try:
         assert P.w.worker.state_bytes != D.w.worker.state_bytes
         before = [s.copy() for s in D.paged.storages]
         prompt = [1 + i % 900 for i in range(150)]
         d_params, p_params = PH.push_params("states", P.port)
+
+        def add_p():
+            P.s.add_request(H.make_request("p", prompt, H.C.resolve_kv_cache_block_sizes(
+                P.kcc, P.vc)[1], params=p_params, max_tokens=1))
+        if p_first:
+            add_p()
         D.s.add_request(H.make_request("d", prompt, H.C.resolve_kv_cache_block_sizes(
             D.kcc, D.vc)[1], params=d_params, max_tokens=2))
-        D.step()
-        P.s.add_request(H.make_request("p", prompt, H.C.resolve_kv_cache_block_sizes(
-            P.kcc, P.vc)[1], params=p_params, max_tokens=1))
         PH.step_until(lambda: "d" in D.conn.failed_recving, [P, D], what="D's request fails")
         errs = " ".join(P.w.worker.errors)
-        assert "Mamba groups [1]: the decode engine's state bytes [128] differ from this " \
-               "engine's [96] (registration field 'state')" in errs, errs
+        assert rule in errs, errs
+        if not p_first:
+            assert not P.s.requests
+            add_p()
         for a, b in zip(D.paged.storages, before):
             assert np.array_equal(a, b)
         PH.step_until(lambda: not P.s.requests, [P], what="P runs without push")

@@ -170,8 +170,9 @@ class HmaPushScheduler(HmaNixlScheduler):
             self._unpushed.add(rid)
             return None
         if pp["push_id"] in self._withdrawn:
-            logger.warning("push %s of %s: the decode engine cancelled it before this request "
-                           "came; prefilling without push", pp["push_id"], rid)
+            logger.warning("push %s of %s: withdrawn before this request came (the decode "
+                           "engine cancelled it, or its registration was refused); "
+                           "prefilling without push", pp["push_id"], rid)
             self._unpushed.add(rid)
             return None
         self._push_reqs[rid] = (request, pp["push_id"])
@@ -383,10 +384,11 @@ class HmaPushScheduler(HmaNixlScheduler):
 
     def _withdraw(self, pids: Any) -> None:
         """Registrations the decode side cancelled before any WRITE (its deadline passed while
-        P's request had not come): forgotten, so a request that comes later prefills without
-        push, and one that claimed it but has not pushed yet prefills without push at once.
-        One already pushing stays: its workers end that push (``finished_sending``, nothing
-        held). Work: one scan of the push requests per withdrawn claimed registration (rare)."""
+        P's request had not come) or a worker refused (Mamba states of other bytes):
+        forgotten, so a request that comes later prefills without push, and one that claimed
+        it but has not pushed yet prefills without push at once. One already pushing stays:
+        its workers end that push (``finished_sending``, nothing held). Work: one scan of the
+        push requests per withdrawn claimed registration (rare)."""
         for pid in pids:
             if pid in self._claimed:
                 rid = next((r for r, (_, q) in self._push_reqs.items() if q == pid), None)
@@ -394,8 +396,9 @@ class HmaPushScheduler(HmaNixlScheduler):
                     continue
                 self._unpushed.add(rid)
                 self._pushing.pop(rid, None)
-                logger.warning("push %s of %s: the decode engine cancelled it before its first "
-                               "step; prefilling without push", pid, rid)
+                logger.warning("push %s of %s: withdrawn before its first step (the decode "
+                               "engine cancelled it, or its registration was refused); "
+                               "prefilling without push", pid, rid)
             else:
                 self._withdrawn[pid] = None
                 while len(self._withdrawn) > 4096:

@@ -876,6 +876,7 @@ class HmaPushWorker:
         why = self._state_mismatch(agent, doc.get("state"))
         if why is not None:        # a wrong state must never land: D's request fails now
             self._error(f"push registration {pid!r} from {agent!r} refused: {why}")
+            self._refuse_reg(pid)
             try:
                 self.agent.send_notif(agent, f"{self._tag(pid)}:failed".encode())
             except Exception:  # noqa: BLE001 - its deadline fails it anyway
@@ -911,6 +912,20 @@ class HmaPushWorker:
                 reg.remap = (int(doc["start"]), int(doc["n"]),
                              [int(b) for b in self._regrain[agent][0].dst_block_sizes])
                 self._new_regrain[pid] = reg.remap
+
+    def _refuse_reg(self, pid: str) -> None:
+        """P: push ``pid`` will never be written (its registration was refused): later
+        registrations of it are answered ``failed``, and the scheduler is told (``withdrawn``)
+        so P's request prefills without push at once, not after ``push_register_timeout``,
+        whether it came before the refusal or comes after it."""
+        if pid in self._pushes:        # another rank's registration started it: end it
+            self._abort(pid, "a registration of it was refused")
+            return
+        self._dead.append(pid)
+        self._regs.pop(pid, None)
+        self._new_regs.pop(pid, None)
+        self._new_regrain.pop(pid, None)
+        self._withdrawn.add(pid)
 
     def _state_mismatch(self, agent: str, theirs: Any) -> str | None:
         """P: why a registration from decode agent ``agent`` (of other block sizes) cannot
