@@ -14,6 +14,7 @@ so the 100- and 150-token prompts are pushed over several steps, layer by layer,
 into a push-mode decode engine with 32-token blocks; negative control: P not writing one
 group changes the output."""
 import json
+import os
 
 import pytest
 
@@ -27,9 +28,15 @@ FAULTS = {"corrupt_d32": {"corrupt_group": 1}, "corrupt_d128": {"corrupt_group":
           "push_drop1": {"drop_group": 1}}
 
 
+#: ``HMACORE_TEST_TRANSPORT=mooncake`` (inside ``unshare -n``: `make test-te-engines`): every
+#: P/D engine moves its KV over Mooncake's Transfer Engine instead of NIXL
+TRANSPORT = {"transport": os.environ["HMACORE_TEST_TRANSPORT"]} \
+    if os.environ.get("HMACORE_TEST_TRANSPORT") else {}
+
+
 def _nixl(role, port=None, **kw):
     return nixl_config(role, port or E.free_port(), module=MODULE,
-                       connector="FaultyNixlConnector", **kw)
+                       connector="FaultyNixlConnector", **TRANSPORT, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +121,18 @@ def test_negative_control_changes_output(pd, name):
     assert any(d is not None for d in diverged), \
         f"{name}: output still equals the single engine; the test could not fail"
     print(f"{name}: first divergence per prompt {json.dumps(diverged)}")
+
+
+def test_every_pair_runs_the_transport_asked_for(pd):
+    """Each P/D engine's worker built the transport this run asks for (NIXL by default,
+    Mooncake TE under ``HMACORE_TEST_TRANSPORT=mooncake``): no silent fallback."""
+    want = TRANSPORT.get("transport", "nixl")
+    for key in ("p", "d32", "d128", "p_push", "d_push32"):
+        got = pd["engines"][key].call({"cmd": "connector_stats"})
+        assert got["transport"] == want, (key, got)
+        agents = {"mooncake": {"MooncakeTeAgent", "TeDescAgent"},
+                  "nixl": {"NixlAgent", "DescAgent"}}[want]
+        assert got["agent"] in agents, (key, got)
 
 
 def test_no_block_leaked(pd):

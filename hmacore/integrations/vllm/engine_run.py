@@ -174,7 +174,12 @@ class _Engine:
         if name == "connector_stats":
             from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
             conn = get_kv_transfer_group() if has_kv_transfer_group() else None
-            return {"stats": conn.stats() if hasattr(conn, "stats") else []}
+            worker = getattr(conn, "worker", None)
+            agent = getattr(worker, "agent", None)
+            # which transport this engine's connector really built (tests assert on it)
+            return {"stats": conn.stats() if hasattr(conn, "stats") else [],
+                    "transport": getattr(worker, "transport", None),
+                    "agent": None if agent is None else type(agent).__name__}
         if name == "reset_prefix_cache":
             return {"ok": bool(self.llm.reset_prefix_cache())}
         raise ValueError(f"unknown cmd {name!r}")
