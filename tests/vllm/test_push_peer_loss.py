@@ -164,9 +164,9 @@ def test_a_hanging_handshake_does_not_stall_the_engine(monkeypatch):
     the connection fails, the push request fails and is recomputed."""
     import socket
 
-    from hmacore.integrations.vllm.nixl import push_worker
+    from hmacore.integrations.vllm.nixl import push_decode   # D's handshake reads it there
 
-    monkeypatch.setattr(push_worker, "FIRST_CONTACT_TIMEOUT_S", 120.0)
+    monkeypatch.setattr(push_decode, "FIRST_CONTACT_TIMEOUT_S", 120.0)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)                    # connections complete in the backlog; nobody answers
