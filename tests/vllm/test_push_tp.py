@@ -53,13 +53,21 @@ CONSUMERS = {
 }
 
 
-def _start(P, D, prompt, rid):
+def _start(P, D, prompt, rid, wait_registered=True):
     d_params, p_params = PH.push_params(f"push-{rid}", P.port)
     d_req = H.make_request(f"d-{rid}", prompt, H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1],
                            params=d_params, max_tokens=3)
     p_req = H.make_request(f"p-{rid}", prompt, H.C.resolve_kv_cache_block_sizes(P.kcc, P.vc)[1],
                            params=p_params, max_tokens=1)
     D.s.add_request(d_req)
+    # P's request comes once P's scheduler holds D's registration (every P rank reported
+    # it): its wait for one (push_register_timeout, 4 s to keep test_d_rank_never_registers
+    # short) must not race D's first handshake with a new pair of engines on a loaded host
+    pid, deadline = f"push-{rid}", time.monotonic() + 60
+    while wait_registered and pid not in P.s.connector.scheduler.registered():
+        assert time.monotonic() < deadline, f"P's scheduler did not get D's registration of {pid}"
+        D.step()
+        P.step(fill=True)
     P.s.add_request(p_req)
     return d_req, p_req
 
@@ -129,7 +137,7 @@ def test_d_rank_never_registers(engines):
         n = P.case.prompt_tokens
         prompt = [1 + (i * 11 + 5) % 900 for i in range(n)]
         t0 = time.monotonic()
-        d_req, p_req = _start(P, D, prompt, "lost")
+        d_req, p_req = _start(P, D, prompt, "lost", wait_registered=False)
         deadline = time.monotonic() + 40
         while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS or P.s.requests:
             assert time.monotonic() < deadline, (d_req.status, list(P.s.requests))
