@@ -18,7 +18,8 @@ engine they are nested layers of ``ExistenceSet`` (a key of count c is in duplic
 
 Events: a batch's key hashes are computed first, then the rows are applied in order with
 the home slot of a row a few rows ahead prefetched (the table is far larger than the cache
-for a fleet's residency). A query probes the table once per (group, hash row) its rule
+for a fleet's residency; past 1 MiB also the line ending the next slot, where a straddling
+slot's tail or the probe's second slot is). A query probes the table once per (group, hash row) its rule
 reaches, for all engines at once: the probes are memoised per query (``hit_over_masks`` in
 _hits.pyx runs vLLM's rule for each engine over the memo); ``route`` reads the query's
 digests in place (the last 8 bytes for 8-byte keys) and builds the per-engine result.
