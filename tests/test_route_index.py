@@ -501,6 +501,13 @@ def test_apply_events_refuses_a_bad_event_whole():
                               _EVENT_TYPES).unknown_engine == 5
     big = [W.BlockStored(block_hashes=list(range(10, 100_010)), group_idx=1)]
     assert index.apply_events(key, big, _EVENT_TYPES).stored == 100_000
+    # rows past the kept 65536 that take no more bytes than the table are kept: the next big
+    # batch reuses them (stale rows of the last batch underneath)
+    evict = [W.BlockRemoved(block_hashes=[h], group_idx=1) for h in range(10, 70_010)]
+    st_ = index.apply_events(key, evict + [W.BlockStored(block_hashes=[5], group_idx=0)],
+                             _EVENT_TYPES)
+    assert (st_.stored, st_.removed, st_.ignored) == (1, 70_000, 0)
+    assert index.resident_blocks(key) == 30_004      # good's 3 + 100_000 - 70_000 + 1
     assert index.apply_events(key, [W.AllBlocksCleared()] + good, _EVENT_TYPES) \
         == (3, 0, 1, 0, 1, 0, 0)
     assert index.resident_blocks(key) == 3

@@ -18,7 +18,8 @@ engine they are nested layers of ``ExistenceSet`` (a key of count c is in duplic
 
 Events: a batch's key hashes are computed first, then the rows are applied in order with
 the home slot of a row a few rows ahead prefetched (the table is far larger than the cache
-for a fleet's residency). A query probes the table once per (group, hash row) its rule
+for a fleet's residency; past 1 MiB also the line ending the next slot, where a straddling
+slot's tail or the probe's second slot is). A query probes the table once per (group, hash row) its rule
 reaches, for all engines at once: the probes are memoised per query (``hit_over_masks`` in
 _hits.pyx runs vLLM's rule for each engine over the memo); ``route`` reads the query's
 digests in place (the last 8 bytes for 8-byte keys) and builds the per-engine result.
@@ -212,7 +213,11 @@ memset(ZERO_MASK, 0, sizeof(ZERO_MASK))
 # rows ahead whose home slot an event batch prefetches (a power of two: a ring of hashes)
 cdef enum:
     PREFETCH_AHEAD = 16
-# scratch rows apply_events keeps between calls (more are freed after the call)
+# table bytes above which an event batch prefetches two lines per row (the cache's share
+# of the table: a second prefetch into a table that fits is only cost)
+cdef Py_ssize_t PREFETCH2_BYTES = 1 << 20
+# scratch rows apply_events keeps between calls (more are freed after the call unless they
+# take no more bytes than the table)
 cdef Py_ssize_t SCRATCH_KEEP = 1 << 16
 
 
@@ -634,7 +639,7 @@ cdef class SharedResidency:
         cdef uint64_t ring[PREFETCH_AHEAD]     # key hashes of rows i .. i + AHEAD - 1
         cdef uint64_t h
         cdef uint8_t buf[16]
-        cdef bint fast
+        cdef bint fast, wide
         cdef uint8_t* slots
         cdef uint8_t* slot
         cdef uint64_t cm, k64, s64
@@ -655,6 +660,10 @@ cdef class SharedResidency:
         slots = self._slots
         cm = <uint64_t>(self._cap - 1)
         slot_size = self._slot_size
+        # a table past the cache: also the line ending the home slot's successor (a slot
+        # straddling two lines, or the probe's second slot, is then no miss; deepseek-v4's
+        # 3 MiB table: 8-17% of the stream call); smaller, the second prefetch is only cost
+        wide = self._cap * slot_size > PREFETCH2_BYTES
         try:
             for i in range(n):
                 h = ring[i & (PREFETCH_AHEAD - 1)]
@@ -663,8 +672,11 @@ cdef class SharedResidency:
                     ring[ahead & (PREFETCH_AHEAD - 1)] = _key_hash(groups[ahead],
                                                                    digests + ahead * ds, ds)
                     if slots != NULL:
-                        prefetch(slots + <Py_ssize_t>(ring[ahead & (PREFETCH_AHEAD - 1)] & cm)
-                                 * slot_size)
+                        j = <Py_ssize_t>(ring[ahead & (PREFETCH_AHEAD - 1)] & cm)
+                        prefetch(slots + j * slot_size)
+                        if wide:
+                            prefetch(slots + <Py_ssize_t>((j + 1) & cm) * slot_size
+                                     + slot_size - 1)
                 op = ops[i]
                 if fast:
                     # 8-byte keys, one mask word: the probe inlined on hoisted locals (the
@@ -1014,7 +1026,12 @@ cdef class SharedResidency:
                 self._apply_packed(bit, n, self._s_ops, self._s_groups, self._s_keys, out)
         finally:
             self._busy = False
-            if self._s_cap > SCRATCH_KEEP:      # a replay's or a burst's rows: let them go
+            # a replay's or a burst's rows are let go, unless they take no more bytes than
+            # the table (op, group and key per row): an index that big sees batches that
+            # big again, and regrowing them every call (realloc copies, fresh pages) was 5%
+            # of deepseek-v4's stream call
+            if self._s_cap > SCRATCH_KEEP and \
+                    self._s_cap * (5 + ds) > self._cap * self._slot_size:
                 self._free_scratch()
         return out[0], out[1], out[2], cleared, n, other, lookahead
 
