@@ -107,6 +107,10 @@ def test_mamba2_one_group_replicates_b_and_c():
     # P2 -> D1: B/C only from the first source rank; P rank 1 gives its x half and heads
     assert state_ranges(mamba2(2, 1), 0, mamba2(1, 1), 0) == [(0, 0, 24), (24, 48, 112)]
     assert state_ranges(mamba2(2, 1), 1, mamba2(1, 1), 0) == [(0, 24, 24), (72, 160, 64)]
+    # SD (P rows of 16 channels x|B|C = 8|4|4, D rows of 12 = 4|4|4): per row, x half 2 then
+    # B and C whole are contiguous on both sides -> one 24 B range per row, then the heads
+    assert state_ranges(mamba2(1, 1, "SD"), 0, mamba2(2, 1, "SD"), 1) == [
+        (8, 0, 24), (40, 24, 24), (72, 48, 24), (160, 72, 64)]
 
 
 def test_mamba1():
