@@ -280,3 +280,43 @@ def test_ranges_reproduce_vllm_sharding_of_a_full_state(monkeypatch, model, layo
             assert np.array_equal(got, want), (model, layout, tp_p, tp_d, d)
             checked += 1
     assert checked >= 4
+
+
+# ------------------------------------------------------ the integration's reading (_compat)
+
+def _layer(merged: bool):
+    """A stand-in MambaMixer2 whose conv1d is of vLLM's class for its branch (sharded groups:
+    MergedColumnParallelLinear; n_groups == 1: ColumnParallelLinear), built without __init__."""
+    cls = vllm_linear.MergedColumnParallelLinear if merged else vllm_linear.ColumnParallelLinear
+    return types.SimpleNamespace(conv1d=cls.__new__(cls))
+
+
+@pytest.mark.parametrize("layout", ["DS", "SD"])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_compat_reading_equals_the_model_geometry(monkeypatch, model, layout):
+    from hmacore.integrations.vllm import _compat as HC
+    _layout(monkeypatch, layout)
+    mtype, p, tps = MODELS[model]
+    for tp in tps:
+        merged = not (mtype == MT.MAMBA2 and p["n_groups"] % tp)
+        geo, why = HC.mamba_state_geometry(vllm_spec(model, tp), tp, _layer(merged))
+        assert why == "" and geo == hm_global(model, layout), (model, tp)
+
+
+def test_compat_refuses_what_it_cannot_read(monkeypatch):
+    from hmacore.integrations.vllm import _compat as HC
+    _layout(monkeypatch, "DS")
+    spec = vllm_spec("mamba2-g1", 2)
+    geo, why = HC.mamba_state_geometry(spec, 2, None)
+    assert geo is None and "n_groups undecidable" in why
+    ring = MambaSpec(block_size=16, shapes=tuple(spec.shapes) + ((4,),),
+                     dtypes=(CONV_DT, SSM_DT, SSM_DT), mamba_type=MT.MAMBA2)
+    assert "ring tensors" in HC.mamba_state_geometry(ring, 2, _layer(False))[1]
+    rep = MambaSpec(block_size=16, shapes=spec.shapes, dtypes=spec.dtypes, mamba_type=MT.MAMBA2,
+                    tp_replicated=True)
+    assert "tp_replicated" in HC.mamba_state_geometry(rep, 2, None)[1]
+    other = next((m for m in MT if m.name not in ("MAMBA1", "MAMBA2", "GDN_ATTN")), None)
+    if other is not None:
+        o = MambaSpec(block_size=16, shapes=spec.shapes, dtypes=spec.dtypes, mamba_type=other)
+        assert f"mamba_type {other.name}: state sharding not modelled" in \
+            HC.mamba_state_geometry(o, 2, None)[1]
