@@ -469,6 +469,10 @@ class RegrainPlan:
         out: list[Any] = []
         for g in range(G):
             ss = [s for s in mapping.slices[g] if s.remote_rank == rank]
+            if any(not hasattr(s, "start") for s in ss):
+                raise LayoutError(f"group {g}: Mamba state ranges between TP sizes "
+                                  f"{mapping.remote_tp} and {mapping.local_tp} combined with a "
+                                  "block-size remap are not supported; use equal block sizes")
             if not ss:
                 out.append(False)
             elif any(s.replicated for s in ss):

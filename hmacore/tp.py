@@ -4,8 +4,9 @@ vLLM shards KV heads across TP ranks: with ``tp <= H`` (H = total KV heads of a 
 holds heads ``[r*H/tp, (r+1)*H/tp)``; with ``tp > H`` heads are replicated and rank r holds
 the single head ``r*H // tp``. vLLM rejects ``H % tp`` (tp <= H) and ``tp % H`` (tp > H)
 remainders; so does :func:`kv_heads_of_rank`. MLA groups hold one latent per token that
-is the same on every rank (replicated); Mamba state groups are head-sharded along the leading
-dim of each state sub-page or replicated, per :attr:`GroupSharding.replicated`.
+is the same on every rank (replicated); Mamba state groups are whole pages between equal TP
+sizes and, with a :attr:`GroupSharding.state` geometry, byte ranges of the conv and ssm states
+between different TP sizes (:class:`StateSlice`, rule in :mod:`hmacore.state_tp`).
 
 Units: heads are global KV head indices; ``head_bytes`` is bytes of one head inside one chunk
 of one block; descriptors are the sub-block byte ranges a NIXL transfer moves.
@@ -33,11 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BlockTableError, LayoutError
+from .errors import BlockTableError, HandshakeError, LayoutError
 from .plan import BLOCK_ID_DTYPE, Region, TransferPlan
 from .spec import GroupKind, KVLayout
+from .state_tp import GlobalStateGeometry, source_ranks, state_ranges
 
-__all__ = ["GroupSharding", "HeadSlice", "TpMapping", "TpPairPlan", "kv_heads_of_rank",
+__all__ = ["GroupSharding", "HeadSlice", "StateSlice", "TpMapping", "TpPairPlan", "kv_heads_of_rank",
            "default_shardings", "build_pair_plans", "expected_consumers", "consumer_ranks",
            "PAGE_LAYOUTS", "HEAD_MAJOR_LAYOUTS"]
 
@@ -95,15 +97,27 @@ class GroupSharding:
         chunks: head-major chunks per block of each region (2 = K then V; 1 = LBHNC or a
             state sub-page). See the module docstring.
         replicated: every rank holds the whole page (MLA; Mamba when not sharded).
+        state: a Mamba group's TP-independent state geometry (conv sub-projections and ssm
+            heads, :class:`hmacore.state_tp.GlobalStateGeometry`), or None. With it the group
+            must be ``replicated`` (equal TP sizes copy whole pages, as without it); between
+            different TP sizes :class:`TpMapping` gives it :class:`StateSlice` byte ranges.
     """
 
     num_heads: int = 1
     chunks: int = 1
     replicated: bool = False
+    state: GlobalStateGeometry | None = None
 
     def __post_init__(self) -> None:
         _int("num_heads", self.num_heads, 1, MAX_HEADS)
         _int("chunks", self.chunks, 1, MAX_HEADS)
+        if self.state is not None:
+            if not isinstance(self.state, GlobalStateGeometry):
+                raise LayoutError(f"GroupSharding.state must be a GlobalStateGeometry or None, "
+                                  f"got {type(self.state).__name__}")
+            if not self.replicated:
+                raise LayoutError("GroupSharding with a state geometry must be replicated=True "
+                                  "(whole pages at equal TP; state ranges between TP sizes)")
 
 
 def default_shardings(layout: KVLayout, num_heads: int, *, kv_chunks: int = 2,
@@ -142,6 +156,18 @@ class HeadSlice:
     @property
     def num_heads(self) -> int:
         return self.stop - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSlice:
+    """The Mamba state bytes of one group read from ``remote_rank`` (different TP sizes):
+    ``ranges`` are ``(remote_offset, local_offset, nbytes)`` from each side's layer page
+    start (:func:`hmacore.state_tp.state_ranges`, the remote side the source)."""
+
+    group: int
+    remote_rank: int
+    ranges: tuple[tuple[int, int, int], ...]
+    replicated: bool = False
 
 
 class TpMapping:
@@ -185,10 +211,12 @@ class TpMapping:
         self.remote_tp = _int("remote_tp", remote_tp, 1, MAX_TP)
         if self.local_rank >= self.local_tp:
             raise LayoutError(f"local_rank must be in [0, {self.local_tp}), got {local_rank}")
-        slices: list[tuple[HeadSlice, ...]] = []
+        slices: list[tuple[HeadSlice | StateSlice, ...]] = []
         for g, sh in enumerate(self.shardings):
             if not layout.groups[g].transfer:
                 slices.append(())
+            elif sh.state is not None and self.local_tp != self.remote_tp:
+                slices.append(self._state(g, sh.state))
             elif sh.replicated:
                 slices.append((HeadSlice(g, self.local_rank % self.remote_tp, 0, 1, 0, 0, True),))
             else:
@@ -201,15 +229,30 @@ class TpMapping:
                 h = self.shardings[g].num_heads
                 nl, nr = _per_rank(h, self.local_tp), _per_rank(h, self.remote_tp)
                 for hs in ss:
-                    if not hs.num_heads == nl == nr:
+                    # state pages (StateSlice) do not depend on the KV page layout
+                    if isinstance(hs, HeadSlice) and not hs.num_heads == nl == nr:
                         raise LayoutError(
                             f"page_layout {page_layout!r} puts heads innermost: group {g} needs "
                             f"heads [{hs.start}, {hs.stop}) of remote rank {hs.remote_rank} (local "
                             f"rank holds {nl} heads, remote {nr}), which are not whole pages; "
                             "head slices need a head-major layout (HND, LBHNC; vLLM: "
                             "VLLM_KV_CACHE_LAYOUT=HND) or equal heads per rank on both sides")
-        self.slices: tuple[tuple[HeadSlice, ...], ...] = tuple(slices)
+        self.slices: tuple[tuple[HeadSlice | StateSlice, ...], ...] = tuple(slices)
         self.remote_ranks: tuple[int, ...] = tuple(sorted({s.remote_rank for ss in slices for s in ss}))
+
+    def _state(self, g: int, geo: GlobalStateGeometry) -> tuple[StateSlice, ...]:
+        """Per source rank (remote side), the state byte ranges this rank reads."""
+        try:
+            src, dst = geo.at(self.remote_tp), geo.at(self.local_tp)
+            out = []
+            for p in source_ranks(self.remote_tp, self.local_tp, self.local_rank):
+                ranges = state_ranges(src, p, dst, self.local_rank)
+                if ranges:
+                    out.append(StateSlice(g, p, tuple(ranges)))
+        except (HandshakeError, LayoutError) as e:
+            raise LayoutError(f"group {g} (Mamba state) between local TP {self.local_tp} and "
+                              f"remote TP {self.remote_tp}: {e}") from None
+        return tuple(out)
 
     def _shard(self, g: int, h: int) -> tuple[HeadSlice, ...]:
         """Maximal runs of this rank's heads ``[lo, hi)`` held by one remote rank, in head
@@ -303,6 +346,14 @@ class TpPairPlan:
                     raise LayoutError(f"remote region {ri} names layer {n!r} that the layout lacks")
                 if rr.group in (-1, g):
                     rindex.setdefault((g, n), []).append(ri)
+        # (group, layer) -> local regions holding it, in order (state parts: conv, ssm, ...)
+        lindex: dict[tuple[int, str], list[int]] = {}
+        for li, lr_ in enumerate(local_plan.regions):
+            for n in lr_.layers:
+                g = l2g.get(n)
+                if g is not None and lr_.group in (-1, g):
+                    lindex.setdefault((g, n), []).append(li)
+        self._parts = (lindex, rindex, local_plan, remote_plan)
         seen: dict[tuple[int, str], int] = {}
         lregs: list[Region] = []
         rregs: list[Region] = []
@@ -343,7 +394,12 @@ class TpPairPlan:
                     ro = dataclasses.replace(rr, group=owner,
                                              layers=tuple(n for n in rr.layers if l2g[n] == g))
                 for s in mapping.slices[g]:
-                    if s.remote_rank == remote_rank:
+                    if s.remote_rank != remote_rank:
+                        continue
+                    if isinstance(s, StateSlice):
+                        k, nth = firsts[g]
+                        self._emit_state(r, lo, ro, s, k, nth, lregs, rregs)
+                    else:
                         self._emit(r, lo, ro, mapping.shardings[g], s, bsr, lregs, rregs)
         self.local = TransferPlan(layout, lregs, mem_type=local_plan.mem_type)
         self.remote = TransferPlan(layout, rregs, mem_type=remote_plan.mem_type)
@@ -352,6 +408,32 @@ class TpPairPlan:
         self._served = np.zeros(layout.num_groups, dtype=bool)
         self._served[list(self.groups)] = True
         self._state = tuple(s.kind == GroupKind.MAMBA for s in layout.groups)
+
+    def _emit_state(self, r, lr, rr, s: StateSlice, key, nth, lregs, rregs) -> None:
+        """One virtual region per state byte range inside this layer part (the ``nth`` region
+        of the layer on each side: a whole page, or one state tensor when the layer is
+        registered as several regions); a range must lie in one part on both sides."""
+        lindex, rindex, lplan, rplan = self._parts
+        lparts = [lplan.regions[i].block_len for i in lindex[key]]
+        rparts = [rplan.regions[i].block_len for i in rindex[key]]
+        if len(lparts) != len(rparts):
+            raise LayoutError(f"region {r}: layer {key[1]!r} is {len(lparts)} state region(s) "
+                              f"locally and {len(rparts)} remotely; both sides must register "
+                              "its state tensors alike")
+        if lr.ratio != 1 or rr.ratio != 1:
+            raise LayoutError(f"region {r}: a state region with kernel ratio "
+                              f"{lr.ratio}/{rr.ratio} cannot be cut into state ranges")
+        l0, r0 = sum(lparts[:nth]), sum(rparts[:nth])
+        for src, dst, n in s.ranges:
+            if not l0 <= dst < l0 + lr.block_len:
+                continue       # this range belongs to another part of the layer
+            if dst + n > l0 + lr.block_len or not r0 <= src or src + n > r0 + rr.block_len:
+                raise LayoutError(f"region {r}: state range (remote {src}, local {dst}, {n} B) "
+                                  f"of layer {key[1]!r} straddles its part #{nth} (local "
+                                  f"[{l0}, {l0 + lr.block_len}), remote [{r0}, "
+                                  f"{r0 + rr.block_len}))")
+            lregs.append(dataclasses.replace(lr, base=lr.base + dst - l0, block_len=n))
+            rregs.append(dataclasses.replace(rr, base=rr.base + src - r0, block_len=n))
 
     def _emit(self, r, lr, rr, sh: GroupSharding, s: HeadSlice, bsr, lregs, rregs) -> None:
         if s.replicated:

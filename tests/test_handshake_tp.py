@@ -202,3 +202,88 @@ def test_fingerprint_fields_exclude_tp_dependent_values():
     assert tp_fingerprint_fields(a.tp) == tp_fingerprint_fields(b.tp)
     assert isinstance(a.tp, TpDescription)
     assert np.asarray(a.block_sizes).tolist() == [16, 16]
+
+
+# -- Mamba state geometry (protocol 5) ---------------------------------------------------
+
+def _ssm(tp, rank, geo, *, page=None, name=None):
+    """A one-group Mamba layout; pages = the geometry's per-rank content + 64 B padding."""
+    from hmacore.state_tp import GlobalStateGeometry
+    lay = KVLayout([GroupSpec(GroupKind.MAMBA, 16, ("ssm.0", "ssm.1"), name="ssm")])
+    content = geo.at(tp).content_bytes if isinstance(geo, GlobalStateGeometry) else 512
+    page = page or content + 64
+    from hmacore.plan import Region
+    plan = TransferPlan(lay, [Region(0x1000 + i * page * 4, page, page, 4, 1, 0, True, (n,))
+                              for i, n in enumerate(("ssm.0", "ssm.1"))])
+    p = HandshakePayload.for_tp_plan(plan, name or f"s{tp}.{rank}", b"\x00m", tp_size=tp,
+                                     tp_rank=rank, shardings=[GroupSharding(1, 1, True, state=geo)],
+                                     kv_dtype="none", head_dim=1)
+    return p, plan
+
+
+def _gdn(layout="DS"):
+    from hmacore.state_tp import GlobalStateGeometry
+    return GlobalStateGeometry("GDN_ATTN", layout, 3, 2, (16, 16, 32), (2, 2, 4), 4, 128)
+
+
+def test_state_geometry_travels_and_pairs_across_tp_sizes():
+    p, _ = _ssm(1, 0, _gdn(), name="P0")
+    q = HandshakePayload.from_bytes(p.to_bytes())
+    assert q == p and q.tp.states[0] == _gdn().to_wire() and q.version == 5
+    servers = [HandshakeServer(p)]
+    try:
+        for d in range(2):
+            dp, dplan = _ssm(2, d, _gdn(), name=f"D{d}")
+            got = exchange_handshake("127.0.0.1", servers[0].port, dp)
+            mapping, pairs, _ = tp_pair_plans(dp, dplan, [got])
+            # D rank d reads Q/K/V halves and its two ssm heads of P's page (layer 0 at 0)
+            want = [(0 + 48 * d, 48), (96 + 48 * d, 48), (192 + 96 * d, 96), (384 + 256 * d, 256)]
+            rd = pairs[0].remote.descriptors()
+            assert [(int(a) - 0x1000, int(n)) for a, n, _ in rd[::4][:4]] == want
+            assert mapping.slices[0][0].ranges[0][1] == 0
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_state_geometry_refusals_name_the_field():
+    p, _ = _ssm(1, 0, _gdn())
+    # DS/SD mix: refused at any TP, naming the env var
+    for tp in (1, 2):
+        d, _ = _ssm(tp, 0, _gdn("SD"))
+        with pytest.raises(HandshakeError, match="Mamba state geometry: conv_layout local 'SD', "
+                                                 "remote 'DS'.*VLLM_SSM_CONV_STATE_LAYOUT"):
+            d.check_compatible(p)
+    # no geometry on one side: equal TP pairs (whole pages), other TP refused by name
+    nog1, _ = _ssm(1, 0, None, page=960)
+    nog1.check_compatible(p)
+    p.check_compatible(nog1)
+    nog2, _ = _ssm(2, 0, None)
+    with pytest.raises(HandshakeError, match="group 0 is Mamba state and the TP sizes differ "
+                                             r"\(local 2, remote 1\) but the local side sent no "
+                                             "state geometry"):
+        nog2.check_compatible(p)
+    # a TP size that does not shard the state (2 k heads at TP 4)
+    d4, _ = _ssm(4, 0, None, page=512)
+    d4 = dataclasses.replace(d4, tp=dataclasses.replace(d4.tp, states=(_gdn().to_wire(),)))
+    with pytest.raises(HandshakeError, match="local TP size 4 does not shard group 0's Mamba "
+                                             "state: .*tp 4 does not divide"):
+        d4.check_compatible(p)
+    # pages smaller than the geometry's content
+    small, _ = _ssm(2, 0, _gdn(), page=256)
+    with pytest.raises(HandshakeError, match=r"layer 'ssm.0' \(group 0\) has 256 B of state "
+                                             r"pages on the local side \(TP 2\), less than its "
+                                             "448 B"):
+        small.check_compatible(p)
+    # malformed geometry on the wire; an older peer is refused by the version rule
+    d = json.loads(p.to_bytes())
+    d["tp"]["states"] = [dict(_gdn().to_wire(), conv_rows=0)]
+    with pytest.raises(HandshakeError, match="peer state geometry is malformed: .*conv_rows"):
+        HandshakePayload.from_bytes(json.dumps(d).encode())
+    d = json.loads(p.to_bytes())
+    del d["tp"]["states"]
+    d["version"] = 4
+    with pytest.raises(HandshakeError, match="peer speaks handshake version 4, this side 5"):
+        HandshakePayload.from_bytes(json.dumps(d).encode())
+    with pytest.raises(HandshakeError, match="states must hold one entry per group"):
+        dataclasses.replace(p.tp, states=(None, None))

@@ -18,6 +18,13 @@ layout), and :meth:`HandshakePayload.check_compatible` additionally checks the b
 group's heads, and that every layer's bytes per head per token agree between the two sides'
 region tables. Each mismatch raises HandshakeError naming the field. Both peers must be
 TP-aware, or neither.
+
+Mamba state groups (protocol 5): ``TpDescription.states`` carries, per group, the
+TP-independent state geometry (:class:`hmacore.state_tp.GlobalStateGeometry` wire dict) or
+None. When both sides send one they must be equal (field named: a DS/SD conv layout mix is
+refused, also at equal TP); between different TP sizes both must send one, both TP sizes
+must shard it, and each side's state regions must hold its per-rank content. At equal TP a
+group without geometry on either side still pairs as whole pages.
 """
 from __future__ import annotations
 
@@ -35,13 +42,15 @@ from typing import Any
 from ..errors import HandshakeError, HmacoreError
 from ..plan import TransferPlan
 from ..spec import GroupKind, KVLayout
+from ..state_tp import GlobalStateGeometry
 from ..tp import PAGE_LAYOUTS, kv_heads_of_rank
 
 __all__ = ["PROTOCOL_VERSION", "HandshakePayload", "HandshakeServer", "TpDescription",
            "exchange_handshake", "tp_fingerprint_fields", "check_regrain_compatible"]
 
-PROTOCOL_VERSION = 4  # 2: optional TP description (heterogeneous TP); 3: READs confirmed;
-# 4: push cancels acknowledged (<push_id>:CANCEL:<agent> / <push_id>:CANCELLED:<agent>)
+PROTOCOL_VERSION = 5  # 2: optional TP description (heterogeneous TP); 3: READs confirmed;
+# 4: push cancels acknowledged (<push_id>:CANCEL:<agent> / <push_id>:CANCELLED:<agent>);
+# 5: TpDescription.states (Mamba state geometry per group, state pages across TP sizes)
 
 
 
@@ -82,6 +91,8 @@ class TpDescription:
         kv_dtype: KV cache dtype name (e.g. ``"bfloat16"``, ``"fp8_e4m3"``).
         head_dim: head size in elements.
         page_layout: vLLM KV cache layout of the pages (one of hmacore.tp.PAGE_LAYOUTS).
+        states: per group None or the state geometry wire dict
+            (``GlobalStateGeometry.to_wire()``); empty = None for every group.
     """
 
     tp_size: int
@@ -91,6 +102,7 @@ class TpDescription:
     kv_dtype: str
     head_dim: int
     page_layout: str = "HND"
+    states: tuple[dict[str, Any] | None, ...] = ()
 
     def __post_init__(self) -> None:
         for name, v, lo in (("tp_size", self.tp_size, 1), ("tp_rank", self.tp_rank, 0),
@@ -110,6 +122,24 @@ class TpDescription:
         if len(self.shardings) != n:
             raise HandshakeError(f"TP description: {len(self.shardings)} shardings for "
                                  f"{n} groups")
+        states = tuple(self.states) if isinstance(self.states, (list, tuple)) else None
+        if states == ():
+            states = (None,) * n
+        if states is None or len(states) != n:
+            raise HandshakeError(f"TP description: states must hold one entry per group ({n}), "
+                                 f"got {self.states!r}")
+        for g, st in enumerate(states):
+            if st is not None:
+                GlobalStateGeometry.from_wire(st)       # HandshakeError naming the key
+                if not self.shardings[g][2]:
+                    raise HandshakeError(f"TP description: group {g} has a state geometry but "
+                                         "is not declared replicated (whole pages at equal TP)")
+        object.__setattr__(self, "states", states)
+
+    def state_geometry(self, g: int) -> GlobalStateGeometry | None:
+        """Group ``g``'s state geometry, or None."""
+        st = self.states[g]
+        return None if st is None else GlobalStateGeometry.from_wire(st)
 
     def kv_layout(self) -> KVLayout:
         """This side's layout (HandshakeError if the document is malformed)."""
@@ -121,6 +151,7 @@ class TpDescription:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["shardings"] = [list(s) for s in self.shardings]
+        d["states"] = [None if st is None else dict(st) for st in self.states]
         return d
 
     @classmethod
@@ -129,7 +160,9 @@ class TpDescription:
                    tuple((_wire_int(h, "shardings.num_heads"), _wire_int(k, "shardings.chunks"),
                           _wire_bool(r, "shardings.replicated")) for h, k, r in d["shardings"]),
                    dict(d["layout"]), str(d["kv_dtype"]), int(d["head_dim"]),
-                   str(d.get("page_layout", "HND")))
+                   str(d.get("page_layout", "HND")),
+                   # absent before protocol 5: the version rule then refuses the peer by name
+                   tuple(d.get("states") or ()))
 
 
 def tp_fingerprint_fields(tp: TpDescription) -> list[tuple[str, Any]]:
@@ -187,6 +220,50 @@ def _tp_unit_bytes(tp: TpDescription, regions: tuple[dict[str, Any], ...]
             out.setdefault(name, []).append((state, per))
     return out
 
+def _check_states(who: str, me: TpDescription, mine: tuple[dict[str, Any], ...],
+                  them: TpDescription, theirs: tuple[dict[str, Any], ...], lay: KVLayout) -> None:
+    """Mamba state geometries: equal when both sides send one (field named); required on both
+    sides between different TP sizes, where both TP sizes must shard it and each side's state
+    regions of a layer must hold at least its per-rank content."""
+    cross = me.tp_size != them.tp_size
+    for g, spec in enumerate(lay.groups):
+        a, b = me.states[g], them.states[g]
+        if a is not None and b is not None and a != b:
+            key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+            hint = (" (a DS/SD conv state mix is a transposed copy, not a byte range: set the "
+                    "same VLLM_SSM_CONV_STATE_LAYOUT on both engines)"
+                    if key == "conv_layout" else "")
+            raise HandshakeError(f"{who} disagrees on group {g}'s Mamba state geometry: {key} "
+                                 f"local {a.get(key)!r}, remote {b.get(key)!r}{hint}")
+        if not cross or spec.kind != GroupKind.MAMBA or not spec.transfer:
+            continue
+        if a is None or b is None:
+            side = "local" if a is None else "remote"
+            raise HandshakeError(f"{who}: group {g} is Mamba state and the TP sizes differ "
+                                 f"(local {me.tp_size}, remote {them.tp_size}) but the {side} "
+                                 "side sent no state geometry (its state type is not modelled "
+                                 "across TP sizes); use equal TP sizes")
+        geo = GlobalStateGeometry.from_wire(a)
+        for side, d, regions in (("local", me, mine), ("remote", them, theirs)):
+            try:
+                content = geo.at(d.tp_size).content_bytes
+            except HmacoreError as e:
+                raise HandshakeError(f"{who}: {side} TP size {d.tp_size} does not shard group "
+                                     f"{g}'s Mamba state: {e}") from None
+            per_layer: dict[str, int] = {}
+            for r in regions:
+                if r.get("state"):
+                    for n in r.get("layers", ()):
+                        if n in spec.layer_names:
+                            per_layer[n] = per_layer.get(n, 0) + int(r["block_len"])
+            for n in spec.layer_names:
+                if per_layer.get(n, 0) < content:
+                    raise HandshakeError(f"{who}: layer {n!r} (group {g}) has "
+                                         f"{per_layer.get(n, 0)} B of state pages on the {side} "
+                                         f"side (TP {d.tp_size}), less than its {content} B of "
+                                         "state: the state geometry does not match the pages")
+
+
 _MAX_FRAME = 64 << 20  # bytes; a region table of 100k regions fits easily
 
 
@@ -225,8 +302,10 @@ class HandshakePayload:
         size in elements. Raises HandshakeError for a bad TP description."""
         sh = tuple((int(s[0]), int(s[1]), bool(s[2])) if isinstance(s, (tuple, list))
                    else (int(s.num_heads), int(s.chunks), bool(s.replicated)) for s in shardings)
+        states = tuple(None if isinstance(s, (tuple, list)) or getattr(s, "state", None) is None
+                       else s.state.to_wire() for s in shardings)
         tp = TpDescription(tp_size, tp_rank, sh, plan.layout.to_dict(), kv_dtype, head_dim,
-                           page_layout)
+                           page_layout, states)
         return cls(PROTOCOL_VERSION, agent_name, bytes(agent_metadata), _tp_fingerprint(tp),
                    bool(hma), plan.layout.block_sizes, plan.regions[0].logical_blocks,
                    plan.mem_type, tuple(plan.region_table()), tp)
@@ -314,11 +393,15 @@ class HandshakePayload:
                     except HmacoreError as e:
                         raise HandshakeError(f"{who}: {side} TP size {d.tp_size} does not fit "
                                              f"group {g}'s heads: {e}") from None
+        cross = me.tp_size != them.tp_size
+        _check_states(who, me, self.regions, them, other.regions, la)
         ua, ub = _tp_unit_bytes(me, self.regions), _tp_unit_bytes(them, other.regions)
-        if tuple(la.block_sizes) != tuple(lb.block_sizes):
+        if tuple(la.block_sizes) != tuple(lb.block_sizes) or cross:
             # a remap: state pages are padded to each side's page size (vLLM: the attention
             # page), so their bytes differ; the remap plan pairs their unpadded states
-            # (hmacore.regrain, src_state_bytes) and refuses what it cannot pair
+            # (hmacore.regrain, src_state_bytes) and refuses what it cannot pair.
+            # Different TP sizes: the per-rank state content differs too (checked against the
+            # state geometry by _check_states)
             ua = {n: [x for x in v if not x[0]] for n, v in ua.items()}
             ub = {n: [x for x in v if not x[0]] for n, v in ub.items()}
         for name in sorted(set(ua) | set(ub)):

@@ -153,7 +153,10 @@ def tp_pair_plans(local: HandshakePayload, local_plan: TransferPlan,
     if len(sizes) > 1:
         raise HandshakeError(f"peers disagree on their TP size: {sorted(sizes)}")
     layout = local_plan.layout
-    mapping = TpMapping(layout, mine.group_shardings(), local_tp=local.tp.tp_size,
+    # the state geometries (equal on both sides when both sent one: check_compatible)
+    shardings = tuple(dataclasses.replace(sh, state=local.tp.state_geometry(g))
+                      for g, sh in enumerate(mine.group_shardings()))
+    mapping = TpMapping(layout, shardings, local_tp=local.tp.tp_size,
                         local_rank=local.tp.tp_rank, remote_tp=sizes.pop(),
                         page_layout=local.tp.page_layout)
     missing = [r for r in mapping.remote_ranks if r not in by_rank]

@@ -344,6 +344,78 @@ def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
     return int(rank), int(size)
 
 
+def conv_state_layout() -> str:
+    """vLLM's Mamba conv state layout in this process: ``"DS"`` (channels, rows) or ``"SD"``
+    (``VLLM_SSM_CONV_STATE_LAYOUT``; CPU platform defaults, see docs/hetero-tp.md)."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+    return "DS" if mamba_utils.is_conv_state_dim_first() else "SD"
+
+
+def mamba_state_geometry(spec: Any, tp: int, layer: Any = None) -> tuple[Any, str]:
+    """``(GlobalStateGeometry, "")`` of a MambaSpec at TP size ``tp``, or ``(None, reason)``
+    when the state is not modelled across TP sizes. vLLM's shapes, redone (not copied):
+    Mamba1 conv ``[x]`` (``I/tp`` channels); Mamba2 ``[x | B | C]`` with ``I/tp`` from the ssm
+    shape ``(heads, head_dim, N)``, B = C from the remainder; GDN ``[Q | K | V]`` with V from
+    the ssm shape ``(v_heads, head_v_dim, head_k_dim)``, Q = K from the remainder. Mamba2
+    with B/C of ``N`` channels at tp > 1 is either ``n_groups == tp`` (sharded) or
+    ``n_groups == 1`` (replicated): decided from ``layer`` (vLLM's MambaMixer2 uses a
+    MergedColumnParallelLinear conv1d exactly when the groups are sharded); without it the
+    state is refused, never guessed."""
+    import torch
+
+    from ...errors import HmacoreError
+    from ...state_tp import GlobalStateGeometry
+    shapes = tuple(tuple(int(x) for x in sh) for sh in spec.shapes)
+    kind = str(getattr(spec.mamba_type, "name", spec.mamba_type))
+    if getattr(spec, "tp_replicated", False):
+        return None, "tp_replicated state (every rank holds it whole)"
+    if kind not in ("MAMBA1", "MAMBA2", "GDN_ATTN"):
+        return None, f"mamba_type {kind}: state sharding not modelled"
+    if len(shapes) != 2 or len(spec.dtypes) != 2:
+        return None, (f"{len(shapes)} state tensors (ReplaySSM ring tensors or another "
+                      "layout): only conv + ssm states are transferred across TP sizes")
+    layout = conv_state_layout()
+    conv, ssm = shapes
+    if len(conv) != 2:
+        return None, f"conv state shape {conv} is not 2-D"
+    chans, rows = conv if layout == "DS" else conv[::-1]
+    ci = int(torch.empty((), dtype=spec.dtypes[0]).element_size())
+    si = int(torch.empty((), dtype=spec.dtypes[1]).element_size())
+    heads, unit = ssm[0], int(np.prod(ssm[1:], dtype=np.int64)) * si
+    try:
+        if kind == "MAMBA1":
+            i = chans * tp
+            return GlobalStateGeometry(kind, layout, rows, ci, (i,), (i,), heads * tp, unit), ""
+        if len(ssm) != 3:
+            return None, f"{kind} ssm state shape {ssm} is not (heads, a, b)"
+        if kind == "GDN_ATTN":
+            vd, hk = heads * ssm[1], ssm[2]
+            if (chans - vd) % 2 or ((chans - vd) // 2 * tp) % hk:
+                return None, f"GDN conv channels {chans} do not split into Q, K, V"
+            kd = (chans - vd) // 2
+            nk = kd * tp // hk
+            return GlobalStateGeometry(kind, layout, rows, ci, (kd * tp, kd * tp, vd * tp),
+                                       (nk, nk, heads * tp), heads * tp, unit), ""
+        xi, n = heads * ssm[1], ssm[2]
+        if (chans - xi) % 2 or ((chans - xi) // 2) % n:
+            return None, f"Mamba2 conv channels {chans} do not split into x, B, C"
+        bw = (chans - xi) // 2
+        if tp > 1 and bw == n:
+            conv1d = getattr(layer, "conv1d", None)
+            if conv1d is None:
+                return None, ("Mamba2 n_groups undecidable (B/C of one group per rank: "
+                              "n_groups 1 replicated or n_groups == tp sharded) without the layer")
+            from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+            replicated = not isinstance(conv1d, MergedColumnParallelLinear)
+        else:
+            replicated = False
+        g = 1 if replicated else bw * tp // n
+        return GlobalStateGeometry(kind, layout, rows, ci, (xi * tp, g * n, g * n),
+                                   (heads * tp, g, g), heads * tp, unit), ""
+    except HmacoreError as e:
+        return None, f"{kind} state geometry: {e}"
+
+
 def total_kv_heads(vllm_config: Any) -> int | None:
     """Total KV heads of the model (None without a model config)."""
     mc = getattr(vllm_config, "model_config", None)

@@ -8,8 +8,10 @@ Per group (``hmacore.tp.GroupSharding``): MLA groups are replicated (one latent 
 every rank); attention groups are head-sharded over the model's total KV heads with the rule
 of :func:`hmacore.tp.kv_heads_of_rank`, in 1 head-major chunk per block for vLLM's CPU
 ``LBHNC`` pages (``[heads, block_size, 2*head_size]``) and 2 (K then V) for ``HND``; Mamba
-groups are declared as whole pages (equal TP sizes only: their state sharding is
-model-specific, so a decode engine of another TP size refuses them at the handshake).
+groups are declared as whole pages with their TP-independent state geometry
+(``_compat.mamba_state_geometry``; None when the state type is not modelled): equal TP
+sizes copy whole pages, and the handshake refuses peers whose geometries differ (e.g. a DS/SD
+conv layout mix).
 """
 from __future__ import annotations
 
@@ -71,7 +73,16 @@ def worker_tp(vllm_config: Any, kv_cache_config: Any, layout: KVLayout) -> Worke
     kv_dtype, head_dim = "none", 1
     for g, (grp, gs) in enumerate(zip(kv_cache_config.kv_cache_groups, layout.groups)):
         spec = _spec(grp)
-        if gs.kind == GroupKind.MAMBA or gs.mla:
+        if gs.kind == GroupKind.MAMBA:
+            # whole pages at equal TP; the state geometry (None when not modelled) lets a
+            # peer of another TP size pair (hmacore.state_tp) and refuses DS/SD mixes
+            ctx = getattr(getattr(vllm_config, "compilation_config", None),
+                          "static_forward_context", None) or {}
+            layer = ctx.get(grp.layer_names[0]) if grp.layer_names else None
+            geo, _ = C.mamba_state_geometry(spec, size, layer)
+            shardings.append(GroupSharding(1, 1, True, state=geo))
+            continue
+        if gs.mla:
             shardings.append(GroupSharding(1, 1, True))
             if gs.mla and kv_dtype == "none":
                 kv_dtype, head_dim = str(spec.dtype), int(spec.head_size)
