@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hmacore.errors import HandshakeError
-from hmacore.transport.handshake import HandshakePayload
+from hmacore.transport.handshake import PROTOCOL_VERSION, HandshakePayload
 from hmacore.transport.runs_peer import checked_runs, regrain_peer_plan
 
 from regrain_scenarios import World
@@ -30,7 +30,7 @@ def test_default_layout_scales_block_sizes_and_pages_and_keeps_regions():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(version=1), "peer 'p' disagrees on version: local 4, remote 1"),
+    (dict(version=1), f"peer 'p' disagrees on version: local {PROTOCOL_VERSION}, remote 1"),
     (dict(hma=False), "peer 'p' disagrees on HMA on/off"),
     (dict(block_sizes=(16,)), "peer 'p' disagrees on group count"),
     (dict(block_sizes=(24, 24)), r"peer 'p': group 0: .*integer multiple"),
