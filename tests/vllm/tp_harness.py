@@ -34,8 +34,10 @@ class RankProc:
     def __init__(self, args: dict, timeout: float = 120.0, script: str = RANK):
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"tp-rank{args['rank']}-",
                                                suffix=".log", delete=False)
+        case = tp_cases.CASES.get(args.get("case", ""))
         env = dict(os.environ, NIXL_LOG_LEVEL="WARN", UCX_NET_DEVICES="lo",
-                   PYTHONPATH=os.pathsep.join([os.path.dirname(RANK)] + sys.path))
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(RANK)] + sys.path),
+                   **(case.env if case is not None else {}))
         self.proc = subprocess.Popen([sys.executable, script, json.dumps(args)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, env=env, text=True)
@@ -119,6 +121,8 @@ class TpEngine:
             want = ("TeDescAgent" if te else "DescAgent") if self.push else \
                 ("MooncakeTeAgent" if te else "NixlAgent")
             assert all(m["agent"] == want for m in ready), (want, ready)
+            if self.case.state is not None:   # vLLM's own reading of the conv layout
+                assert all(m["conv_layout"] == self.case.state[1] for m in ready), ready
         except Exception:
             self.close()
             raise
