@@ -91,8 +91,9 @@ def test_mamba_state_across_tp_pull_every_byte(engines, case, tp_p, tp_d):
     rank process), P2/D1, P1/D2 and P2/D2 (control). P's ranks hold vLLM-shaped state pages
     tagged by (layer, table position, GLOBAL conv channel / ssm head, row / element) from
     vLLM's own weight-loader sharding; every byte of every D rank's loaded state page (content
-    and padding) equals that oracle for D's rank, attention as in the other cases, nothing
-    else written; D then schedules exactly the backoff suffix; no leak on either engine."""
+    and padding: P's padding is tp_cases.STATE_PAD, D's stays 0 across TP sizes) equals that
+    oracle for D's rank, attention as in the other cases, nothing else written; D schedules
+    exactly the backoff suffix; no leak on either engine."""
     e = engines(case)
     P, D = (e[k] for k in PAIRS[(tp_p, tp_d)])
     for eng in (P, D):
@@ -122,7 +123,9 @@ def test_mamba_state_across_tp_pull_every_byte(engines, case, tp_p, tp_d):
     loaded = [[int(b) for b in g] for g in local]
     mamba = [g for g, s in enumerate(D.layout.groups) if s.kind.name == "MAMBA"]
     assert mamba and all(len(loaded[g]) == 1 for g in mamba), loaded   # one state slot
-    D.check_loaded(f"d-{rid}", loaded, control=tp_d == 2)
+    # P's state padding is STATE_PAD: copied with whole pages at equal TP, never read across
+    D.check_loaded(f"d-{rid}", loaded, control=tp_d == 2,
+                   state_pad=tp_cases.STATE_PAD if tp_p == tp_d else 0)
     D.run_out()
     H.assert_no_leak(D.s)
     P.run_out()

@@ -136,7 +136,13 @@ def allocate(case: Case, kcc, tp: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def state_page(case: Case, layer: int, position: int, spec, tp: int, rank: int) -> torch.Tensor:
+#: the byte P writes into its state pages' padding: a decode rank of another TP size reads
+#: only state ranges, so its padding stays 0; at equal TP whole pages are copied
+STATE_PAD = 0xEE
+
+
+def state_page(case: Case, layer: int, position: int, spec, tp: int, rank: int,
+               pad: int = 0) -> torch.Tensor:
     """The bytes of a state page (table position ``position`` of ``layer``) on rank ``rank``
     at ``tp``, from vLLM's sharding of the full-width state (test_state_tp_vllm's oracle: the
     global conv channels and ssm heads vLLM's own weight loaders put on that rank; nothing
@@ -144,7 +150,7 @@ def state_page(case: Case, layer: int, position: int, spec, tp: int, rank: int) 
     fp16 size) holding ``(c*R + r + 53*layer + 31*position) % 32000 + 1`` for global channel
     ``c``, row ``r``; then the ssm state (int32 tags, the fp32 size) holding
     ``1e6*(1+layer) + 1e4*position + h*E + e`` for global head ``h``, element ``e``; then
-    zero padding up to the page."""
+    ``pad`` bytes up to the page."""
     model, layout = case.state
     assert STV.mamba_utils.is_conv_state_dim_first() == (layout == "DS"), \
         "the process's conv layout is not the case's"
@@ -160,7 +166,7 @@ def state_page(case: Case, layer: int, position: int, spec, tp: int, rank: int) 
                     for h in heads], np.int32)
     body = np.concatenate([conv.reshape(-1).view(np.uint8), ssm.reshape(-1).view(np.uint8)])
     assert body.size == spec.state_content_size_bytes
-    page = np.zeros(spec.page_size_bytes, np.uint8)
+    page = np.full(spec.page_size_bytes, pad, np.uint8)
     page[:body.size] = body
     return torch.from_numpy(page)
 
@@ -229,14 +235,17 @@ def fill(case: Case, kcc, caches, table, tp: int, rank: int, layers=None) -> Non
                     if layers is not None and name not in layers:
                         continue
                     if isinstance(spec, MambaSpec):
-                        caches[name][b] = state_page(case, idx[name], j, spec, tp, rank)
+                        caches[name][b] = state_page(case, idx[name], j, spec, tp, rank,
+                                                     STATE_PAD)
                         continue
                     caches[name][b] = _page(case, idx[name], j, spec, _heads(spec, tp, rank))
 
 
-def check(case: Case, kcc, caches, table, loaded, tp: int, rank: int) -> dict:
+def check(case: Case, kcc, caches, table, loaded, tp: int, rank: int,
+          state_pad: int = 0) -> dict:
     """D: every block in ``loaded[g]`` equals the pattern of its position in ``table[g]`` for
-    this rank's heads; every other block of every layer is still zero."""
+    this rank's heads (state pages: with ``state_pad`` bytes of padding); every other block
+    of every layer is still zero."""
     idx = _layers(kcc)
     bad = checked = stray = 0
     touched: set[int] = set()
@@ -249,7 +258,7 @@ def check(case: Case, kcc, caches, table, loaded, tp: int, rank: int) -> dict:
                 for name in grp.layer_names:
                     got = caches[name][b]
                     if isinstance(spec, MambaSpec):   # content and (zero) padding, every byte
-                        want_b = state_page(case, idx[name], j, spec, tp, rank)
+                        want_b = state_page(case, idx[name], j, spec, tp, rank, state_pad)
                     else:
                         want_b = block_pattern(idx[name], j, spec, _heads(spec, tp, rank))
                     bad += int((got != want_b).sum())

@@ -105,7 +105,7 @@ def main() -> None:
             out = {"ok": True}
         elif op == "check":
             out = tp_cases.check(case, kcc, caches, cmd["table"], cmd["loaded"], tp,
-                                 cmd.get("as_rank", rank))
+                                 cmd.get("as_rank", rank), cmd.get("state_pad", 0))
         elif op == "check_tokens":
             out = tp_cases.check_tokens(case, kcc, caches, cmd["table"], cmd["lo"], cmd["hi"],
                                         tp, cmd.get("as_rank", rank))
