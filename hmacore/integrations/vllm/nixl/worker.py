@@ -331,14 +331,17 @@ class HmaNixlWorker:
         for g, s in enumerate(self.layout.groups):
             if s.kind != GroupKind.MAMBA or not s.transfer:
                 continue
-            sh = None if self.tp is None else self.tp.shardings[g]
-            if sh is None or sh.state is None:
-                why = (self.tp.state_why[g] if self.tp is not None and self.tp.state_why
-                       else "") or "no TP description"
-                raise HandshakeError(
-                    f"group {g} is Mamba state without a state geometry ({why}); its pages "
-                    f"pair only between equal TP sizes (this rank: TP {self.tp_size}, {where}: "
-                    f"TP {remote_tp})")
+            if self.tp is None:
+                why = "this worker has no TP description"
+            elif self.tp.shardings[g].state is None:
+                why = (self.tp.state_why[g] if self.tp.state_why else "") or \
+                    "its state type is not modelled across TP sizes"
+            else:
+                continue
+            raise HandshakeError(
+                f"group {g} is Mamba state without a state geometry ({why}); its pages pair "
+                f"only between equal TP sizes (this rank: TP {self.tp_size}, {where}: TP "
+                f"{remote_tp})")
 
     def _pair(self, host: str, port: int, me: HandshakePayload,
               got: list[HandshakePayload]) -> _Source:
