@@ -74,8 +74,9 @@ def _state_case(model: str, layout: str) -> Case:
 
 
 #: Mamba state across TP sizes (issue 20): GDN (qwen3-next-like), Mamba2 with 2 groups
-#: (B/C sharded) and with 1 (B/C replicated on every rank), each in both conv layouts
-STATE_CASES = {c.name: c for c in (_state_case(m, lay) for m in ("gdn", "mamba2-g2", "mamba2-g1")
+#: (B/C sharded) and with 1 (B/C replicated on every rank), Mamba1, each in both conv layouts
+STATE_CASES = {c.name: c for c in (_state_case(m, lay)
+                                   for m in ("gdn", "mamba2-g2", "mamba2-g1", "mamba1")
                                    for lay in ("DS", "SD"))}
 
 
