@@ -7,6 +7,7 @@ import time
 import pytest
 
 import harness as H
+import test_state_tp_vllm as STV
 
 from hmacore.integrations.vllm.nixl._tp import WorkerTp
 from hmacore.integrations.vllm.layout import layout_from_kv_cache_config
@@ -32,9 +33,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(kcc, name, shardings, tp=(0, 1), remap=True):
+def _worker(kcc, name, shardings, tp=(0, 1), remap=True, why=()):
     layout = layout_from_kv_cache_config(kcc)
-    wtp = WorkerTp(tp[0], tp[1], tuple(shardings), "torch.float16", 16, "LBNHC")
+    wtp = WorkerTp(tp[0], tp[1], tuple(shardings), "torch.float16", 16, "LBNHC", tuple(why))
     w = HmaNixlWorker(layout, kcc.num_blocks, name, "127.0.0.1", _port(), tp=wtp,
                       block_size_remap=remap)
     w.register_kv_caches(allocate_paged_kv(layout, kcc.num_blocks).kv_caches)  # spec page sizes
@@ -48,17 +49,72 @@ def _load(w, remote: RemotePeer, local_ids):
     return w.get_transfer_results()
 
 
-def test_mamba_groups_refuse_another_tp_size(caplog):
-    kcc = H.qwen3_next_like(num_blocks=16)
-    w = _worker(kcc, "D-mamba", [GroupSharding(2, 1, False), GroupSharding(1, 1, True)])
+#: the tiny GDN's TP-independent state geometry (test_state_tp_vllm), DS; its content at
+#: TP 1 (896 B) fits qwen3_next_like's 4096 B state pages
+GDN = STV.hm_global("gdn", "DS")
+ATTN = GroupSharding(2, 1, False)
+
+
+def _hybrid(bs: int = 64, heads: int = 2):
+    """qwen3_next_like with ``heads`` KV heads per rank (1 at TP 2 of the 2-head model)."""
+    fa = H.attn(bs, heads)
+    return H.KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        H.group(["model.layers.3.attn"], fa),
+        H.group(["model.layers.0.linear_attn"], H.mamba(bs, fa.page_size_bytes))])
+
+
+def test_mamba_group_without_geometry_refuses_another_tp_size(caplog):
+    """A Mamba group this rank has no state geometry for (a state type not modelled): the
+    pairing with an engine of another TP size is refused before any handshake, naming the
+    group and why; a live P (TP 1) is there, so lifting the refusal would pair."""
+    P = _worker(_hybrid(), "P-nogeo", [ATTN, GroupSharding(1, 1, True)])
+    D = _worker(_hybrid(heads=1), "D-nogeo", [ATTN, GroupSharding(1, 1, True)], tp=(0, 2),
+                why=("", "mamba_type KDA: state sharding not modelled"))
     try:
-        remote = RemotePeer("P", "p-req", "127.0.0.1", _port(), [[3], [4]], tp_size=2)
-        assert _load(w, remote, [[5], [6]]) == (set(), {"d-req"}, {"d-req"})
-        assert "groups [1] are Mamba state; their pages pair only between equal TP sizes " \
-               "(this rank: TP 1, engine at" in caplog.text
-        assert w.agent.peers == ()                       # nothing was connected
+        remote = RemotePeer("P-nogeo", "p-req", "127.0.0.1", P.port, [[3], [4]], tp_size=1)
+        assert _load(D, remote, [[5], [6]]) == (set(), {"d-req"}, {"d-req"})
+        assert "group 1 is Mamba state without a state geometry (mamba_type KDA: state " \
+               "sharding not modelled); its pages pair only between equal TP sizes (this " \
+               "rank: TP 2, engine at 127.0.0.1:" in caplog.text
+        assert D.agent.peers == ()                       # nothing was connected
     finally:
-        w.shutdown()
+        D.shutdown()
+        P.shutdown()
+
+
+def test_peer_without_state_geometry_is_refused_at_the_handshake(caplog):
+    """D declares the group's geometry, P (another TP size) does not: the handshake refuses
+    by name (protocol 5 state check), nothing is read."""
+    P = _worker(_hybrid(), "P-nogeo2", [ATTN, GroupSharding(1, 1, True)])
+    D = _worker(_hybrid(heads=1), "D-geo2", [ATTN, GroupSharding(1, 1, True, state=GDN)], tp=(0, 2))
+    try:
+        remote = RemotePeer("P-nogeo2", "p-req", "127.0.0.1", P.port, [[3], [4]], tp_size=1)
+        assert _load(D, remote, [[5], [6]]) == (set(), {"d-req"}, {"d-req"})
+        # P's handshake server refuses first (its own view: "local" is P)
+        assert "group 1 is Mamba state and the TP sizes differ (local 1, remote 2) but the " \
+               "local side sent no state geometry" in caplog.text
+        assert D.agent.peers == ()
+    finally:
+        D.shutdown()
+        P.shutdown()
+
+
+def test_mamba_block_size_remap_across_tp_sizes_is_refused(caplog):
+    """Both sides declare the geometry but the block sizes differ too: a remap moves state
+    pages only between equal TP sizes (hmacore.regrain pairs whole unpadded states)."""
+    P = _worker(_hybrid(bs=32), "P-geo-bs32",
+                [ATTN, GroupSharding(1, 1, True, state=GDN)])
+    D = _worker(_hybrid(bs=64, heads=1), "D-geo-bs64",
+                [ATTN, GroupSharding(1, 1, True, state=GDN)], tp=(0, 2))
+    try:
+        remote = RemotePeer("P-geo-bs32", "p-req", "127.0.0.1", P.port, [[3, 4], [4]],
+                            tp_size=1)
+        assert _load(D, remote, [[5], [6]]) == (set(), {"d-req"}, {"d-req"})
+        assert "groups [1] are Mamba state: a block-size remap moves state pages only " \
+               "between equal TP sizes (this rank: TP 2, peer: TP 1)" in caplog.text
+    finally:
+        D.shutdown()
+        P.shutdown()
 
 
 def test_other_block_sizes_are_refused_when_remap_is_off(caplog):

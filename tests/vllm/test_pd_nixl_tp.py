@@ -12,6 +12,7 @@ import time
 import pytest
 
 import harness as H
+import tp_cases
 from tp_harness import PAIRS, TpEngine, engine_pool
 
 from hmacore.regrain import token_ranges
@@ -78,6 +79,56 @@ def test_mixed_tp_pull_every_byte(engines, case, tp_p, tp_d):
     D.run_out()
     H.assert_no_leak(D.s)
     P.run_out()            # P frees once every D rank's done reached every P rank
+    H.assert_no_leak(P.s)
+    assert P.s.connector.scheduler.leases() == {}
+
+
+@pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in tp_cases.STATE_CASES
+                                            for p, d in PAIRS])
+def test_mamba_state_across_tp_pull_every_byte(engines, case, tp_p, tp_d):
+    """Full attention + two Mamba-type layers (GDN; Mamba2 with 2 groups and with 1, whose
+    B/C every rank holds whole), conv state DS and SD (VLLM_SSM_CONV_STATE_LAYOUT in every
+    rank process), P2/D1, P1/D2 and P2/D2 (control). P's ranks hold vLLM-shaped state pages
+    tagged by (layer, table position, GLOBAL conv channel / ssm head, row / element) from
+    vLLM's own weight-loader sharding; every byte of every D rank's loaded state page (content
+    and padding: P's padding is tp_cases.STATE_PAD, D's stays 0 across TP sizes) equals that
+    oracle for D's rank, attention as in the other cases, nothing else written; D schedules
+    exactly the backoff suffix; no leak on either engine."""
+    e = engines(case)
+    P, D = (e[k] for k in PAIRS[(tp_p, tp_d)])
+    for eng in (P, D):
+        eng.call_all("zero")
+    rid = f"s{tp_p}{tp_d}"
+    n = P.case.prompt_tokens
+    prompt = [1 + (i * 5 + tp_p * 17 + tp_d) % 900 for i in range(n)]
+    params = _prefill(P, prompt, rid=f"p-{rid}")
+    assert params["tp_size"] == tp_p
+    hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
+    req = H.make_request(f"d-{rid}", prompt, hbs, params=params, max_tokens=3)
+    D.s.add_request(req)
+    D.step()
+    rr = D.metas[-1].reqs_to_recv[f"d-{rid}"]
+    deadline = time.monotonic() + 60
+    while req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
+        assert time.monotonic() < deadline, "the READs did not complete"
+        so = D.step()     # the step that sees the load done schedules the request's rest
+        P.step()
+    assert req.status != H.RequestStatus.FINISHED_ERROR
+    backoff = D.s.connector.scheduler.backoff
+    end = rr.load_start + rr.num_external_tokens
+    assert backoff >= 1 and end == n - backoff, (end, n, backoff)
+    # D computes exactly the suffix P left (the backoff tokens): it loaded the rest
+    assert so.num_scheduled_tokens.get(f"d-{rid}") == n - end, so.num_scheduled_tokens
+    local, _ = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids, D.layout)
+    loaded = [[int(b) for b in g] for g in local]
+    mamba = [g for g, s in enumerate(D.layout.groups) if s.kind.name == "MAMBA"]
+    assert mamba and all(len(loaded[g]) == 1 for g in mamba), loaded   # one state slot
+    # P's state padding is STATE_PAD: copied with whole pages at equal TP, never read across
+    D.check_loaded(f"d-{rid}", loaded, control=tp_d == 2,
+                   state_pad=tp_cases.STATE_PAD if tp_p == tp_d else 0)
+    D.run_out()
+    H.assert_no_leak(D.s)
+    P.run_out()
     H.assert_no_leak(P.s)
     assert P.s.connector.scheduler.leases() == {}
 

@@ -7,8 +7,14 @@ from typing import Any, Callable
 
 import torch
 
+import numpy as np
+
 import harness as H
-from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+from vllm.model_executor.layers.mamba import mamba_utils
+from vllm.v1.kv_cache_interface import (KVCacheConfig, MambaSpec, MLAAttentionSpec,
+                                        SlidingWindowMLASpec)
+
+import test_state_tp_vllm as STV   # vLLM's state shapes and its weight-loader oracle
 
 MLA = (MLAAttentionSpec, SlidingWindowMLASpec)
 
@@ -24,9 +30,54 @@ class Case:
     #: pages as vLLM CPU's "vec" attention kernel writes them (per head K transposed, then V):
     #: a block-size remap moves token rows, so the pattern must sit where the kernel puts it
     vec: bool = False
+    #: Mamba cases: (tests/vllm/test_state_tp_vllm.py MODELS key, conv layout "DS"/"SD");
+    #: the rank processes run with VLLM_SSM_CONV_STATE_LAYOUT set to the layout
+    state: tuple[str, str] | None = None
 
     def kcc(self, tp: int):
         return self.make(tp)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {} if self.state is None else {"VLLM_SSM_CONV_STATE_LAYOUT": self.state[1]}
+
+
+#: the Mamba layers of the state cases (one full-attention layer besides)
+STATE_LAYERS = ("model.layers.0.linear_attn", "model.layers.1.linear_attn")
+
+
+def _oriented(conv: tuple, layout: str) -> tuple:
+    """vLLM's per-rank conv state shape in ``layout`` (whatever this process's layout)."""
+    conv = tuple(conv)
+    return conv if (layout == "DS") == mamba_utils.is_conv_state_dim_first() else conv[::-1]
+
+
+def state_hybrid(model: str, layout: str, tp: int, bs: int = 64,
+                 num_blocks: int = 64) -> KVCacheConfig:
+    """Full attention (``TOTAL_HEADS`` KV heads over ``tp``) + two Mamba-type layers whose
+    per-rank state shapes, dtypes and type are vLLM's (``MambaStateShapeCalculator`` for
+    the test_state_tp_vllm model ``model`` at ``tp``), padded to the attention page (align)."""
+    fa = H.attn(bs, heads=max(1, TOTAL_HEADS // tp))
+    v = STV.vllm_spec(model, tp)
+    ms = MambaSpec(block_size=bs, shapes=(_oriented(v.shapes[0], layout), tuple(v.shapes[1])),
+                   dtypes=v.dtypes, mamba_type=v.mamba_type,
+                   page_size_padded=fa.page_size_bytes, mamba_cache_mode="align")
+    assert ms.state_content_size_bytes <= fa.page_size_bytes
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        H.group(["model.layers.3.attn"], fa), H.group(list(STATE_LAYERS), ms)])
+
+
+def _state_case(model: str, layout: str) -> Case:
+    name = f"{model}-{layout.lower()}"
+    return Case(name, lambda tp: state_hybrid(model, layout, tp),
+                dict(block_size=64, mamba_cache_mode="align"), 150, state=(model, layout))
+
+
+#: Mamba state across TP sizes (issue 20): GDN (qwen3-next-like), Mamba2 with 2 groups
+#: (B/C sharded) and with 1 (B/C replicated on every rank), Mamba1, each in both conv layouts
+STATE_CASES = {c.name: c for c in (_state_case(m, lay)
+                                   for m in ("gdn", "mamba2-g2", "mamba2-g1", "mamba1")
+                                   for lay in ("DS", "SD"))}
 
 
 CASES = {
@@ -50,6 +101,7 @@ CASES = {
     "dsv4-half": Case("dsv4-half", lambda tp: H.dsv4_like(num_blocks=1000,
                                                           sizes=(128, 32, 32, 2, 4)),
                       dict(max_num_batched_tokens=1024), 600),
+    **STATE_CASES,
 }
 
 
@@ -70,16 +122,54 @@ def _specs(kcc):
 
 
 def allocate(case: Case, kcc, tp: int) -> dict[str, torch.Tensor]:
-    """Zeroed per-layer caches of this rank, blocks on dim 0."""
+    """Zeroed per-layer caches of this rank, blocks on dim 0 (Mamba: the raw padded page,
+    as vLLM's state views are cut from it)."""
     out = {}
     for spec, name in _specs(kcc):
         nb, bs = kcc.num_blocks, spec.block_size
-        if isinstance(spec, MLA):
+        if isinstance(spec, MambaSpec):
+            out[name] = torch.zeros(nb, spec.page_size_bytes, dtype=torch.uint8)
+        elif isinstance(spec, MLA):
             out[name] = torch.zeros(nb, bs, spec.head_size, dtype=spec.dtype)
         else:
             out[name] = torch.zeros(nb, spec.num_kv_heads, bs, 2 * spec.head_size, dtype=spec.dtype)
         assert out[name][0].numel() * out[name].element_size() == spec.page_size_bytes
     return out
+
+
+#: the byte P writes into its state pages' padding: a decode rank of another TP size reads
+#: only state ranges, so its padding stays 0; at equal TP whole pages are copied
+STATE_PAD = 0xEE
+
+
+def state_page(case: Case, layer: int, position: int, spec, tp: int, rank: int,
+               pad: int = 0) -> torch.Tensor:
+    """The bytes of a state page (table position ``position`` of ``layer``) on rank ``rank``
+    at ``tp``, from vLLM's sharding of the full-width state (test_state_tp_vllm's oracle: the
+    global conv channels and ssm heads vLLM's own weight loaders put on that rank; nothing
+    from hmacore.state_tp): conv state in vLLM's per-rank shape and layout (int16 tags, the
+    fp16 size) holding ``(c*R + r + 53*layer + 31*position) % 32000 + 1`` for global channel
+    ``c``, row ``r``; then the ssm state (int32 tags, the fp32 size) holding
+    ``1e6*(1+layer) + 1e4*position + h*E + e`` for global head ``h``, element ``e``; then
+    ``pad`` bytes up to the page."""
+    model, layout = case.state
+    assert STV.mamba_utils.is_conv_state_dim_first() == (layout == "DS"), \
+        "the process's conv layout is not the case's"
+    chans, heads = STV.vllm_channels(model, tp, rank)
+    R = STV.KERNEL - 1
+    conv = np.array([[(c * R + r + 53 * layer + 31 * position) % 32000 + 1 for r in range(R)]
+                     for c in chans], np.int16)                       # (C, R)
+    if layout == "SD":
+        conv = conv.T.copy()
+    assert conv.shape == tuple(spec.shapes[0]), (conv.shape, spec.shapes)
+    e = int(np.prod(spec.shapes[1][1:]))
+    ssm = np.array([[1_000_000 * (1 + layer) + 10_000 * position + h * e + x for x in range(e)]
+                    for h in heads], np.int32)
+    body = np.concatenate([conv.reshape(-1).view(np.uint8), ssm.reshape(-1).view(np.uint8)])
+    assert body.size == spec.state_content_size_bytes
+    page = np.full(spec.page_size_bytes, pad, np.uint8)
+    page[:body.size] = body
+    return torch.from_numpy(page)
 
 
 def _heads(spec, tp: int, rank: int) -> list[int] | None:
@@ -145,12 +235,18 @@ def fill(case: Case, kcc, caches, table, tp: int, rank: int, layers=None) -> Non
                 for name in grp.layer_names:
                     if layers is not None and name not in layers:
                         continue
+                    if isinstance(spec, MambaSpec):
+                        caches[name][b] = state_page(case, idx[name], j, spec, tp, rank,
+                                                     STATE_PAD)
+                        continue
                     caches[name][b] = _page(case, idx[name], j, spec, _heads(spec, tp, rank))
 
 
-def check(case: Case, kcc, caches, table, loaded, tp: int, rank: int) -> dict:
+def check(case: Case, kcc, caches, table, loaded, tp: int, rank: int,
+          state_pad: int = 0) -> dict:
     """D: every block in ``loaded[g]`` equals the pattern of its position in ``table[g]`` for
-    this rank's heads; every other block of every layer is still zero."""
+    this rank's heads (state pages: with ``state_pad`` bytes of padding); every other block
+    of every layer is still zero."""
     idx = _layers(kcc)
     bad = checked = stray = 0
     touched: set[int] = set()
@@ -162,8 +258,11 @@ def check(case: Case, kcc, caches, table, loaded, tp: int, rank: int) -> dict:
             if b in want:
                 for name in grp.layer_names:
                     got = caches[name][b]
-                    bad += int((got != block_pattern(idx[name], j, spec,
-                                                     _heads(spec, tp, rank))).sum())
+                    if isinstance(spec, MambaSpec):   # content and (zero) padding, every byte
+                        want_b = state_page(case, idx[name], j, spec, tp, rank, state_pad)
+                    else:
+                        want_b = block_pattern(idx[name], j, spec, _heads(spec, tp, rank))
+                    bad += int((got != want_b).sum())
                     checked += got.numel() * got.element_size()
     others = torch.tensor(sorted(set(range(kcc.num_blocks)) - touched), dtype=torch.long)
     for name, t in caches.items():

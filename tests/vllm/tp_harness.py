@@ -34,8 +34,10 @@ class RankProc:
     def __init__(self, args: dict, timeout: float = 120.0, script: str = RANK):
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"tp-rank{args['rank']}-",
                                                suffix=".log", delete=False)
+        case = tp_cases.CASES.get(args.get("case", ""))
         env = dict(os.environ, NIXL_LOG_LEVEL="WARN", UCX_NET_DEVICES="lo",
-                   PYTHONPATH=os.pathsep.join([os.path.dirname(RANK)] + sys.path))
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(RANK)] + sys.path),
+                   **(case.env if case is not None else {}))
         self.proc = subprocess.Popen([sys.executable, script, json.dumps(args)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, env=env, text=True)
@@ -119,6 +121,8 @@ class TpEngine:
             want = ("TeDescAgent" if te else "DescAgent") if self.push else \
                 ("MooncakeTeAgent" if te else "NixlAgent")
             assert all(m["agent"] == want for m in ready), (want, ready)
+            if self.case.state is not None:   # vLLM's own reading of the conv layout
+                assert all(m["conv_layout"] == self.case.state[1] for m in ready), ready
         except Exception:
             self.close()
             raise
@@ -165,17 +169,21 @@ class TpEngine:
         self.outputs.append(self.s.update_from_output(so, self.agg.aggregate(outs, 0)))
         return so
 
-    def check_loaded(self, rid: str, loaded: list[list[int]], *, control: bool) -> None:
+    def check_loaded(self, rid: str, loaded: list[list[int]], *, control: bool,
+                     state_pad: int = 0) -> None:
         """Every rank: each block of ``loaded[g]`` holds the pattern of its position in the
         request's table for that rank's heads, every byte counted, nothing else written.
-        ``control``: reading rank 0's blocks as rank 1's must differ (the heads differ)."""
+        ``control``: reading rank 0's blocks as rank 1's must differ (the heads differ).
+        ``state_pad``: the byte expected in state pages' padding (tp_cases.state_page)."""
         table = [list(map(int, g)) for g in self.s.kv_cache_manager.get_block_ids(rid)]
         want = sum(len(loaded[g]) * grp.kv_cache_spec.page_size_bytes * len(grp.layer_names)
                    for g, grp in enumerate(self.kcc.kv_cache_groups))
-        for r, got in enumerate(self.call_all("check", table=table, loaded=loaded)):
+        for r, got in enumerate(self.call_all("check", table=table, loaded=loaded,
+                                              state_pad=state_pad)):
             assert got == {"bad": 0, "checked": want, "stray": 0}, (self.engine_id, r, got)
         if control:
-            assert self.ranks[0].call("check", table=table, loaded=loaded, as_rank=1)["bad"] > 0
+            assert self.ranks[0].call("check", table=table, loaded=loaded, as_rank=1,
+                                      state_pad=state_pad)["bad"] > 0
 
     def run_out(self, timeout: float = 60.0) -> None:
         """Step until the scheduler holds no request (bounded)."""

@@ -52,6 +52,23 @@ def init_tp(tp: int, rank: int, dist_port: int, vc) -> None:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
+def stand_in_layers(case, tp: int, vc) -> None:
+    """What a loaded model registers in ``static_forward_context`` and the worker reads to
+    tell Mamba2's B/C sharding: per Mamba layer a stand-in whose ``conv1d`` is of the class
+    vLLM's MambaMixer2 builds (MergedColumnParallelLinear when the groups are sharded over
+    ``tp``, ColumnParallelLinear when n_groups == 1 is replicated), built without __init__."""
+    import types
+
+    from vllm.model_executor.layers import linear
+    model, _ = case.state
+    _, p, _ = tp_cases.STV.MODELS[model]
+    merged = "n_groups" not in p or p["n_groups"] % tp == 0
+    cls = linear.MergedColumnParallelLinear if merged else linear.ColumnParallelLinear
+    ctx = vc.compilation_config.static_forward_context
+    for name in tp_cases.STATE_LAYERS:
+        ctx[name] = types.SimpleNamespace(conv1d=cls.__new__(cls))
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -64,11 +81,15 @@ def main() -> None:
                                 extra=args.get("extra"))
     init_tp(tp, rank, args["dist_port"], vc)
     kcc = case.kcc(tp)
+    if case.state is not None:
+        stand_in_layers(case, tp, vc)
     conn = HmaNixlConnector(vc, KVConnectorRole.WORKER, kcc)
     caches = tp_cases.allocate(case, kcc, tp)
     conn.register_kv_caches(caches)
+    from hmacore.integrations.vllm import _compat as HC
     print(json.dumps({"ready": conn.worker.name, "port": conn.worker.port,
-                      "agent": type(conn.worker.agent).__name__}), flush=True)
+                      "agent": type(conn.worker.agent).__name__,
+                      "conv_layout": HC.conv_state_layout()}), flush=True)
     planned: list = []   # P: (push id, step, remap?) of every step this rank's worker planned
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -84,7 +105,7 @@ def main() -> None:
             out = {"ok": True}
         elif op == "check":
             out = tp_cases.check(case, kcc, caches, cmd["table"], cmd["loaded"], tp,
-                                 cmd.get("as_rank", rank))
+                                 cmd.get("as_rank", rank), cmd.get("state_pad", 0))
         elif op == "check_tokens":
             out = tp_cases.check_tokens(case, kcc, caches, cmd["table"], cmd["lo"], cmd["hi"],
                                         tp, cmd.get("as_rank", rank))

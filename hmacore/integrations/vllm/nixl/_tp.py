@@ -37,6 +37,9 @@ class WorkerTp:
     kv_dtype: str
     head_dim: int
     page_layout: str
+    #: per group why a Mamba group has no state geometry ("" otherwise): the worker names
+    #: it when it refuses a peer of another TP size
+    state_why: tuple[str, ...] = ()
 
     def handshake_args(self) -> dict[str, Any]:
         """Keyword arguments of ``HandshakePayload.for_tp_plan`` / ``NixlAgent(tp=...)``."""
@@ -70,16 +73,18 @@ def worker_tp(vllm_config: Any, kv_cache_config: Any, layout: KVLayout) -> Worke
     chunks = 1 if page_layout in ("LBHNC", "LBNHC") else 2
     total = C.total_kv_heads(vllm_config)
     shardings = []
+    why: list[str] = []
     kv_dtype, head_dim = "none", 1
     for g, (grp, gs) in enumerate(zip(kv_cache_config.kv_cache_groups, layout.groups)):
         spec = _spec(grp)
+        why.append("")
         if gs.kind == GroupKind.MAMBA:
             # whole pages at equal TP; the state geometry (None when not modelled) lets a
             # peer of another TP size pair (hmacore.state_tp) and refuses DS/SD mixes
             ctx = getattr(getattr(vllm_config, "compilation_config", None),
                           "static_forward_context", None) or {}
             layer = ctx.get(grp.layer_names[0]) if grp.layer_names else None
-            geo, _ = C.mamba_state_geometry(spec, size, layer)
+            geo, why[g] = C.mamba_state_geometry(spec, size, layer)
             shardings.append(GroupSharding(1, 1, True, state=geo))
             continue
         if gs.mla:
@@ -96,7 +101,7 @@ def worker_tp(vllm_config: Any, kv_cache_config: Any, layout: KVLayout) -> Worke
         shardings.append(GroupSharding(h, chunks, False))
         if kv_dtype == "none":
             kv_dtype, head_dim = str(spec.dtype), int(spec.head_size)
-    return WorkerTp(rank, size, tuple(shardings), kv_dtype, head_dim, page_layout)
+    return WorkerTp(rank, size, tuple(shardings), kv_dtype, head_dim, page_layout, tuple(why))
 
 
 def check_rank_peer(payload: Any, rank: int, tp_size: int, where: str, block_sizes,

@@ -195,7 +195,7 @@ class HmaNixlScheduler:
                                "fingerprint %s vs %s); no remote load", fp,
                                self.layout.regrain_fingerprint())
                 return self._known_only(params, release)
-            why = self._state_mismatch(params.get("remote_state_bytes"))
+            why = self._state_mismatch(params.get("remote_state_bytes"), params.get("tp_size"))
             if why:
                 logger.warning("P's block sizes %s differ from ours %s and %s; no remote load",
                                params.get("remote_block_sizes"),
@@ -232,12 +232,19 @@ class HmaNixlScheduler:
                            "; telling P to free its blocks" if peer is not None else "")
             return peer if peer is not None else self._known_only(params, release)
 
-    def _state_mismatch(self, theirs: Any) -> str:
+    def _state_mismatch(self, theirs: Any, tp: Any = None) -> str:
         """Why P's Mamba states cannot map onto ours in a remap ('' when they can): P's
         ``remote_state_bytes`` must name, for every moved Mamba group, a state of our bytes
-        (pages may be padded differently; the states must be equal)."""
+        (pages may be padded differently; the states must be equal). Another TP size (P's
+        ``tp_size``): refused by name, as the worker would (a remap moves whole unpadded
+        states, not the per-rank state byte ranges of hmacore.state_tp; equal block sizes
+        pair across TP sizes, checked by the handshake's state geometry, not here)."""
         if not self._remap_mamba:
             return ""
+        if (tp or 1) != self.tp_size:
+            return (f"groups {self._remap_mamba} are Mamba state: a block-size remap moves "
+                    f"state pages only between equal TP sizes (P: TP {tp}, ours: TP "
+                    f"{self.tp_size}); use equal --block-size or equal TP sizes")
         if not isinstance(theirs, list) or len(theirs) != self.layout.num_groups:
             return (f"its params carry no remote_state_bytes (one per group; got {theirs!r}): "
                     f"the Mamba states of groups {self._remap_mamba} cannot be checked")

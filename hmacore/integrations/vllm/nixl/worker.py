@@ -38,7 +38,9 @@ Pull mode over :class:`hmacore.transport.nixl.NixlAgent`, one worker per TP rank
   from 0. See docs/vllm.md, "Partial load failures".
 
 Units: block ids per group (blocks of that group); times in seconds. PP > 1 is refused by
-the connector; Mamba groups pair only between engines of equal TP size.
+the connector. Mamba groups pair between engines of different TP sizes when both sides
+declare the group's state geometry (hmacore.state_tp byte ranges; refused by name otherwise,
+and with a block-size remap, which moves state pages only between equal TP sizes).
 """
 from __future__ import annotations
 
@@ -313,17 +315,33 @@ class HmaNixlWorker:
         """Handshake with every rank of a remote engine (rank r at ``port + r``); add the
         ranks this rank reads from as transfer peers, the others as notify-only peers.
         :class:`_Refused` when every rank answered and this rank still refuses the pairing."""
-        mamba = [g for g, s in enumerate(self.layout.groups) if s.kind == GroupKind.MAMBA]
-        if mamba and remote_tp != self.tp_size:
-            raise HandshakeError(f"groups {mamba} are Mamba state; their pages pair only between "
-                                 f"equal TP sizes (this rank: TP {self.tp_size}, engine at "
-                                 f"{host}:{port}: TP {remote_tp})")
+        if remote_tp != self.tp_size:
+            self._check_state_geometry(f"engine at {host}:{port}", remote_tp)
         me = self.agent.handshake_payload()
         got = [exchange_handshake(host, port + r, me) for r in range(remote_tp)]
         try:
             return self._pair(host, port, me, got)
         except HmacoreError as e:
             raise _Refused(str(e), got) from e
+
+    def _check_state_geometry(self, where: str, remote_tp: int) -> None:
+        """Between different TP sizes every Mamba group needs this rank's state geometry
+        (hmacore.state_tp; the handshake then requires the peer's and refuses a mismatch by
+        field): HandshakeError naming the group and why it has none otherwise."""
+        for g, s in enumerate(self.layout.groups):
+            if s.kind != GroupKind.MAMBA or not s.transfer:
+                continue
+            if self.tp is None:
+                why = "this worker has no TP description"
+            elif self.tp.shardings[g].state is None:
+                why = (self.tp.state_why[g] if self.tp.state_why else "") or \
+                    "its state type is not modelled across TP sizes"
+            else:
+                continue
+            raise HandshakeError(
+                f"group {g} is Mamba state without a state geometry ({why}); its pages pair "
+                f"only between equal TP sizes (this rank: TP {self.tp_size}, {where}: TP "
+                f"{remote_tp})")
 
     def _pair(self, host: str, port: int, me: HandshakePayload,
               got: list[HandshakePayload]) -> _Source:
@@ -366,6 +384,14 @@ class HmaNixlWorker:
                                  f"needs transport 'nixl' (this engine runs {self.transport!r}); "
                                  "use equal --block-size on both engines")
         remote_tp = len(got)
+        mamba = [g for g, s in enumerate(self.layout.groups)
+                 if s.kind == GroupKind.MAMBA and s.transfer]
+        if mamba and remote_tp != self.tp_size:
+            # hmacore.regrain pairs a state page's first bytes, not state_tp's byte ranges
+            raise HandshakeError(f"groups {mamba} are Mamba state: a block-size remap moves "
+                                 f"state pages only between equal TP sizes (this rank: TP "
+                                 f"{self.tp_size}, peer: TP {remote_tp}); use equal --block-size "
+                                 "or equal TP sizes")
         if remote_tp == self.tp_size:
             sources: dict[int, Any] = {self.rank: None}
         else:
