@@ -358,10 +358,9 @@ def make_request(v: Variant, r: int, wl: Workload, kcc):
     return req
 
 
-def push_registration(kcc, wl: Workload):
-    """What D's workers would report to a push P engine: every push id's D-side positional
+def push_tables(kcc, wl: Workload) -> dict[str, list[list[int]]]:
+    """What D's workers register with a push P engine: every push id's D-side positional
     table (ids of D's namespace; window groups hold only their last window's blocks)."""
-    from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
     reg = {}
     for r in range(wl.requests):
         table, nxt = [], 1 + r * 100000
@@ -371,7 +370,14 @@ def push_registration(kcc, wl: Workload):
             table.append([0] * (n - keep) + list(range(nxt, nxt + keep)))
             nxt += keep
         reg[f"push-{r}"] = table
-    return HmaPushWorkerMeta(registered=reg, registered_by={k: [0] for k in reg})
+    return reg
+
+
+def push_registration(kcc, wl: Workload):
+    """What P's worker reports to its scheduler once D registered every push id (the ids
+    only: D's tables stay on the worker)."""
+    from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
+    return HmaPushWorkerMeta(registered={k: [0] for k in push_tables(kcc, wl)})
 
 
 # -- one variant's engine --------------------------------------------------------------------
@@ -432,6 +438,7 @@ class Engine:
     def _register_pushes(self) -> None:
         """D's registrations reach P before P's requests do (fed through the real hook)."""
         from vllm.v1.outputs import KVConnectorOutput
+        self.d_tables = push_tables(self.kcc, self.wl)    # what check_tables compares with
         out = KVConnectorOutput(finished_sending=None, finished_recving=None,
                                 failed_recving=set(),
                                 kv_connector_worker_meta=push_registration(self.kcc, self.wl))
@@ -669,7 +676,7 @@ def check_tables(e: Engine, trk=None) -> str | None:
         return None
     mgr = e.s.kv_cache_manager
     push_reqs = getattr(sched, "_push_reqs", {})
-    registered = getattr(sched, "_registered", {})
+    registered = getattr(e, "d_tables", {})
     for r in trk:
         if r not in e.s.requests:
             return f"{r}: tracked but not held by vLLM"
@@ -957,7 +964,7 @@ def seed_push_worker(e: Engine, w) -> None:
     from hmacore.integrations.vllm.nixl.push_worker import _Reg
     worker = w.worker
     worker._consumers_of[1] = ()
-    for pid, ids in push_registration(e.kcc, e.wl).registered.items():
+    for pid, ids in push_tables(e.kcc, e.wl).items():
         worker._regs[pid] = _Reg(1, ids, reported=True)
     sched, mgr = e.s.connector.scheduler, e.s.kv_cache_manager
     for rid in sched._pushing:

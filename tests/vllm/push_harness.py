@@ -57,6 +57,7 @@ class Engine:
         self.forward = True
         self.mirror_checks = 0
         self.save_checks = 0
+        self.reg_ids: dict = {}     # push id -> D's registered table, as P's worker got it
 
     @property
     def conn(self):
@@ -84,13 +85,21 @@ class Engine:
                     _write_pages(self.paged.kv_caches[layer], [table[p]], page[None])
             self.w.save_kv_layer(layer, None, None)
 
+    def _see_regs(self) -> None:
+        """D's registrations P's worker holds (a push's ids never change; a cancel may drop
+        one from the worker in the step whose saves are checked)."""
+        for pid, reg in getattr(self.w.worker, "_regs", {}).items():
+            self.reg_ids[pid] = reg.ids
+
     def step(self):
+        self._see_regs()
         so = self.s.schedule()
         self.metas.append(so.kv_connector_metadata)
         self.w.bind_connector_metadata(so.kv_connector_metadata)
         if so.total_num_scheduled_tokens and self.forward:
             self._forward(so)
         self.w.start_load_kv(None)
+        self._see_regs()
         worker = self.w.worker
         if hasattr(worker, "planned"):
             # P's worker planned the step (its first save_kv_layer / start_load_kv): its own
@@ -100,7 +109,7 @@ class Engine:
             trk, mgr = worker.tables, self.s.kv_cache_manager
             for rid in so.num_scheduled_tokens:
                 if rid in trk:
-                    assert_push_mirror(self.conn, rid, trk.block_ids(rid),
+                    assert_push_mirror(self.conn, worker, rid, trk.block_ids(rid),
                                        mgr.get_block_ids(rid), self.kcc, (rid, len(self.metas)))
                     self.mirror_checks += 1
             self._check_push_saves(so)
@@ -122,7 +131,7 @@ class Engine:
         sent = getattr(so.kv_connector_metadata, "push_saves", None) or {}
         saves = self.planned[-1]
         assert set(saves) <= set(sent), (set(saves), set(sent))
-        conn, mgr = self.conn, self.s.kv_cache_manager
+        mgr = self.s.kv_cache_manager
         for rid, save in saves.items():
             req = self.s.requests[rid]
             n = so.num_scheduled_tokens[rid]
@@ -131,7 +140,7 @@ class Engine:
             end = min(computed + n, req.num_prompt_tokens)
             assert (sent[rid].start, sent[rid].end) == (save.start, save.end) == (start, end)
             table = [np.asarray(g, np.int32) for g in mgr.get_block_ids(rid)]
-            want = pair_block_spans(table, conn._registered[save.push_id],
+            want = pair_block_spans(table, self.reg_ids[save.push_id],
                                     [g.block_size for g in self.layout.groups], start, end)
             for g in range(self.layout.num_groups):
                 assert save.local_block_ids[g].dtype == save.remote_block_ids[g].dtype == np.int32
@@ -143,17 +152,20 @@ class Engine:
         self.w.shutdown()
 
 
-def assert_push_mirror(conn, rid, tracked, table, kcc, where) -> None:
+def assert_push_mirror(conn, worker, rid, tracked, table, kcc, where) -> None:
     """P's followed table of a push request against vLLM's own: equal at every position
     D's registration holds a block (every position ever paired); elsewhere vLLM's id or 0
     (sparse appends: step_pairs does not read those ids). Without a registration (not
-    pushing) the plain mirror rule."""
+    pushing) the plain mirror rule. D's registration is the one P's worker holds (the
+    scheduler keeps only the push id)."""
     entry = conn._push_reqs.get(rid)
-    reg = None if entry is None else conn._registered.get(entry[1])
+    got = None if entry is None or entry[1] not in conn._registered else \
+        worker._regs.get(entry[1])
     # a push into other block sizes reads every id (D's positions are in D's grain)
-    if reg is None or rid in conn._unpushed or entry[1] in getattr(conn, "_regrain", {}):
+    if got is None or rid in conn._unpushed or got.remap is not None:
         H.assert_mirror(tracked, table, kcc, where)
         return
+    reg = got.ids
     assert len(tracked) == len(table) == len(reg), where
     for g, (mine, vllm_ids, d_ids, grp) in enumerate(zip(tracked, table, reg,
                                                          kcc.kv_cache_groups)):

@@ -240,40 +240,35 @@ def test_worker_side_refuses_more_than_one_worker_per_engine(tp, pp):
 
 def test_push_worker_meta_aggregates_registering_ranks():
     from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
-    ids = [[1, 2], [3]]
-    a = HmaPushWorkerMeta(registered={"x": ids}, registered_by={"x": [0]})
-    b = HmaPushWorkerMeta(registered={"x": ids, "y": ids}, registered_by={"x": [1], "y": [1]},
-                          regrain={"y": (0, 100, [32, 32])}, withdrawn={"z"})
+    a = HmaPushWorkerMeta(registered={"x": [0]})
+    b = HmaPushWorkerMeta(registered={"x": [1], "y": [1]}, withdrawn={"z"})
     m = a.aggregate(b).aggregate(None)
-    assert m.registered == {"x": ids, "y": ids} and m.regrain == {"y": (0, 100, [32, 32])}
     assert m.withdrawn == {"z"} and HmaPushWorkerMeta(withdrawn={"w"}).aggregate(b).withdrawn \
         == {"w", "z"}
-    assert m.registered_by == {"x": [0, 1], "y": [1]}
-    assert pickle.loads(pickle.dumps(m)).registered_by == m.registered_by
+    assert m.registered == {"x": [0, 1], "y": [1]}
+    assert pickle.loads(pickle.dumps(m)).registered == m.registered
 
 
 def test_push_scheduler_starts_only_when_every_prefill_rank_reported():
     """TP-2 prefill engine: a push counts as registered only once both ranks reported it
     (each rank reports once every decode rank reading from it registered); reports of one
-    rank in different steps accumulate; a report without ranks counts as rank 0's."""
+    rank in different steps accumulate."""
     from types import SimpleNamespace
 
     from hmacore.integrations.vllm.nixl.push_metadata import HmaPushWorkerMeta
     vc = H.vllm_config(extra={"transfer_mode": "push"}, tp=2)
     sched = HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.gemma_like()).scheduler
-    G = sched.layout.num_groups
-    ids = [[1, 2]] * G
 
     def report(meta):
         sched.update_connector_output(SimpleNamespace(
             finished_recving=None, failed_recving=None, finished_sending=None,
             kv_connector_worker_meta=meta))
 
-    report(HmaPushWorkerMeta(registered={"x": ids}, registered_by={"x": [1]}))
+    report(HmaPushWorkerMeta(registered={"x": [1]}))
     assert sched.registered() == set()
-    report(HmaPushWorkerMeta(registered={"x": ids}))           # rank 0 (no ranks named)
+    report(HmaPushWorkerMeta(registered={"x": [0]}))
     assert sched.registered() == {"x"} and sched._reg_partial == {}
-    report(HmaPushWorkerMeta(registered={"y": ids}, registered_by={"y": [0, 1]}))
+    report(HmaPushWorkerMeta(registered={"y": [0, 1]}))
     assert sched.registered() == {"x", "y"}
     report(HmaPushWorkerMeta(withdrawn={"y"}))    # D cancelled y before any request claimed it
     assert sched.registered() == {"x"} and "y" in sched._withdrawn
@@ -290,7 +285,6 @@ def test_push_scheduler_drops_only_unclaimed_stale_registrations():
     sched = HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.gemma_like()).scheduler
     now = [100.0]
     sched.clock = lambda: now[0]
-    ids = [[1, 2]] * sched.layout.num_groups
 
     def report(meta=None):
         sched.update_connector_output(SimpleNamespace(
@@ -300,9 +294,9 @@ def test_push_scheduler_drops_only_unclaimed_stale_registrations():
     claimer = SimpleNamespace(request_id="p-y", kv_transfer_params={
         "do_remote_decode": True, "transfer_mode": "push", "push_id": "y"})
     assert sched._is_push_producer(claimer) == "y"
-    report(HmaPushWorkerMeta(registered={"x": ids, "y": ids}))
+    report(HmaPushWorkerMeta(registered={"x": [0], "y": [0]}))
     now[0] += 5
-    report(HmaPushWorkerMeta(registered={"z": ids}))
+    report(HmaPushWorkerMeta(registered={"z": [0]}))
     assert sched.registered() == {"x", "y", "z"}
     assert list(sched._unclaimed_at) == ["x", "z"]
     now[0] += 6                       # x: 11 s unclaimed; z: 6 s

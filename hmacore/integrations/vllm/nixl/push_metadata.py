@@ -110,22 +110,18 @@ class HmaPushConnectorMetadata(HmaNixlConnectorMetadata):
 
 @dataclasses.dataclass
 class HmaPushWorkerMeta(HmaNixlWorkerMeta):
-    """Worker -> scheduler: ``registered`` push id -> D's positional table (from D's
-    registration notifications), new since the last report; ``registered_by`` push id -> the
-    prefill TP ranks that reported it (a rank reports a push once every decode rank that
-    reads from it registered). vLLM's KVOutputAggregator folds the ranks' reports with
+    """Worker -> scheduler: ``registered`` push id -> the prefill TP ranks that reported it
+    registered, new since the last report (a rank reports a push once every decode rank that
+    reads from it registered; D's table and any block-size remap stay on the worker, which
+    plans the steps). vLLM's KVOutputAggregator folds the ranks' reports with
     :meth:`aggregate` (rank lists are united); P's scheduler starts a push once every rank of
-    its engine reported it (a report without ``registered_by`` counts as rank 0's)."""
+    its engine reported it."""
 
-    registered: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)
-    registered_by: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    registered: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     #: D: request id -> decode ranks that cancelled its push and hold its blocks until the
     #: prefill side acknowledges; ``released``: ranks whose hold ended (pinned blocks free)
     holding: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     released: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    #: P: push id -> ``(D's first token, D's token count, D's block sizes)`` of a
-    #: registration from a decode engine of other block sizes (a block-size remap)
-    regrain: dict[str, tuple[int, int, list[int]]] = dataclasses.field(default_factory=dict)
     #: P: push ids a rank reported in ``registered`` whose decode side cancelled them before
     #: any WRITE (P's scheduler forgets them: a request that comes later is not pushed)
     withdrawn: set[str] = dataclasses.field(default_factory=set)
@@ -137,11 +133,7 @@ class HmaPushWorkerMeta(HmaNixlWorkerMeta):
                 by[key] = sorted(set(by.get(key, ())) | set(ranks))
             return by
         return HmaPushWorkerMeta(renewed=set(self.renewed) | set(getattr(other, "renewed", ())),
-                                 registered={**self.registered,
-                                             **(getattr(other, "registered", None) or {})},
-                                 registered_by=unite("registered_by"),
+                                 registered=unite("registered"),
                                  holding=unite("holding"), released=unite("released"),
-                                 regrain={**self.regrain,
-                                          **(getattr(other, "regrain", None) or {})},
                                  withdrawn=set(self.withdrawn) | set(
                                      getattr(other, "withdrawn", None) or ()))

@@ -162,11 +162,10 @@ class PrefillSide:
             return
         if not reg.reported and set(need) <= set(reg.agents):
             reg.reported = True
-            self._new_regs[pid] = reg.ids
+            self._new_regs[pid] = None
             if agent in self._regrain:      # its steps are planned in token ranges
                 reg.remap = (int(doc["start"]), int(doc["n"]),
                              [int(b) for b in self._regrain[agent][0].dst_block_sizes])
-                self._new_regrain[pid] = reg.remap
 
     def _refuse_reg(self, pid: str) -> None:
         """P: push ``pid`` will never be written (its registration was refused): later
@@ -179,7 +178,6 @@ class PrefillSide:
         self._dead.append(pid)
         self._regs.pop(pid, None)
         self._new_regs.pop(pid, None)
-        self._new_regrain.pop(pid, None)
         self._withdrawn.add(pid)
 
     def _state_mismatch(self, agent: str, theirs: Any) -> str | None:
@@ -534,8 +532,8 @@ class PrefillSide:
         if p is None:                  # nothing posted yet: only tell D
             reg = self._regs.pop(pid, None)
             self._dead.append(pid)
-            if self._new_regs.pop(pid, None) is not None:    # not reported yet: never is
-                self._new_regrain.pop(pid, None)
+            if pid in self._new_regs:        # not reported yet: never is
+                del self._new_regs[pid]
             elif reg is not None and reg.reported:
                 self._withdrawn.add(pid)     # reported: the scheduler must forget it
             if reg is not None:

@@ -13,16 +13,17 @@ P: a push request whose registration has not reached P's scheduler yet is held
 ``push_register_timeout`` seconds, then runs without push and every worker is told to abort
 it (ranks holding registrations tell those decode ranks it failed; D then recomputes). With
 TP > 1 a push counts as registered once every prefill rank reported it
-(``HmaPushWorkerMeta.registered_by``: a rank reports once all decode ranks it writes to
-registered). Once registered, every step's metadata carries a :class:`PushSave` per scheduled
-push request: the tokens that become computed in this step (all tokens up to the step's end in
+(``HmaPushWorkerMeta.registered``: push id -> the reporting ranks; a rank reports once all
+decode ranks it writes to registered; D's table never reaches the scheduler). Once
+registered, every step's metadata carries a :class:`PushSave` per scheduled push request:
+the tokens that become computed in this step (all tokens up to the step's end in
 the first pushed step, so a local prefix hit on P is pushed too) and vLLM's new block ids of
 the request, by reference. P's scheduler follows no block table: P's worker follows its own
 and pairs it with D's registration (design (b) of issue 15). ``request_finished`` keeps the
 blocks (returns True) until the worker reports the push ended (``finished_sending``), or the
-lease (``kv_lease_duration`` s) expires. A decode engine of other block sizes (its worker
-reports D's block sizes, first token and token count: ``HmaPushWorkerMeta.regrain``) gets its
-steps planned in token ranges instead of block pairs, by P's worker (``PushSave.regrain``).
+lease (``kv_lease_duration`` s) expires. A decode engine of other block sizes gets its
+steps planned in token ranges instead of block pairs, by P's worker alone (``PushSave.regrain``,
+from D's block sizes, first token and token count in D's registration).
 
 Units: tokens, blocks of each group (positional tables), seconds of ``clock``.
 """
@@ -34,8 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ....errors import BlockTableError, ConfigError, HmacoreError
-from ....tables import from_wire
+from ....errors import BlockTableError, ConfigError
 from ....spec import GroupKind
 from .._config import number
 from .. import _compat as C
@@ -58,16 +58,6 @@ def transfer_mode(vllm_config: Any) -> str:
         raise ConfigError(f"kv_connector_extra_config.transfer_mode must be one of "
                           f"{TRANSFER_MODES}, got {mode!r}")
     return mode
-
-
-def _positional(ids: Any, pid: str) -> tuple[np.ndarray, ...] | None:
-    """D's registered positional table (null block 0 allowed: positions P must not write)
-    as int32 arrays, converted once per push; None (with a warning) when malformed."""
-    try:
-        return tuple(np.array(g, dtype=np.int32) for g in from_wire(ids, len(ids)))
-    except (HmacoreError, TypeError, ValueError, OverflowError) as e:
-        logger.warning("push %s: registration rejected (%s)", pid, e)
-        return None
 
 
 class HmaPushScheduler(HmaNixlScheduler):
@@ -113,16 +103,15 @@ class HmaPushScheduler(HmaNixlScheduler):
         # P side
         self._push_reqs: dict[str, tuple[Any, str]] = {}   # rid -> (Request, push id)
         self._hold_since: dict[str, float] = {}
-        self._registered: dict[str, list[list[int]]] = {}  # push id -> D's positional table
-        # push id -> (D's first token, D's token count, D's block sizes): a decode engine of
-        # other block sizes (kept while the push lasts; its steps are planned by P's worker)
-        self._regrain: dict[str, tuple[int, int, list[int]]] = {}
+        # push ids every rank of this engine reported registered. D's table and any block-size
+        # remap stay on the workers, which plan the steps: the scheduler needs only the id
+        self._registered: set[str] = set()
         self._claimed: set[str] = set()                    # push ids of this engine's requests
         # complete registrations no request claimed yet: push id -> arrival (clock s), in
         # arrival order (the stale sweep stops at the first fresh one)
         self._unclaimed_at: dict[str, float] = {}
-        # push id -> (D's table, P ranks that reported it, first report): not all ranks yet
-        self._reg_partial: dict[str, tuple[list[list[int]], set[int], float]] = {}
+        # push id -> (P ranks that reported it, first report): not all ranks yet
+        self._reg_partial: dict[str, tuple[set[int], float]] = {}
         self._unpushed: set[str] = set()                   # registration timed out / bad
         self._push_steps: dict[str, int] = {}              # rid -> steps pushed so far
         self._push_ended: set[str] = set()                 # worker reported the push over
@@ -199,7 +188,7 @@ class HmaPushScheduler(HmaNixlScheduler):
             partial = self._reg_partial.pop(pid, None)
             logger.warning("push %s: no %sregistration from the decode engine within %.1f s; "
                            "prefilling without push", pid,
-                           f"complete (prefill ranks {sorted(partial[1])} of TP {self.tp_size} "
+                           f"complete (prefill ranks {sorted(partial[0])} of TP {self.tp_size} "
                            "reported it) " if partial else "", self.register_timeout)
             # every worker forgets the push: ranks holding registrations tell those D ranks
             # it failed, a registration arriving later is answered the same way at once
@@ -349,26 +338,16 @@ class HmaPushScheduler(HmaNixlScheduler):
         for rid in connector_output.finished_recving or ():
             self._reg_blocks.pop(rid, None)
         self._fold_loads(connector_output)
-        by = getattr(wmeta, "registered_by", None) or {}
-        for pid, (d_start, n, sizes) in (getattr(wmeta, "regrain", None) or {}).items():
-            self._regrain[pid] = (int(d_start), int(n), [int(b) for b in sizes])
-        for pid, ids in (getattr(wmeta, "registered", None) or {}).items():
-            if len(ids) != self.layout.num_groups:
-                logger.warning("push %s: registration has %d groups, the layout %d; ignored",
-                               pid, len(ids), self.layout.num_groups)
-                continue
-            table, ranks, first = self._reg_partial.get(pid) or (
-                _positional(ids, pid), set(), self.clock())
-            if table is None:
-                continue
-            ranks.update(int(r) for r in by.get(pid, (0,)))
+        for pid, by in (getattr(wmeta, "registered", None) or {}).items():
+            ranks, first = self._reg_partial.get(pid) or (set(), self.clock())
+            ranks.update(int(r) for r in by)
             if ranks >= set(range(self.tp_size)):    # every prefill rank has its consumers
                 self._reg_partial.pop(pid, None)
-                self._registered[pid] = table
+                self._registered.add(pid)
                 if pid not in self._claimed:
                     self._unclaimed_at[pid] = self.clock()
             else:
-                self._reg_partial[pid] = (table, ranks, first)
+                self._reg_partial[pid] = (ranks, first)
         self._withdraw(getattr(wmeta, "withdrawn", None) or ())
         now = self.clock()
         self._drop_stale_registrations(now)
@@ -403,9 +382,8 @@ class HmaPushScheduler(HmaNixlScheduler):
                 self._withdrawn[pid] = None
                 while len(self._withdrawn) > 4096:
                     del self._withdrawn[next(iter(self._withdrawn))]
-            self._registered.pop(pid, None)
+            self._registered.discard(pid)
             self._reg_partial.pop(pid, None)
-            self._regrain.pop(pid, None)
             self._unclaimed_at.pop(pid, None)
 
     def report_due(self, now: float) -> bool:
@@ -416,14 +394,14 @@ class HmaPushScheduler(HmaNixlScheduler):
             return True
         first = next(iter(self._unclaimed_at.values()), None)    # in registration order
         return (first is not None and now - first > self.lease_s) or any(
-            now - t > self.lease_s for _, _, t in self._reg_partial.values())
+            now - t > self.lease_s for _, t in self._reg_partial.values())
 
     def _drop_stale_registrations(self, now: float) -> None:
         """A registration no request of this engine claimed within ``kv_lease_duration``
         seconds (P's request never came, or was refused) is forgotten. Work per step: the
         stale entries plus one (partial registrations last only until every rank reported)."""
         if self._reg_partial:
-            for pid, (_, _, t) in list(self._reg_partial.items()):
+            for pid, (_, t) in list(self._reg_partial.items()):
                 if pid not in self._claimed and now - t > self.lease_s:
                     del self._reg_partial[pid]
         while self._unclaimed_at:
@@ -431,8 +409,7 @@ class HmaPushScheduler(HmaNixlScheduler):
             if now - t <= self.lease_s:
                 break
             del self._unclaimed_at[pid]
-            self._registered.pop(pid, None)
-            self._regrain.pop(pid, None)
+            self._registered.discard(pid)
             self._aborts.add(pid)     # the workers tell the decode engine, which stops waiting
             logger.warning("push %s: registration unclaimed for %.1f s; dropped (the decode "
                            "engine is told the push failed)", pid, self.lease_s)
@@ -459,8 +436,8 @@ class HmaPushScheduler(HmaNixlScheduler):
         if entry is None:
             return False, None
         pid = entry[1]
-        registered = self._registered.pop(pid, None) is not None
-        self._regrain.pop(pid, None)
+        registered = pid in self._registered
+        self._registered.discard(pid)
         self._claimed.discard(pid)
         self._unclaimed_at.pop(pid, None)
         if self._reg_partial.pop(pid, None) is not None:

@@ -27,8 +27,9 @@ on ``side_channel_host:port + rank`` answers decode ranks.
   ``<push_id>:CANCELLED:<P agent>``, the source is lost, or ``cancel_ack_timeout`` s passed
   (``released``); the request itself is reported failed at once.
   No hook raises into vLLM: every failure ends the requests it concerns.
-* P: a rank reports a push id (worker metadata, ``registered_by`` = this rank) once every
-  *consumer* decode rank (:func:`hmacore.tp.consumer_ranks`; equal TP: the same rank)
+* P: a rank reports a push id (worker metadata ``registered``: the id and this rank; D's
+  table stays on the worker) once every *consumer* decode rank
+  (:func:`hmacore.tp.consumer_ranks`; equal TP: the same rank)
   registered; a registration whose rank / TP claim contradicts its sender's handshake, or
   that disagrees with the push's earlier ones, is refused. Each step (``start_load_kv``, else
   the first ``save_kv_layer``) the worker follows its pushing requests' tables from the
@@ -168,10 +169,9 @@ class HmaPushWorker(PrefillSide, DecodeSide):
         self._dpeers: dict[str, tuple[int, int]] = {}   # D agent -> (its rank, its TP size)
         # D agent of other block sizes -> (RegrainPlan P -> D, layer index of each region pair)
         self._regrain: dict[str, tuple[Any, Any]] = {}
-        self._new_regrain: dict[str, tuple[int, int, list[int]]] = {}
         self._consumers_of: dict[int, tuple[int, ...]] = {}   # D TP size -> consumer ranks
         self._regs: dict[str, _Reg] = {}
-        self._new_regs: dict[str, list[list[int]]] = {}
+        self._new_regs: dict[str, None] = {}     # push ids to report, in order
         self._withdrawn: set[str] = set()         # reported registrations cancelled since
         self._pending_regs: list[tuple[float, str, dict]] = []
         self._pushes: dict[str, _Push] = {}
@@ -448,13 +448,12 @@ class HmaPushWorker(PrefillSide, DecodeSide):
     def build_worker_meta(self) -> HmaPushWorkerMeta | None:
         if not (self._new_regs or self._holding or self._released or self._withdrawn):
             return None
-        meta = HmaPushWorkerMeta(registered=self._new_regs,
-                                 registered_by={pid: [self.rank] for pid in self._new_regs},
+        meta = HmaPushWorkerMeta(registered={pid: [self.rank] for pid in self._new_regs},
                                  holding={rid: [self.rank] for rid in self._holding},
                                  released={rid: [self.rank] for rid in self._released},
-                                 regrain=self._new_regrain, withdrawn=self._withdrawn)
+                                 withdrawn=self._withdrawn)
         self._new_regs, self._holding, self._released = {}, set(), set()
-        self._new_regrain, self._withdrawn = {}, set()
+        self._withdrawn = set()
         return meta
 
     def holds(self) -> dict[str, set[str]]:
