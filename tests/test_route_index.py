@@ -118,6 +118,78 @@ def test_index_matches_oracle(sc, data):
         assert index.resident_blocks(key) == len(oracle.engines[key])
 
 
+@pytest.mark.parametrize("int_hashes", [True, False])
+def test_masks_widen_with_keys_held(int_hashes):
+    """The shared table's engine masks widen as engines are added while keys are held: one
+    uint64 word up to 64 engines (8-byte keys: 24-byte slots), then a word per 64 engines.
+    Every widening keeps every key, count and hit; the widened engines' stores and removes,
+    and removes of the first engines' keys (a slot freed when its mask empties), match the
+    oracle."""
+    layout = get_preset("gpt-oss-120b")
+    h = layout.hash_block_size
+    index = RoutingIndex(layout, int_hashes=int_hashes)
+    oracle = OracleRoute(layout, int_hashes=int_hashes)
+    prompt = chain(12, 7)
+    k0 = max(index.finder.block_sizes) // h
+    rows = len(prompt) // k0
+
+    def feed(key, op, blocks):
+        # both groups (a nonzero tag: its bytes must never read as mask bits)
+        raw = [prompt[(b + 1) * k0 - 1] for b in blocks for _ in range(2)]
+        groups = [g for _ in blocks for g in (0, layout.num_groups - 1)]
+        index.apply(key, [op] * len(raw), groups, ints(raw) if int_hashes
+                    else np.frombuffer(b"".join(raw), np.uint8).reshape(len(raw), -1))
+        oracle.apply(key, [op] * len(raw), groups, [fold(d, int_hashes) for d in raw])
+
+    def check():
+        for key in oracle.engines:
+            assert index.resident_blocks(key) == len(oracle.engines[key])
+        # a slot lives while some engine holds its key
+        assert index._residency.num_keys == len(set().union(*oracle.engines.values()))
+        for n in range(len(prompt) + 1):
+            assert index.query_hashes(prompt[:n], n * h).hits == oracle.hits(prompt[:n], n * h)
+
+    keys = []
+    for e in range(2):
+        keys.append(index.add_engine(f"e{e}"))
+        oracle.add_engine(keys[-1])
+    feed(keys[0], OP_STORE, range(rows))
+    feed(keys[0], OP_STORE, [0])                   # a count of 2
+    feed(keys[1], OP_STORE, range(0, rows, 2))
+    cap_bytes = index._residency.nbytes
+    check()
+    feed(keys[1], OP_REMOVE, range(rows))         # its keys 0, 2, ... stay (engine 0's)
+    feed(keys[0], OP_REMOVE, range(1, rows, 2))   # keys 1, 3, ... go
+    check()
+    feed(keys[1], OP_STORE, range(0, rows, 2))
+    ds = index._residency.digest_size
+
+    def slot(mask_bytes):                   # mask, tag, key, padded to 8
+        return (mask_bytes + 4 + ds + 7) // 8 * 8
+
+    if int_hashes:
+        assert slot(8) == 24
+    for n_engines, mask_bytes in ((32, 8), (64, 8), (65, 16), (129, 24)):
+        while len(keys) < n_engines:
+            keys.append(index.add_engine(f"e{len(keys)}"))
+            oracle.add_engine(keys[-1])
+        # the same slots, each wider (the capacity is unchanged: every key fits the first)
+        assert index._residency.nbytes == cap_bytes // slot(8) * slot(mask_bytes)
+        check()
+        feed(keys[-1], OP_STORE, range(1, rows))
+        feed(keys[-1], OP_REMOVE, [2, 3])
+        check()
+    feed(keys[1], OP_REMOVE, range(rows))
+    feed(keys[0], OP_REMOVE, range(rows))
+    check()
+    feed(keys[0], OP_REMOVE, range(rows))
+    feed(keys[-1], OP_REMOVE, range(rows))
+    for key in keys[2:-1]:
+        feed(key, OP_REMOVE, range(rows))
+    check()
+    assert index._residency.num_keys == 0
+
+
 @settings(max_examples=min(25, int(os.environ.get("HMACORE_EXAMPLES", "2000"))), deadline=None)
 @given(layouts(), st.integers(65, 200), st.randoms(use_true_random=False))
 def test_many_engines_match_oracle(layout, n_engines, rnd):
