@@ -136,6 +136,8 @@ def test_real_layers_match_the_oracle_and_the_geometry(monkeypatch, models, mode
                 with _tp(tp, rank):
                     layer = _build(model, vc)
                     assert layer.mamba_type == mtype, model
+                    # where the worker finds it (integrations/vllm/nixl/_tp.py): by layer name
+                    assert vc.compilation_config.static_forward_context[layer.prefix] is layer
                     shapes = tuple(tuple(s) for s in layer.get_state_shape())
                     assert shapes == tuple(tuple(s) for s in T.vllm_spec(model, tp).shapes), \
                         (model, tp, shapes)
