@@ -136,7 +136,10 @@ def test_refusals():
                   remote_tp=1)
     with pytest.raises(LayoutError, match="is 1 state region.s. locally and 2 remotely"):
         TpPairPlan(m, 0, lplan, rplan)
-    # the remap path (RegrainPlan) refuses state ranges by name
-    with pytest.raises(LayoutError, match="Mamba state ranges between TP sizes 1 and 2 combined "
-                                          "with a block-size remap are not supported"):
-        RegrainPlan._tp_heads((m, 0), 1)
+    # the remap path (RegrainPlan) takes the state ranges (tests/test_regrain_state_tp.py);
+    # without a geometry a Mamba group between TP sizes is refused by name
+    assert RegrainPlan._tp_heads((m, 0), 1)[0] == m.slices[0][0].ranges
+    m0 = TpMapping(LAY, [GroupSharding(1, 1, True)], local_tp=2, local_rank=0, remote_tp=1)
+    with pytest.raises(LayoutError, match="group 0: Mamba state between TP sizes 1 .source. and "
+                                          "2 .destination. without a state geometry"):
+        RegrainPlan._tp_heads((m0, 0), 1)
