@@ -133,7 +133,7 @@ class HmaNixlScheduler:
         self.posting = posting
         has_mamba = any(s.kind == GroupKind.MAMBA for s in self.layout.groups)
         # per group the unpadded bytes of one layer's Mamba state (None: not Mamba): P sends
-        # them (remote_state_bytes), D's remap requires P's equal to its own
+        # them (remote_state_bytes), D's remap requires P's equal to its own at equal TP sizes
         self.state_bytes = state_bytes(kv_cache_config, self.layout)
         self._remap_mamba = [g for g, s in enumerate(self.layout.groups)
                              if s.kind == GroupKind.MAMBA and s.transfer]
