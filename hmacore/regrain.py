@@ -40,6 +40,13 @@ moves and both pages must be of equal bytes (pages of equal block size).
 
 Heterogeneous TP composes: with ``tp=(mapping, remote_rank)`` only the chunks of the heads
 the destination rank reads from that source rank are paired (keys are global head indices).
+A Mamba group whose sharding carries a state geometry (:class:`hmacore.tp.StateSlice` between
+different TP sizes) pairs one state region per state byte range this rank reads from that
+source rank (:func:`hmacore.state_tp.state_ranges`, offsets from each side's layer page
+start), still ``src_ids[g][i] -> dst_ids[g][i]``: the ids are each side's own state-group
+table, whatever the block sizes; a range must lie inside one registered part (whole page or
+state tensor) on both sides and inside each side's unpadded state when its bytes are given.
+A Mamba group between different TP sizes without a state geometry is refused by name.
 
 Cost: :class:`RegrainPlan` is built once per peer pair; :meth:`RegrainPlan.runs` is one
 Cython pass per request (O(segments x chunks), no Python object per block), returning the
@@ -335,6 +342,67 @@ def _state_cuts(g: int, side: str, layout: KVLayout, plan: TransferPlan, regs: l
     return out
 
 
+class _StateRanges(tuple):
+    """A Mamba group's ``(src offset, dst offset, bytes)`` state ranges read from one source
+    rank of another TP size (:class:`hmacore.tp.StateSlice` ranges, offsets from each side's
+    layer page start)."""
+
+
+def _state_slice_pairs(g: int, layout: KVLayout, src_plan: TransferPlan, dst_plan: TransferPlan,
+                       sregs: list[int], dregs: list[int], ranges: _StateRanges,
+                       sb: int | None, db: int | None) -> list[RegionPair]:
+    """One state :class:`RegionPair` per state range per layer of group g: the range's bytes
+    of the source layer part holding it onto the destination part holding it (a layer
+    registered as one region per page, or one per state tensor, alike on both sides). A range
+    must lie inside one part on both sides and inside each side's unpadded state (``sb`` /
+    ``db`` when given); LayoutError naming the layer and the range otherwise."""
+    out: list[RegionPair] = []
+    for name in layout.groups[g].layer_names:
+        parts = []
+        for side, plan, regs in (("source", src_plan, sregs), ("destination", dst_plan, dregs)):
+            mine = sorted((r for r in regs if name in plan.regions[r].layers),
+                          key=lambda r: plan.regions[r].base)
+            for r in mine:
+                _region_span_ok(side, r, plan.regions[r])
+                if plan.regions[r].ratio != 1:
+                    raise LayoutError(f"group {g}: {side} state region {r} has kernel ratio "
+                                      f"{plan.regions[r].ratio}; state ranges need ratio 1")
+            first = plan.regions[mine[0]].base if mine else 0
+            parts.append([(r, plan.regions[r], plan.regions[r].base - first) for r in mine])
+        sparts, dparts = parts
+        if len(sparts) != len(dparts):
+            raise LayoutError(f"group {g}: layer {name!r} is {len(sparts)} state region(s) on "
+                              f"the source and {len(dparts)} on the destination; both sides "
+                              "must register its state tensors alike")
+        if not sparts:
+            continue
+        for src, dst, n in ranges:
+            for side, end, lim in (("source", src + n, sb), ("destination", dst + n, db)):
+                if lim is not None and end > lim:
+                    raise LayoutError(f"group {g}: state range (source {src}, destination {dst}, "
+                                      f"{n} B) ends at {end} B, past the {side}'s {lim} B state "
+                                      "(state geometry and state bytes disagree)")
+            k = next((k for k, (_, dr, doff) in enumerate(dparts)
+                      if doff <= dst < doff + dr.block_len), None)
+            if k is None:
+                raise LayoutError(f"group {g}: state range (source {src}, destination {dst}, "
+                                  f"{n} B) of layer {name!r} lies in no destination region of "
+                                  "the layer")
+            rs, sr, soff = sparts[k]
+            rd, dr, doff = dparts[k]
+            if dst + n > doff + dr.block_len or not soff <= src \
+                    or src + n > soff + sr.block_len:
+                raise LayoutError(f"group {g}: state range (source {src}, destination {dst}, "
+                                  f"{n} B) of layer {name!r} straddles its part #{k} "
+                                  f"(destination region {rd} [{doff}, {doff + dr.block_len}), "
+                                  f"source region {rs} [{soff}, {soff + sr.block_len}))")
+            out.append(RegionPair(g, dataclasses.replace(sr, base=sr.base + src - soff,
+                                                         block_len=n),
+                                  dataclasses.replace(dr, base=dr.base + dst - doff,
+                                                      block_len=n), None, None, (), n))
+    return out
+
+
 class RegrainPlan:
     """Region pairs between a source (P) and a destination (D) whose block sizes may differ.
 
@@ -348,10 +416,13 @@ class RegrainPlan:
         tp: ``(mapping, remote_rank)``: the destination is ``mapping``'s local rank reading
             from source rank ``remote_rank``; only the chunks of heads it reads from that rank
             pair (see :class:`hmacore.tp.TpMapping`). None: every destination chunk pairs.
+            Mamba groups of another TP size pair their state ranges from that rank (the
+            mapping's StateSlices; a state geometry is required).
         src_state_bytes / dst_state_bytes: per group, the unpadded bytes of one layer's state
             (Mamba groups; None entries and other groups ignored), on each side; a state pair
             then copies that many bytes from the start of each page. Both None (the default) or
-            an entry None: the whole page, pages of equal bytes.
+            an entry None: the whole page, pages of equal bytes. With state ranges (another
+            TP size) the sides' states differ; each bounds its side's ranges when given.
 
     Built once per peer pair; immutable. Raises LayoutError (nothing built) for every rule in
     the module docstring.
@@ -404,6 +475,12 @@ class RegrainPlan:
             if len(sregs) != len(dregs):
                 raise LayoutError(f"group {g}: {len(sregs)} source regions, {len(dregs)} "
                                   "destination regions; both sides must register the same layers")
+            if isinstance(allowed[g], _StateRanges):
+                # another TP size: the state byte ranges this rank reads from that source rank
+                # (hmacore.state_tp), block ids from each side's own state-group table
+                pairs += _state_slice_pairs(g, src_layout, src_plan, dst_plan, sregs, dregs,
+                                            allowed[g], sstate[g], dstate[g])
+                continue
             sb, db = sstate[g], dstate[g]
             if is_state and sb is not None and db is not None:
                 if sb != db:
@@ -469,10 +546,17 @@ class RegrainPlan:
         out: list[Any] = []
         for g in range(G):
             ss = [s for s in mapping.slices[g] if s.remote_rank == rank]
-            if any(not hasattr(s, "start") for s in ss):
-                raise LayoutError(f"group {g}: Mamba state ranges between TP sizes "
-                                  f"{mapping.remote_tp} and {mapping.local_tp} combined with a "
-                                  "block-size remap are not supported; use equal block sizes")
+            if ss and any(not hasattr(s, "start") for s in ss):
+                # StateSlices (a state geometry between TP sizes): one per source rank
+                out.append(_StateRanges(r for s in ss for r in s.ranges))
+                continue
+            if ss and mapping.layout.groups[g].kind == GroupKind.MAMBA \
+                    and mapping.local_tp != mapping.remote_tp:
+                raise LayoutError(f"group {g}: Mamba state between TP sizes {mapping.remote_tp} "
+                                  f"(source) and {mapping.local_tp} (destination) without a "
+                                  "state geometry (GroupSharding.state): its per-rank states "
+                                  "differ and only whole pages of equal TP sizes map; give the "
+                                  "group's GlobalStateGeometry or use equal TP sizes")
             if not ss:
                 out.append(False)
             elif any(s.replicated for s in ss):

@@ -121,17 +121,59 @@ class GroupSharding:
 
 
 def default_shardings(layout: KVLayout, num_heads: int, *, kv_chunks: int = 2,
-                      mamba_heads: int | None = None, mamba_sharded: bool = True
-                      ) -> tuple[GroupSharding, ...]:
+                      mamba_state: GlobalStateGeometry | Sequence[GlobalStateGeometry | None]
+                      | None = None, mamba_heads: int | None = None,
+                      mamba_sharded: bool | None = None) -> tuple[GroupSharding, ...]:
     """One GroupSharding per group: MLA replicated; attention ``num_heads`` heads in
-    ``kv_chunks`` chunks; Mamba sharded over ``mamba_heads`` (default ``num_heads``) state
-    heads with one chunk per sub-page, or replicated when ``mamba_sharded`` is False."""
+    ``kv_chunks`` chunks; Mamba groups as the caller says, no default:
+
+    * ``mamba_state``: vLLM's exact model (what the vLLM connector declares and its pull path
+      uses): ``GroupSharding(1, 1, True, state=geometry)``, whole pages at equal TP sizes,
+      :class:`StateSlice` byte ranges between TP sizes. One :class:`GlobalStateGeometry` for
+      every Mamba group, or one entry per group of the layout (None for non-Mamba groups).
+    * ``mamba_sharded=False``: replicated whole pages without a geometry (equal TP sizes only:
+      :class:`TpMapping` then reads the whole page of one remote rank).
+    * ``mamba_sharded=True``: the older head-major model (each state sub-page
+      ``[mamba_heads on the rank, bytes]``, default ``num_heads``), which is NOT vLLM's conv
+      state layout (its sub-projections are sharded one by one); kept for synthetic layouts.
+
+    Raises LayoutError when the layout has Mamba groups and neither (or both) is given, or a
+    Mamba group lacks a geometry in ``mamba_state``."""
+    G = layout.num_groups
+    mamba = [g for g, s in enumerate(layout.groups) if s.kind == GroupKind.MAMBA and not s.mla]
+    geos: list[Any] = [None] * G
+    if mamba_state is not None:
+        if mamba_sharded is not None:
+            raise LayoutError("default_shardings: give mamba_state (vLLM's state model) or "
+                              "mamba_sharded (True: head-major model, False: whole pages), "
+                              "not both")
+        if isinstance(mamba_state, GlobalStateGeometry):
+            geos = [mamba_state if g in mamba else None for g in range(G)]
+        else:
+            geos = list(mamba_state)
+            if len(geos) != G:
+                raise LayoutError(f"default_shardings: mamba_state must be one "
+                                  f"GlobalStateGeometry or one entry per group ({G}), got "
+                                  f"{len(geos)} entries")
+        for g in mamba:
+            if not isinstance(geos[g], GlobalStateGeometry):
+                raise LayoutError(f"default_shardings: mamba_state[{g}] must be the Mamba "
+                                  f"group's GlobalStateGeometry, got {geos[g]!r}")
+    elif mamba and mamba_sharded is None:
+        raise LayoutError(f"default_shardings: groups {mamba} are Mamba state; say how they "
+                          "are split across TP ranks: mamba_state=GlobalStateGeometry (vLLM's "
+                          "model: whole pages at equal TP, state byte ranges between TP "
+                          "sizes), mamba_sharded=False (whole pages, equal TP only) or "
+                          "mamba_sharded=True (the older head-major model, not vLLM's layout)")
     out = []
-    for spec in layout.groups:
+    for g, spec in enumerate(layout.groups):
         if spec.mla:
             out.append(GroupSharding(replicated=True))
         elif spec.kind == GroupKind.MAMBA:
-            out.append(GroupSharding(mamba_heads or num_heads, 1, not mamba_sharded))
+            if geos[g] is not None:
+                out.append(GroupSharding(1, 1, True, state=geos[g]))
+            else:
+                out.append(GroupSharding(mamba_heads or num_heads, 1, not mamba_sharded))
         else:
             out.append(GroupSharding(num_heads, kv_chunks))
     return tuple(out)

@@ -136,7 +136,40 @@ def test_refusals():
                   remote_tp=1)
     with pytest.raises(LayoutError, match="is 1 state region.s. locally and 2 remotely"):
         TpPairPlan(m, 0, lplan, rplan)
-    # the remap path (RegrainPlan) refuses state ranges by name
-    with pytest.raises(LayoutError, match="Mamba state ranges between TP sizes 1 and 2 combined "
-                                          "with a block-size remap are not supported"):
-        RegrainPlan._tp_heads((m, 0), 1)
+    # the remap path (RegrainPlan) takes the state ranges (tests/test_regrain_state_tp.py);
+    # without a geometry a Mamba group between TP sizes is refused by name
+    assert RegrainPlan._tp_heads((m, 0), 1)[0] == m.slices[0][0].ranges
+    m0 = TpMapping(LAY, [GroupSharding(1, 1, True)], local_tp=2, local_rank=0, remote_tp=1)
+    with pytest.raises(LayoutError, match="group 0: Mamba state between TP sizes 1 .source. and "
+                                          "2 .destination. without a state geometry"):
+        RegrainPlan._tp_heads((m0, 0), 1)
+
+
+def test_default_shardings_says_how_mamba_groups_split():
+    """No silent default for Mamba groups (review finding, issue 20 (d)): the vLLM-exact state
+    model from a geometry, whole pages, or the older head-major model, each asked for by name;
+    nothing given refuses naming the arguments."""
+    from hmacore.tp import default_shardings
+    lay = KVLayout([GroupSpec(GroupKind.FULL, 16, ("a.0",)),
+                    GroupSpec(GroupKind.MAMBA, 16, LAYERS, name="ssm")])
+    with pytest.raises(LayoutError, match=r"groups \[1\] are Mamba state; say how .*"
+                                          "mamba_state=GlobalStateGeometry"):
+        default_shardings(lay, 4)
+    sh = default_shardings(lay, 4, mamba_state=GDN)
+    assert sh == (GroupSharding(4, 2), GroupSharding(1, 1, True, state=GDN))
+    assert default_shardings(lay, 4, mamba_state=[None, GDN]) == sh
+    m = TpMapping(lay, sh, local_tp=1, local_rank=0, remote_tp=2)
+    assert all(isinstance(s, StateSlice) for s in m.slices[1])       # the pull path's model
+    assert default_shardings(lay, 4, mamba_sharded=False)[1] == GroupSharding(4, 1, True)
+    assert default_shardings(lay, 4, mamba_sharded=True, mamba_heads=8)[1] == \
+        GroupSharding(8, 1, False)
+    with pytest.raises(LayoutError, match="not both"):
+        default_shardings(lay, 4, mamba_state=GDN, mamba_sharded=False)
+    with pytest.raises(LayoutError, match=r"mamba_state\[1\] must be the Mamba group's "
+                                          "GlobalStateGeometry, got None"):
+        default_shardings(lay, 4, mamba_state=[GDN, None])
+    with pytest.raises(LayoutError, match=r"one entry per group \(2\), got 1"):
+        default_shardings(lay, 4, mamba_state=[GDN])
+    # layouts without Mamba groups need neither
+    assert default_shardings(KVLayout([GroupSpec(GroupKind.FULL, 16, ("a.0",))]), 2) == \
+        (GroupSharding(2, 2),)

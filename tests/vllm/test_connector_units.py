@@ -370,10 +370,14 @@ def test_mamba_groups_of_other_block_sizes_map_state_to_state(caplog):
     assert ask("e", remote_state_bytes=[None, 97]) == (0, False)
     assert "group 1 (Mamba): P's state is 97 B per layer, ours 96 B (remote_state_bytes); a " \
            "state maps only onto a state of equal bytes" in caplog.text
-    # P of another TP size: the remap moves whole states, not state_tp's per-rank ranges
-    assert ask("f", tp_size=2) == (0, False)
-    assert "groups [1] are Mamba state: a block-size remap moves state pages only between " \
-           "equal TP sizes (P: TP 2, ours: TP 1)" in caplog.text
+    # P of another TP size: its per-rank states differ from ours (the worker pairs the state
+    # geometry's byte ranges, refusing at the handshake a side without one); the load point
+    # rule is the same
+    assert ask("f", tp_size=2, remote_state_bytes=[None, 48]) == (99, True)
+    assert ask("g", tp_size=2, remote_num_tokens=120) == (0, False)
+    assert ask("h", tp_size=2, remote_state_bytes=None) == (0, False)
+    assert "a block-size remap moves state pages only between equal TP sizes" \
+        not in caplog.text
 
 
 def test_push_remap_refuses_mamba_groups_of_other_block_sizes_by_name():

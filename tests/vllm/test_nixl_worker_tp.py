@@ -99,19 +99,30 @@ def test_peer_without_state_geometry_is_refused_at_the_handshake(caplog):
         P.shutdown()
 
 
-def test_mamba_block_size_remap_across_tp_sizes_is_refused(caplog):
-    """Both sides declare the geometry but the block sizes differ too: a remap moves state
-    pages only between equal TP sizes (hmacore.regrain pairs whole unpadded states)."""
-    P = _worker(_hybrid(bs=32), "P-geo-bs32",
-                [ATTN, GroupSharding(1, 1, True, state=GDN)])
-    D = _worker(_hybrid(bs=64, heads=1), "D-geo-bs64",
+@pytest.mark.parametrize("p_geo,msg", [
+    (None, "group 1 is Mamba state and the TP sizes differ (local 1, remote 2) but the local "
+           "side sent no state geometry"),
+    (STV.hm_global("gdn", "SD"), "disagrees on group 1's Mamba state geometry: conv_layout "
+                                 "local 'SD', remote 'DS' (a DS/SD conv state mix is a "
+                                 "transposed copy"),
+], ids=["p-without-geometry", "ds-sd-mix"])
+def test_mamba_block_size_remap_across_tp_sizes_refusals(caplog, p_geo, msg):
+    """Block sizes AND TP sizes differ: the remap pairs the state geometry's byte ranges
+    (tests/vllm/test_pd_nixl_tp.py moves them), so what still refuses is what refuses without
+    a remap: a side without a state geometry, or geometries that differ (a DS/SD conv layout
+    mix), at the handshake by name; nothing is connected or read."""
+    P = _worker(_hybrid(bs=32), f"P-remap-{p_geo is None}",
+                [ATTN, GroupSharding(1, 1, True, state=p_geo)])
+    D = _worker(_hybrid(bs=64, heads=1), f"D-remap-{p_geo is None}",
                 [ATTN, GroupSharding(1, 1, True, state=GDN)], tp=(0, 2))
     try:
-        remote = RemotePeer("P-geo-bs32", "p-req", "127.0.0.1", P.port, [[3, 4], [4]],
+        remote = RemotePeer(P.engine_id, "p-req", "127.0.0.1", P.port, [[3, 4], [4]],
                             tp_size=1)
         assert _load(D, remote, [[5], [6]]) == (set(), {"d-req"}, {"d-req"})
-        assert "groups [1] are Mamba state: a block-size remap moves state pages only " \
-               "between equal TP sizes (this rank: TP 2, peer: TP 1)" in caplog.text
+        assert msg in caplog.text
+        assert "a block-size remap moves state pages only between equal TP sizes" \
+            not in caplog.text
+        assert D.agent.peers == ()
     finally:
         D.shutdown()
         P.shutdown()

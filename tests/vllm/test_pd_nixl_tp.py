@@ -180,3 +180,57 @@ def test_mixed_tp_and_block_sizes_pull_every_byte(remap_engines, p_first):
     P.run_out()
     H.assert_no_leak(P.s)
     assert P.s.connector.scheduler.leases() == {}
+
+
+@pytest.fixture(scope="module")
+def remap_state_engines():
+    """Per state case four engines: TP 1 and TP 2 at 32-token blocks and at 64-token blocks
+    (head size 64: vLLM CPU's vec kernel), started together, reused by the case's tests."""
+    pools = {c: tuple((f"b{bs}t{tp}", f"{c}-b{bs}", tp) for bs in (32, 64) for tp in (1, 2))
+             for c in tp_cases.STATE_CASES}
+    yield from engine_pool("rs-", pools=pools)
+
+
+@pytest.mark.parametrize("case,bp,tp_p,tp_d", [(c, bp, p, d) for c in tp_cases.STATE_CASES
+                                               for bp in (32, 64) for p, d in PAIRS])
+def test_mamba_state_remap_across_tp_pull_every_byte(remap_state_engines, case, bp, tp_p, tp_d):
+    """Block sizes AND TP sizes differ with Mamba state groups (issue 20 (b)): GDN, Mamba2
+    g2 / g1, Mamba1, conv DS and SD; P 32 / D 64 and P 64 / D 32 tokens per block; P2/D1,
+    P1/D2, P2/D2. Each D rank reads from every P rank it needs, one READ of runs each: the
+    attention token rows of its heads (regrain) and the state byte ranges of its state
+    (hmacore.state_tp), P's running-state slot onto D's slot for the state after its load.
+    Every byte of every D rank: attention rows of [lo, hi) hold P's pattern for its heads,
+    the state slot holds P's state (P's table position) as vLLM's loaders shard it for D's
+    rank (tp_cases.state_page), its padding and every other block zero; rank 0 read as rank 1
+    differs (control); no leak on either engine."""
+    e = remap_state_engines(case)
+    bd = 96 - bp
+    P, D = e[f"b{bp}t{tp_p}"], e[f"b{bd}t{tp_d}"]
+    for eng in (P, D):
+        eng.call_all("zero")
+    rid = f"rs{bp}{tp_p}{tp_d}"
+    n = P.case.prompt_tokens
+    prompt = [1 + (i * 11 + bp + tp_p * 17 + tp_d) % 900 for i in range(n)]
+    params = _prefill(P, prompt, rid=f"p-{rid}")
+    assert params["tp_size"] == tp_p and params["remote_block_sizes"] != list(D.layout.block_sizes)
+    req, rr = _decode_until_loaded(D, prompt, params, rid=f"d-{rid}", P=P)
+    assert req.status != H.RequestStatus.FINISHED_ERROR
+    s = params["remote_num_tokens"]
+    end = rr.load_start + rr.num_external_tokens
+    assert 0 < s == end and req.num_computed_tokens >= end, (s, end, req.num_computed_tokens)
+    lo, hi = token_ranges(D.layout, end, rr.load_start)
+    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(f"d-{rid}")]
+    state = [-(-end // bd) - 1, -(-s // bp) - 1]      # D's slot, P's state position
+    mamba = [g for g, sp in enumerate(D.layout.groups) if sp.kind.name == "MAMBA"]
+    assert mamba and all(table[g][state[0]] for g in mamba), (table, state)
+    kw = dict(table=table, lo=list(lo), hi=list(hi), state=state)
+    for r, got in enumerate(D.call_all("check_tokens", **kw)):
+        assert got["bad"] == 0 and got["stray"] == 0 and got["checked"] > 0 \
+            and got["states"] > 0, (r, got)
+    if D.tp == 2:
+        assert D.ranks[0].call("check_tokens", as_rank=1, **kw)["bad"] > 0
+    D.run_out()
+    H.assert_no_leak(D.s)
+    P.run_out()
+    H.assert_no_leak(P.s)
+    assert P.s.connector.scheduler.leases() == {}

@@ -53,11 +53,12 @@ def _oriented(conv: tuple, layout: str) -> tuple:
 
 
 def state_hybrid(model: str, layout: str, tp: int, bs: int = 64,
-                 num_blocks: int = 64) -> KVCacheConfig:
-    """Full attention (``TOTAL_HEADS`` KV heads over ``tp``) + two Mamba-type layers whose
-    per-rank state shapes, dtypes and type are vLLM's (``MambaStateShapeCalculator`` for
-    the test_state_tp_vllm model ``model`` at ``tp``), padded to the attention page (align)."""
-    fa = H.attn(bs, heads=max(1, TOTAL_HEADS // tp))
+                 num_blocks: int = 64, head: int = 16) -> KVCacheConfig:
+    """Full attention (``TOTAL_HEADS`` KV heads over ``tp``, head size ``head``) + two
+    Mamba-type layers whose per-rank state shapes, dtypes and type are vLLM's
+    (``MambaStateShapeCalculator`` for the test_state_tp_vllm model ``model`` at ``tp``),
+    padded to the attention page (align)."""
+    fa = H.attn(bs, heads=max(1, TOTAL_HEADS // tp), head=head)
     v = STV.vllm_spec(model, tp)
     ms = MambaSpec(block_size=bs, shapes=(_oriented(v.shapes[0], layout), tuple(v.shapes[1])),
                    dtypes=v.dtypes, mamba_type=v.mamba_type,
@@ -72,6 +73,21 @@ def _state_case(model: str, layout: str) -> Case:
     return Case(name, lambda tp: state_hybrid(model, layout, tp),
                 dict(block_size=64, mamba_cache_mode="align"), 150, state=(model, layout))
 
+
+def _state_remap_case(model: str, layout: str, bs: int) -> Case:
+    """A state case at ``bs``-token blocks with head size 64 (>= 32-token blocks: vLLM CPU's
+    "vec" kernel, the one a block-size remap models): peers of other block sizes."""
+    name = f"{model}-{layout.lower()}-b{bs}"
+    return Case(name, lambda tp: state_hybrid(model, layout, tp, bs=bs, num_blocks=48, head=64),
+                dict(block_size=bs, mamba_cache_mode="align"), 150, vec=True,
+                state=(model, layout))
+
+
+#: Mamba state across TP sizes AND block sizes (issue 20 (b)): each state case at 32- and
+#: 64-token blocks (test_pd_nixl_tp.py::test_mamba_state_remap_across_tp_pull_every_byte)
+STATE_REMAP_CASES = {c.name: c for c in (_state_remap_case(m, lay, bs)
+                                         for m in ("gdn", "mamba2-g2", "mamba2-g1", "mamba1")
+                                         for lay in ("DS", "SD") for bs in (32, 64))}
 
 #: Mamba state across TP sizes (issue 20): GDN (qwen3-next-like), Mamba2 with 2 groups
 #: (B/C sharded) and with 1 (B/C replicated on every rank), Mamba1, each in both conv layouts
@@ -102,6 +118,7 @@ CASES = {
                                                           sizes=(128, 32, 32, 2, 4)),
                       dict(max_num_batched_tokens=1024), 600),
     **STATE_CASES,
+    **STATE_REMAP_CASES,
 }
 
 
@@ -270,12 +287,16 @@ def check(case: Case, kcc, caches, table, loaded, tp: int, rank: int,
     return {"bad": bad, "checked": checked, "stray": stray}
 
 
-def check_tokens(case: Case, kcc, caches, table, lo, hi, tp: int, rank: int) -> dict:
+def check_tokens(case: Case, kcc, caches, table, lo, hi, tp: int, rank: int,
+                 state: tuple[int, int] | None = None) -> dict:
     """D after a block-size remap: per group g, every block of ``table[g]`` holds the pattern
     of its tokens in ``[lo[g], hi[g])`` for this rank's heads and zeros elsewhere; every block
-    outside the table is zero (every byte of every layer compared)."""
+    outside the table is zero (every byte of every layer compared). Mamba groups (``state``
+    = (D's slot position, P's state position)): the slot holds P's state as vLLM shards it
+    for this rank (:func:`state_page` at P's position, padding 0), every other state block
+    of the table zero."""
     idx = _layers(kcc)
-    bad = checked = stray = 0
+    bad = checked = stray = states = 0
     touched: set[int] = set()
     for g, grp in enumerate(kcc.kv_cache_groups):
         spec = grp.kv_cache_spec
@@ -285,10 +306,17 @@ def check_tokens(case: Case, kcc, caches, table, lo, hi, tp: int, rank: int) -> 
             touched.add(b)
             for name in grp.layer_names:
                 got = caches[name][b]
+                if isinstance(spec, MambaSpec):
+                    assert state is not None, "a Mamba group needs state=(D slot, P position)"
+                    want = state_page(case, idx[name], state[1], spec, tp, rank) \
+                        if j == state[0] else torch.zeros_like(got)
+                    bad += int((got != want).sum())
+                    states += int(spec.state_content_size_bytes) if j == state[0] else 0
+                    continue
                 want = _page(case, idx[name], j, spec, _heads(spec, tp, rank), lo[g], hi[g])
                 bad += int((got != want).sum())
                 checked += int((want != 0).sum())
     others = torch.tensor(sorted(set(range(kcc.num_blocks)) - touched), dtype=torch.long)
     for name, t in caches.items():
         stray += int((t[others] != 0).sum())
-    return {"bad": bad, "checked": checked, "stray": stray}
+    return {"bad": bad, "checked": checked, "stray": stray, "states": states}

@@ -107,8 +107,10 @@ def main() -> None:
             out = tp_cases.check(case, kcc, caches, cmd["table"], cmd["loaded"], tp,
                                  cmd.get("as_rank", rank), cmd.get("state_pad", 0))
         elif op == "check_tokens":
+            st = cmd.get("state")
             out = tp_cases.check_tokens(case, kcc, caches, cmd["table"], cmd["lo"], cmd["hi"],
-                                        tp, cmd.get("as_rank", rank))
+                                        tp, cmd.get("as_rank", rank),
+                                        None if st is None else tuple(st))
         elif op == "drop_regs":      # fault injection: this rank's registrations are lost
             send = conn.worker.agent.send_notif
             conn.worker.agent.send_notif = lambda peer, msg: (

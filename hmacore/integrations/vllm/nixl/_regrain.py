@@ -93,15 +93,19 @@ def worker_pages(layout: KVLayout, plan: Any, tp: Any) -> list[TokenPage | None]
 
 def regrain_plan(src_layout: KVLayout, dst_layout: KVLayout, src_plan: Any, dst_plan: Any,
                  src_pages: Any, dst_pages: Any, *, tp: Any = None,
-                 state: Sequence[int | None] | None = None) -> RegrainPlan:
+                 state: Sequence[int | None] | None = None,
+                 src_state: Any = "state") -> RegrainPlan:
     """The RegrainPlan, logged once (both sides' block sizes and page models). ``state``:
     per group the Mamba state bytes both sides hold (:func:`state_bytes`; pull: checked equal
     by D's scheduler; push: by P's worker on each registration); None:
-    :func:`check_push_mamba`."""
+    :func:`check_push_mamba`. ``src_state``: the source's, when they differ (another TP
+    size: per-rank states differ and the plan pairs the state geometry's byte ranges; None:
+    unknown, only the destination's bound its ranges); default ``state``."""
     if state is None:
         check_push_mamba(src_layout, dst_layout)
     plan = RegrainPlan(src_layout, dst_layout, src_plan, dst_plan, src_pages, dst_pages, tp=tp,
-                       src_state_bytes=state, dst_state_bytes=state)
+                       src_state_bytes=state if isinstance(src_state, str) else src_state,
+                       dst_state_bytes=state)
     C.get_logger(__name__).info(
         "block-size remap: P %s, D %s tokens per block; pages P %s, D %s",
         list(src_layout.block_sizes), list(dst_layout.block_sizes),

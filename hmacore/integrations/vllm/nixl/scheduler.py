@@ -133,7 +133,7 @@ class HmaNixlScheduler:
         self.posting = posting
         has_mamba = any(s.kind == GroupKind.MAMBA for s in self.layout.groups)
         # per group the unpadded bytes of one layer's Mamba state (None: not Mamba): P sends
-        # them (remote_state_bytes), D's remap requires P's equal to its own
+        # them (remote_state_bytes), D's remap requires P's equal to its own at equal TP sizes
         self.state_bytes = state_bytes(kv_cache_config, self.layout)
         self._remap_mamba = [g for g, s in enumerate(self.layout.groups)
                              if s.kind == GroupKind.MAMBA and s.transfer]
@@ -236,18 +236,16 @@ class HmaNixlScheduler:
         """Why P's Mamba states cannot map onto ours in a remap ('' when they can): P's
         ``remote_state_bytes`` must name, for every moved Mamba group, a state of our bytes
         (pages may be padded differently; the states must be equal). Another TP size (P's
-        ``tp_size``): refused by name, as the worker would (a remap moves whole unpadded
-        states, not the per-rank state byte ranges of hmacore.state_tp; equal block sizes
-        pair across TP sizes, checked by the handshake's state geometry, not here)."""
+        ``tp_size``): per-rank states differ by construction; the worker's handshake requires
+        and compares both sides' state geometry (hmacore.state_tp byte ranges, refused by
+        name without one or on a DS/SD mix), so only the params' shape is checked here."""
         if not self._remap_mamba:
             return ""
-        if (tp or 1) != self.tp_size:
-            return (f"groups {self._remap_mamba} are Mamba state: a block-size remap moves "
-                    f"state pages only between equal TP sizes (P: TP {tp}, ours: TP "
-                    f"{self.tp_size}); use equal --block-size or equal TP sizes")
         if not isinstance(theirs, list) or len(theirs) != self.layout.num_groups:
             return (f"its params carry no remote_state_bytes (one per group; got {theirs!r}): "
                     f"the Mamba states of groups {self._remap_mamba} cannot be checked")
+        if (tp or 1) != self.tp_size:
+            return ""
         for g in self._remap_mamba:
             if theirs[g] != self.state_bytes[g]:
                 return (f"group {g} (Mamba): P's state is {theirs[g]!r} B per layer, ours "

@@ -40,7 +40,7 @@ Pull mode over :class:`hmacore.transport.nixl.NixlAgent`, one worker per TP rank
 Units: block ids per group (blocks of that group); times in seconds. PP > 1 is refused by
 the connector. Mamba groups pair between engines of different TP sizes when both sides
 declare the group's state geometry (hmacore.state_tp byte ranges; refused by name otherwise,
-and with a block-size remap, which moves state pages only between equal TP sizes).
+with or without a block-size remap).
 """
 from __future__ import annotations
 
@@ -376,7 +376,8 @@ class HmaNixlWorker:
         """Other block sizes: this rank reads through one :class:`hmacore.regrain.RegrainPlan`
         per source rank (byte runs in each side's block grain). Same TP size: its own rank of
         P, every chunk; other TP size: the ranks :class:`hmacore.tp.TpMapping` names, each
-        plan pairing only the chunks of the heads read from that rank (MLA: one rank)."""
+        plan pairing only the chunks of the heads read from that rank (MLA: one rank) and
+        the Mamba state byte ranges read from it (state geometry required)."""
         assert self.tp is not None and self.agent is not None
         if not hasattr(self.agent, "add_regrain_peer"):
             raise HandshakeError(f"block sizes {list(got[0].block_sizes)} differ from this "
@@ -384,14 +385,9 @@ class HmaNixlWorker:
                                  f"needs transport 'nixl' (this engine runs {self.transport!r}); "
                                  "use equal --block-size on both engines")
         remote_tp = len(got)
-        mamba = [g for g, s in enumerate(self.layout.groups)
-                 if s.kind == GroupKind.MAMBA and s.transfer]
-        if mamba and remote_tp != self.tp_size:
-            # hmacore.regrain pairs a state page's first bytes, not state_tp's byte ranges
-            raise HandshakeError(f"groups {mamba} are Mamba state: a block-size remap moves "
-                                 f"state pages only between equal TP sizes (this rank: TP "
-                                 f"{self.tp_size}, peer: TP {remote_tp}); use equal --block-size "
-                                 "or equal TP sizes")
+        # other TP size: Mamba groups need a state geometry on both sides (_connect checked
+        # ours, check_compatible the peer's and that they agree); their state ranges
+        # (hmacore.state_tp) pair per source rank inside the RegrainPlan
         if remote_tp == self.tp_size:
             sources: dict[int, Any] = {self.rank: None}
         else:
@@ -407,9 +403,12 @@ class HmaNixlWorker:
             name, rplan = self.agent.add_regrain_peer(p)
             readers[r] = name
             assert p.tp is not None
+            # P's per-rank state bytes are ours at equal TP (D's scheduler checked them);
+            # at another TP size its state ranges come from the state geometry
             plans[r] = regrain_plan(p.tp.kv_layout(), self.layout, rplan, self.agent.plan,
                                     payload_pages(p, rplan), lpages, tp=tp,
-                                    state=self.state_bytes)
+                                    state=self.state_bytes,
+                                    src_state=self.state_bytes if tp is None else None)
         peers = tuple(readers[r] if r in readers else self.agent.add_notify_peer(got[r])
                       for r in range(remote_tp))
         return _Source(tuple(readers[r] for r in sorted(readers)), peers,
