@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_TARGET_DEVICE := cpu
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv deps build test test-te-tp test-vllm033 test-fast lint demo plan bench bench-transfer bench-te bench-gate bench-gate-short bench-gate-short-run sanitize sanitize-short fuzz fuzz-replay reliability soak clean
+.PHONY: venv deps build test test-mamba-tp test-te-tp test-vllm033 test-fast lint demo plan bench bench-transfer bench-te bench-gate bench-gate-short bench-gate-short-run sanitize sanitize-short fuzz fuzz-replay reliability soak clean
 
 $(VENV)/.stamp-base: requirements/test.txt requirements/nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -145,6 +145,12 @@ fuzz: $(VENV)/.stamp-base
 # Every committed fuzz/corpus input once under ASan+UBSan (CI: sanitize-short replays them).
 fuzz-replay: $(VENV)/.stamp-base
 	PY=$(abspath $(PY)) bash scripts/fuzz.sh replay
+
+# Every Mamba state case across TP sizes end to end (pull, pull with a block-size remap, push:
+# 8 models/layouts x 3 TP pairs each; ~50 min on a loaded 2-core machine); `make test` runs the
+# tp_cases.CI_STATE_CASES subset. Figures in docs/hetero-tp.md.
+test-mamba-tp: deps build
+	$(PY) -m pytest -q tests/vllm/test_pd_nixl_tp.py tests/vllm/test_push_tp.py -k "mamba_state"
 
 # Every TP case of tests/vllm/test_pd_nixl_tp.py and test_push_tp.py over Mooncake TE (inside
 # unshare -n; ~12 min on a loaded 2-core machine); `make test` runs the gemma case only.

@@ -83,8 +83,7 @@ def test_mixed_tp_pull_every_byte(engines, case, tp_p, tp_d):
     assert P.s.connector.scheduler.leases() == {}
 
 
-@pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in tp_cases.STATE_CASES
-                                            for p, d in PAIRS])
+@pytest.mark.parametrize("case,tp_p,tp_d", tp_cases.state_params(tp_cases.STATE_CASES, PAIRS))
 def test_mamba_state_across_tp_pull_every_byte(engines, case, tp_p, tp_d):
     """Full attention + two Mamba-type layers (GDN; Mamba2 with 2 groups and with 1, whose
     B/C every rank holds whole), conv state DS and SD (VLLM_SSM_CONV_STATE_LAYOUT in every
@@ -191,8 +190,9 @@ def remap_state_engines():
     yield from engine_pool("rs-", pools=pools)
 
 
-@pytest.mark.parametrize("case,bp,tp_p,tp_d", [(c, bp, p, d) for c in tp_cases.STATE_CASES
-                                               for bp in (32, 64) for p, d in PAIRS])
+@pytest.mark.parametrize("case,bp,tp_p,tp_d",
+                         tp_cases.state_params(tp_cases.STATE_CASES, (32, 64), PAIRS,
+                                               ci=("mamba2-g1-sd",)))
 def test_mamba_state_remap_across_tp_pull_every_byte(remap_state_engines, case, bp, tp_p, tp_d):
     """Block sizes AND TP sizes differ with Mamba state groups (issue 20 (b)): GDN, Mamba2
     g2 / g1, Mamba1, conv DS and SD; P 32 / D 64 and P 64 / D 32 tokens per block; P2/D1,

@@ -320,3 +320,24 @@ def check_tokens(case: Case, kcc, caches, table, lo, hi, tp: int, rank: int,
     for name, t in caches.items():
         stray += int((t[others] != 0).sum())
     return {"bad": bad, "checked": checked, "stray": stray, "states": states}
+
+
+#: the Mamba state cases `make test` runs end to end (one engine pool each: GDN in DS, and
+#: Mamba2 with one group, B/C replicated on every rank, in SD); the others are marked slow
+#: and run in `make test-mamba-tp` (figures in docs/hetero-tp.md)
+CI_STATE_CASES = ("gdn-ds", "mamba2-g1-sd")
+
+
+def state_params(cases, *axes, ci=CI_STATE_CASES):
+    """pytest params over ``cases`` x every combination of ``axes`` (lists of tuples or
+    values), the cases outside ``ci`` marked slow."""
+    import itertools
+
+    import pytest
+    out = []
+    for c in cases:
+        for combo in itertools.product(*axes):
+            flat = [x for a in combo for x in (a if isinstance(a, tuple) else (a,))]
+            marks = () if c in ci else (pytest.mark.slow,)
+            out.append(pytest.param(c, *flat, marks=marks))
+    return out
