@@ -211,12 +211,48 @@ def test_bad_config_is_a_clear_error(extra, needle):
         HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, kcc)
 
 
-def test_push_with_mamba_groups_and_tp_is_refused():
+def test_push_with_mamba_groups_and_tp_starts():
+    """Push with Mamba groups at TP > 1 is no longer refused at start-up (issue 20 (c)): what a
+    pair of engines cannot move is refused per decode peer (test_mamba_tp_refusal_names_the_
+    rule; end to end: test_push_tp.py -k "mamba_state or refused_per_peer")."""
     vc = H.vllm_config(extra={"transfer_mode": "push"}, block_size=64, mamba_cache_mode="align",
                        tp=2)
-    with pytest.raises(ValueError, match="Mamba KV cache groups needs tensor_parallel_size=1 "
-                                         r"\(got 2\)"):
-        HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.qwen3_next_like(num_blocks=16))
+    conn = HmaNixlConnector(vc, KVConnectorRole.SCHEDULER, H.qwen3_next_like(num_blocks=16))
+    assert conn.scheduler.tp_size == 2
+    assert any(g.kind.name == "MAMBA" for g in conn.scheduler.layout.groups)
+
+
+def test_mamba_tp_refusal_names_the_rule():
+    """_tp.mamba_tp_refusal (both push sides, per peer): equal TP sizes and layouts without
+    Mamba pair; across TP sizes a block-size remap, a Mamba group without a state geometry
+    (with the worker's reason) and a worker without a TP description are refused by name."""
+    from hmacore.integrations.vllm.layout import layout_from_kv_cache_config
+    from hmacore.integrations.vllm.nixl._tp import WorkerTp, mamba_tp_refusal
+    from hmacore.tp import GroupSharding
+    import test_state_tp_vllm as STV
+
+    layout = layout_from_kv_cache_config(H.qwen3_next_like(num_blocks=16))
+    attn = GroupSharding(2, 1, False)
+
+    def wtp(state, why=()):
+        return WorkerTp(0, 2, (attn, GroupSharding(1, 1, True, state=state)), "torch.float16",
+                        16, "LBNHC", why)
+
+    geo = wtp(STV.hm_global("gdn", "DS"))
+    assert mamba_tp_refusal(layout, geo, 2, 1, False) is None
+    assert mamba_tp_refusal(layout, wtp(None), 2, 2, True) is None    # equal TP: whole pages
+    gemma = layout_from_kv_cache_config(H.gemma_like(num_blocks=16))
+    assert mamba_tp_refusal(gemma, None, 2, 1, True) is None
+    assert mamba_tp_refusal(layout, geo, 2, 1, True) == (
+        "groups [1] are Mamba state: a block-size remap moves state pages only between equal "
+        "TP sizes (this rank: TP 2, peer: TP 1); use equal --block-size or equal TP sizes")
+    assert mamba_tp_refusal(layout, wtp(None, ("", "mamba_type KDA: not modelled")), 2, 1,
+                            False) == (
+        "group 1 is Mamba state without a state geometry (mamba_type KDA: not modelled); its "
+        "pages pair only between equal TP sizes (this rank: TP 2, peer: TP 1)")
+    assert "(its state type is not modelled across TP sizes)" in \
+        mamba_tp_refusal(layout, wtp(None), 1, 2, False)
+    assert "(this worker has no TP description)" in mamba_tp_refusal(layout, None, 1, 2, False)
 
 
 @pytest.mark.parametrize("bad, needle", [

@@ -18,6 +18,7 @@ import pytest
 
 import harness as H
 import push_harness as PH
+import tp_cases
 from tp_harness import PAIRS, engine_pool
 
 from hmacore.regrain import token_ranges
@@ -31,7 +32,9 @@ PUSH = {"transfer_mode": "push", "push_register_timeout": 4, "push_recv_timeout"
 #: with 32-token blocks and TP 1 with 64-token blocks, vec-kernel pages (3 rank processes)
 POOLS = {"dsv4": (("tp1", "dsv4", 1), ("tp2", "dsv4", 2), ("tp2b", "dsv4", 2),
                   ("tp1h", "dsv4-half", 1)),
-         "remap-gemma": (("tp2", "gemma-vec32", 2), ("tp1", "gemma-vec64", 1))}
+         "remap-gemma": (("tp2", "gemma-vec32", 2), ("tp1", "gemma-vec64", 1)),
+         # GDN + attention, TP 2 with 32-token blocks and TP 1 with 64 (3 rank processes)
+         "remap-gdn": (("tp2", "gdn-ds-b32", 2), ("tp1", "gdn-ds", 1))}
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +122,64 @@ def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
         mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
         assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": steps,
                          "consumers": CONSUMERS[(case, tp_p, tp_d)][r]}], (r, st)
+    for st in P.call_all("push_state") + D.call_all("push_state"):
+        assert st["errors"] == [] and st["regs"] == st["pushes"] == st["expect"] == [], st
+
+
+#: per (P TP, D TP): the D ranks each P rank WRITEs to in the Mamba state cases (written
+#: out): P2/D1 both P ranks (each holds half of D's heads, conv channels and ssm heads),
+#: P1/D2 P's only rank to both, P2/D2 rank to rank (whole pages)
+STATE_CONSUMERS = {(2, 1): [[0], [0]], (1, 2): [[0, 1]], (2, 2): [[0], [1]]}
+
+
+@pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in tp_cases.STATE_CASES
+                                            for p, d in PAIRS])
+def test_mamba_state_across_tp_push_every_byte(engines, case, tp_p, tp_d):
+    """Push with Mamba / GDN state groups at TP > 1 (issue 20 (c)): full attention + two
+    Mamba-type layers (GDN; Mamba2 with 2 groups and with 1; Mamba1; conv state DS and SD),
+    P2/D2 (whole state pages rank i -> rank i), P2/D1 and P1/D2 (each P rank WRITEs the
+    byte ranges of its conv channels and ssm heads that a D rank holds: hmacore.tp.StateSlice,
+    the pull plan in the WRITE direction). P's forward pass writes vLLM-shaped state pages
+    tagged by (layer, table position, GLOBAL conv channel / ssm head, element); every byte of
+    every D rank's registered state slot and attention blocks equals the oracle for D's rank
+    (state padding: P's STATE_PAD copied at equal TP, D's zero kept across TP sizes), nothing
+    else written; D computes only the backoff suffix; every P rank's push ended ok with the
+    consumers written out; no leak, no error on either engine."""
+    e = engines(case)
+    P, D = (e[k] for k in PAIRS[(tp_p, tp_d)])
+    for eng in (P, D):
+        eng.call_all("zero")
+    rid = f"{case}-{tp_p}{tp_d}"
+    n = P.case.prompt_tokens
+    prompt = [1 + (i * 7 + tp_p * 11 + tp_d * 5) % 900 for i in range(n)]
+    d_req, p_req = _start(P, D, prompt, rid)
+    _until_loaded(P, D, d_req)
+    assert d_req.status != H.RequestStatus.FINISHED_ERROR
+    reg = _registration(D, d_req.request_id)
+    assert reg.awaiting
+    backoff = D.s.connector.scheduler.backoff
+    assert backoff >= 1 and reg.num_tokens == n - backoff, (reg.num_tokens, n, backoff)
+    assert d_req.num_computed_tokens >= n - backoff, "D recomputed instead of receiving the push"
+    loaded = [[int(b) for b in g if b] for g in reg.block_ids]
+    mamba = [g for g, s in enumerate(D.layout.groups) if s.kind.name == "MAMBA"]
+    assert mamba and all(len(loaded[g]) == 1 for g in mamba), loaded   # one state slot
+    assert all(loaded[g] for g, s in enumerate(D.layout.groups) if g not in mamba), loaded
+    D.check_loaded(d_req.request_id, loaded, control=tp_d == 2,
+                   state_pad=tp_cases.STATE_PAD if tp_p == tp_d else 0)
+    D.run_out()
+    H.assert_no_leak(D.s)
+    P.run_out()
+    H.assert_no_leak(P.s)
+    sched = P.s.connector.scheduler
+    assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
+    # P's steps that pushed (the prompt less the backoff, then its last step)
+    steps = len([s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
+                 if s.push_id == f"push-{rid}"])
+    assert steps >= 1
+    for r, st in enumerate(P.call_all("push_state")):
+        mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
+        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": steps,
+                         "consumers": STATE_CONSUMERS[(tp_p, tp_d)][r]}], (r, st)
     for st in P.call_all("push_state") + D.call_all("push_state"):
         assert st["errors"] == [] and st["regs"] == st["pushes"] == st["expect"] == [], st
 
@@ -300,3 +361,51 @@ def test_bad_registration_claims_are_refused(claims, needle):
     finally:
         P.close()
         D.close()
+
+
+def test_mamba_across_tp_with_block_size_remap_is_refused_per_peer(engines):
+    """What push cannot move with Mamba at TP > 1 is refused per decode peer, by name, never
+    at start-up: a Mamba state across TP sizes AND block sizes (P TP 2 / 32-token blocks ->
+    D TP 1 / 64; hmacore.regrain pairs a state page's first bytes, not state ranges). P's
+    ranks refuse D's peer at acceptance and D refuses P at its handshake (each logged with the
+    rule; a registration that still came would be answered ``failed`` and withdrawn): both
+    engines stay up, P's request prefills without push (no push step planned, after
+    push_register_timeout), D's request fails its load with nothing written into any of D's
+    blocks (every byte of D's caches still zero), no leak on either engine."""
+    e = engines("remap-gdn")
+    P, D = e["tp2"], e["tp1"]
+    for eng in (P, D):
+        eng.call_all("zero")
+    rid = "gdn-remap-refused"
+    n = P.case.prompt_tokens
+    prompt = [1 + (i * 13 + 7) % 900 for i in range(n)]
+    d_req, p_req = _start(P, D, prompt, rid, wait_registered=False)
+    deadline = time.monotonic() + 60
+    while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS or P.s.requests:
+        assert time.monotonic() < deadline, (d_req.status, list(P.s.requests))
+        D.step()
+        P.step(fill=True)
+    assert p_req.status == H.RequestStatus.FINISHED_LENGTH_CAPPED, p_req.status
+    assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
+    assert not [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
+                if s.push_id == f"push-{rid}"], "P planned a push step for a refused peer"
+    rule = ("groups [1] are Mamba state: a block-size remap moves state pages only between "
+            "equal TP sizes (this rank: TP {}, peer: TP {})")
+    for r, st in enumerate(P.call_all("push_state")):
+        assert any("decode peer 'push-remap-gdn-tp1-" in x and "refused for push: " +
+                   rule.format(2, 1) in x for x in st["errors"]), (r, st["errors"])
+        assert st["regs"] == st["pushes"] == [] and not st["stats"], (r, st)
+    (d0,) = D.call_all("push_state")    # D refuses the same pair at its handshake
+    assert any("refused for push: " + rule.format(1, 2) in x for x in d0["errors"]), d0
+    assert d0["expect"] == [], d0
+    D.run_out()
+    P.run_out()
+    H.assert_no_leak(D.s)
+    H.assert_no_leak(P.s)
+    sched = P.s.connector.scheduler
+    assert sched.registered() == set() and sched.held() == set()
+    # nothing written into D: every block of every layer still zero
+    for st in D.call_all("check", table=[[] for _ in D.kcc.kv_cache_groups],
+                         loaded=[[] for _ in D.kcc.kv_cache_groups]):
+        assert st["stray"] == 0, st
+

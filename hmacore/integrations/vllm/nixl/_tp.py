@@ -23,7 +23,7 @@ from ....spec import GroupKind, KVLayout
 from ....tp import GroupSharding, kv_heads_of_rank
 from .. import _compat as C
 
-__all__ = ["WorkerTp", "worker_tp", "check_rank_peer"]
+__all__ = ["WorkerTp", "worker_tp", "check_rank_peer", "mamba_tp_refusal"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,3 +117,33 @@ def check_rank_peer(payload: Any, rank: int, tp_size: int, where: str, block_siz
         raise HandshakeError(f"peer {payload.agent_name!r} has block sizes "
                              f"{list(payload.block_sizes)}, this engine {list(block_sizes)}: the "
                              "vLLM connector pairs engines with equal block sizes only")
+
+
+def mamba_tp_refusal(layout: KVLayout, tp: WorkerTp | None, my_tp: int, peer_tp: int,
+                     remap: bool) -> str | None:
+    """Why this rank's Mamba groups cannot pair with a peer engine of TP ``peer_tp`` (a
+    block-size ``remap`` or not), or None. Equal TP sizes move whole state pages (rank i to
+    rank i). Between different TP sizes each Mamba group needs this rank's state geometry
+    (hmacore.state_tp byte ranges; the handshake then requires the peer's equal), and no
+    block-size remap (hmacore.regrain pairs a state page's first bytes, not state ranges).
+    Used by push mode per decode peer (both sides); pull checks the same in its worker."""
+    if peer_tp == my_tp:
+        return None
+    mamba = [g for g, s in enumerate(layout.groups) if s.kind == GroupKind.MAMBA and s.transfer]
+    if not mamba:
+        return None
+    if remap:
+        return (f"groups {mamba} are Mamba state: a block-size remap moves state pages only "
+                f"between equal TP sizes (this rank: TP {my_tp}, peer: TP {peer_tp}); use "
+                "equal --block-size or equal TP sizes")
+    for g in mamba:
+        if tp is None:
+            why = "this worker has no TP description"
+        elif tp.shardings[g].state is None:
+            why = (tp.state_why[g] if tp.state_why else "") or \
+                "its state type is not modelled across TP sizes"
+        else:
+            continue
+        return (f"group {g} is Mamba state without a state geometry ({why}); its pages pair "
+                f"only between equal TP sizes (this rank: TP {my_tp}, peer: TP {peer_tp})")
+    return None

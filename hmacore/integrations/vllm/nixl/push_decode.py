@@ -16,7 +16,7 @@ from ....plan import TransferPlan
 from ....tp import TpMapping
 from ....transport.handshake import HandshakePayload, exchange_handshake
 from ._regrain import payload_pages, worker_pages
-from ._tp import check_rank_peer
+from ._tp import check_rank_peer, mamba_tp_refusal
 from .push_metadata import PUSH_AGENT_SUFFIX
 from .. import _compat as C
 from .push_common import _CANCEL, _Cancel, FIRST_CONTACT_TIMEOUT_S, PEER_CHECK_INTERVAL_S, _PING, \
@@ -62,6 +62,11 @@ class DecodeSide:
                             "listens on port + r)")
             got.append(payload)
             r += 1
+        why = mamba_tp_refusal(self.layout, self.tp, self.tp_size, ptp,
+                               tuple(got[0].block_sizes) != tuple(self.layout.block_sizes))
+        if why is not None:       # P's ranks refuse this peer alike (PrefillSide._accept_peers)
+            raise HandshakeError(f"prefill engine at {host}:{port} (TP {ptp}) refused for "
+                                 f"push: {why}")
         if ptp == self.tp_size:
             from_ranks: tuple[int, ...] = (self.rank,)
             mapping = None

@@ -21,6 +21,7 @@ from ....spec import GroupKind
 from ....tp import TpMapping, TpPairPlan
 from ....transport.handshake import HandshakePayload
 from ._regrain import payload_pages, worker_pages
+from ._tp import mamba_tp_refusal
 from .push_metadata import PUSH_AGENT_SUFFIX, PushSave
 from .. import _compat as C
 from .push_common import _CANCELLED, _positional, _Push, _Reg, _regrain_plan_with
@@ -47,7 +48,7 @@ class PrefillSide:
                 self._error(f"transfer_mode mismatch: peer {name!r} handshook in pull mode but "
                             f"this engine runs kv_connector_extra_config.transfer_mode='push'")
                 continue
-            if name in self._dpeers:
+            if name in self._dpeers or name in self._refused_peers:
                 continue
             try:
                 d, dtp = (payload.tp.tp_rank, payload.tp.tp_size) if payload.tp is not None \
@@ -58,6 +59,12 @@ class PrefillSide:
                     if remap:
                         self._check_remap(payload.block_sizes)
                 self.agent.add_remote(payload.agent_metadata)
+                why = mamba_tp_refusal(self.layout, self.tp, self.tp_size, dtp, remap)
+                if why is not None:     # known to NIXL (its registrations are answered)
+                    self._refused_peers[name] = why
+                    self._error(f"decode peer {name!r} (rank {d} of TP {dtp}) refused for "
+                                f"push: {why}; its requests prefill without push")
+                    continue
                 if d in self._consumers(dtp):
                     if remap:
                         self._add_regrain_peer(name, payload, d, dtp)
@@ -166,6 +173,20 @@ class PrefillSide:
             if agent in self._regrain:      # its steps are planned in token ranges
                 reg.remap = (int(doc["start"]), int(doc["n"]),
                              [int(b) for b in self._regrain[agent][0].dst_block_sizes])
+
+    def _refuse_peer_reg(self, pid: str, agent: str) -> None:
+        """P: a registration from a decode peer refused at acceptance
+        (:func:`~._tp.mamba_tp_refusal`): nothing of ``pid`` is ever written; D is told
+        (``failed``: its request ends at once, nothing loaded) and the scheduler
+        (``withdrawn``: P's request prefills without push)."""
+        self._error(f"push registration {pid!r} from {agent!r} refused: "
+                    f"{self._refused_peers[agent]}")
+        if pid not in self._dead:
+            self._refuse_reg(pid)
+        try:
+            self.agent.send_notif(agent, f"{self._tag(pid)}:failed".encode())
+        except Exception:  # noqa: BLE001 - its deadline fails it anyway
+            pass
 
     def _refuse_reg(self, pid: str) -> None:
         """P: push ``pid`` will never be written (its registration was refused): later

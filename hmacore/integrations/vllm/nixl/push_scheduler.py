@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from ....errors import BlockTableError, ConfigError
-from ....spec import GroupKind
 from .._config import number
 from .. import _compat as C
 from .._clip import clip_table
@@ -68,9 +67,10 @@ class HmaPushScheduler(HmaNixlScheduler):
     registration until every layer must have arrived, default 60; read by the worker),
     ``push_cancel_ack_timeout`` (D: seconds the blocks of a cancelled push stay pinned while
     the prefill side has not answered the cancel, default 60; read by the worker).
-    Refused (ValueError): ``sync_load`` true; Mamba groups with TP > 1. Mamba groups register
-    one state slot (the block holding the state after the loaded tokens; P computes the prompt
-    less the backoff token).
+    Refused (ValueError): ``sync_load`` true. Mamba groups register one state slot (the block
+    holding the state after the loaded tokens; P computes the prompt less the backoff token);
+    at TP > 1 what a pair of engines cannot move is refused per decode peer by P's worker
+    (:meth:`~.push_prefill.PrefillSide._mamba_tp_why`), not here.
 
     P's scheduler follows no block table: each step's :class:`PushSave` carries the token
     span and vLLM's new ids of each pushing request, and P's worker follows its own sparse
@@ -84,11 +84,6 @@ class HmaPushScheduler(HmaNixlScheduler):
         if self.sync_load:
             raise ConfigError("kv_connector_extra_config.sync_load must be false with "
                              "transfer_mode='push' (pushed KV arrives asynchronously)")
-        if self.tp_size > 1 and any(s.kind == GroupKind.MAMBA for s in self.layout.groups):
-            raise ConfigError(f"transfer_mode='push' with Mamba KV cache groups needs "
-                             f"tensor_parallel_size=1 (got {self.tp_size}): how a Mamba state "
-                             "is split across TP ranks is model-specific; use "
-                             "transfer_mode='pull' (equal TP sizes) or TP 1")
         extra = dict(ktc.kv_connector_extra_config or {})
         self.register_timeout = number(extra, "push_register_timeout", 30.0, positive=True)
         self.recv_timeout = number(extra, "push_recv_timeout", 60.0, positive=True)

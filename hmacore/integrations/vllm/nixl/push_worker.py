@@ -167,6 +167,8 @@ class HmaPushWorker(PrefillSide, DecodeSide):
         self._released: set[str] = set()          # request ids whose hold ended (to report)
         # P side
         self._dpeers: dict[str, tuple[int, int]] = {}   # D agent -> (its rank, its TP size)
+        # D agents refused at acceptance (Mamba across TP sizes it cannot pair) -> why
+        self._refused_peers: dict[str, str] = {}
         # D agent of other block sizes -> (RegrainPlan P -> D, layer index of each region pair)
         self._regrain: dict[str, tuple[Any, Any]] = {}
         self._consumers_of: dict[int, tuple[int, ...]] = {}   # D TP size -> consumer ranks
@@ -340,6 +342,8 @@ class HmaPushWorker(PrefillSide, DecodeSide):
             for t, pid, doc in self._pending_regs:
                 if doc["agent"] in self._dpeers:
                     self._add_reg(pid, doc)
+                elif doc["agent"] in self._refused_peers:
+                    self._refuse_peer_reg(pid, doc["agent"])
                 elif time.monotonic() - t < self.gate_timeout:
                     keep.append((t, pid, doc))       # its handshake is still being accepted
                 else:
