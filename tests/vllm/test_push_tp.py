@@ -132,8 +132,9 @@ def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
 STATE_CONSUMERS = {(2, 1): [[0], [0]], (1, 2): [[0, 1]], (2, 2): [[0], [1]]}
 
 
-@pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in tp_cases.STATE_CASES
-                                            for p, d in PAIRS])
+# make test: two other cases than the pull tests' (the rest: make test-mamba-tp)
+@pytest.mark.parametrize("case,tp_p,tp_d", tp_cases.state_params(
+    tp_cases.STATE_CASES, PAIRS, ci=("gdn-sd", "mamba2-g2-ds")))
 def test_mamba_state_across_tp_push_every_byte(engines, case, tp_p, tp_d):
     """Push with Mamba / GDN state groups at TP > 1 (issue 20 (c)): full attention + two
     Mamba-type layers (GDN; Mamba2 with 2 groups and with 1; Mamba1; conv state DS and SD),
