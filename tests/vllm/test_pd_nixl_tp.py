@@ -13,7 +13,7 @@ import pytest
 
 import harness as H
 import tp_cases
-from tp_harness import PAIRS, TpEngine, engine_pool
+from tp_harness import PAIRS, TpEngine, engine_pool, pair, run_out_both, zeroed
 
 from hmacore.regrain import token_ranges
 from hmacore.windows import trim_remote_to_local
@@ -60,13 +60,9 @@ def engines():
 @pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in ("gemma", "dsv4")
                                             for p, d in PAIRS])
 def test_mixed_tp_pull_every_byte(engines, case, tp_p, tp_d):
-    e = engines(case)
-    P, D = (e[k] for k in PAIRS[(tp_p, tp_d)])
-    for eng in (P, D):
-        eng.call_all("zero")
+    P, D, prompt = pair(engines, case, tp_p, tp_d, (7, 13, 1))
     rid = f"{tp_p}{tp_d}"
-    n = P.case.prompt_tokens
-    prompt = [1 + (i * 7 + tp_p * 13 + tp_d) % 900 for i in range(n)]
+    n = len(prompt)
     params = _prefill(P, prompt, rid=f"p-{rid}")
     assert params["tp_size"] == tp_p and params["remote_port"] == P.port
     req, rr = _decode_until_loaded(D, prompt, params, rid=f"d-{rid}", P=P)
@@ -76,10 +72,7 @@ def test_mixed_tp_pull_every_byte(engines, case, tp_p, tp_d):
     loaded = [[int(b) for b in g] for g in local]
     assert sum(map(len, loaded)) > 0
     D.check_loaded(f"d-{rid}", loaded, control=case == "gemma" and tp_d == 2)
-    D.run_out()
-    H.assert_no_leak(D.s)
-    P.run_out()            # P frees once every D rank's done reached every P rank
-    H.assert_no_leak(P.s)
+    run_out_both(P, D)
     assert P.s.connector.scheduler.leases() == {}
 
 
@@ -93,13 +86,9 @@ def test_mamba_state_across_tp_pull_every_byte(engines, case, tp_p, tp_d):
     and padding: P's padding is tp_cases.STATE_PAD, D's stays 0 across TP sizes) equals that
     oracle for D's rank, attention as in the other cases, nothing else written; D schedules
     exactly the backoff suffix; no leak on either engine."""
-    e = engines(case)
-    P, D = (e[k] for k in PAIRS[(tp_p, tp_d)])
-    for eng in (P, D):
-        eng.call_all("zero")
+    P, D, prompt = pair(engines, case, tp_p, tp_d, (5, 17, 1))
     rid = f"s{tp_p}{tp_d}"
-    n = P.case.prompt_tokens
-    prompt = [1 + (i * 5 + tp_p * 17 + tp_d) % 900 for i in range(n)]
+    n = len(prompt)
     params = _prefill(P, prompt, rid=f"p-{rid}")
     assert params["tp_size"] == tp_p
     hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
@@ -125,10 +114,7 @@ def test_mamba_state_across_tp_pull_every_byte(engines, case, tp_p, tp_d):
     # P's state padding is STATE_PAD: copied with whole pages at equal TP, never read across
     D.check_loaded(f"d-{rid}", loaded, control=tp_d == 2,
                    state_pad=tp_cases.STATE_PAD if tp_p == tp_d else 0)
-    D.run_out()
-    H.assert_no_leak(D.s)
-    P.run_out()
-    H.assert_no_leak(P.s)
+    run_out_both(P, D)
     assert P.s.connector.scheduler.leases() == {}
 
 
@@ -174,10 +160,7 @@ def test_mixed_tp_and_block_sizes_pull_every_byte(remap_engines, p_first):
     if D.tp == 2:
         ctl = D.ranks[0].call("check_tokens", table=table, lo=list(lo), hi=list(hi), as_rank=1)
         assert ctl["bad"] > 0
-    D.run_out()
-    H.assert_no_leak(D.s)
-    P.run_out()
-    H.assert_no_leak(P.s)
+    run_out_both(P, D)
     assert P.s.connector.scheduler.leases() == {}
 
 
@@ -206,11 +189,8 @@ def test_mamba_state_remap_across_tp_pull_every_byte(remap_state_engines, case, 
     e = remap_state_engines(case)
     bd = 96 - bp
     P, D = e[f"b{bp}t{tp_p}"], e[f"b{bd}t{tp_d}"]
-    for eng in (P, D):
-        eng.call_all("zero")
+    prompt = zeroed(P, D, (11, 17, 1), tp_p, tp_d, shift=bp)
     rid = f"rs{bp}{tp_p}{tp_d}"
-    n = P.case.prompt_tokens
-    prompt = [1 + (i * 11 + bp + tp_p * 17 + tp_d) % 900 for i in range(n)]
     params = _prefill(P, prompt, rid=f"p-{rid}")
     assert params["tp_size"] == tp_p and params["remote_block_sizes"] != list(D.layout.block_sizes)
     req, rr = _decode_until_loaded(D, prompt, params, rid=f"d-{rid}", P=P)
@@ -229,8 +209,5 @@ def test_mamba_state_remap_across_tp_pull_every_byte(remap_state_engines, case, 
             and got["states"] > 0, (r, got)
     if D.tp == 2:
         assert D.ranks[0].call("check_tokens", as_rank=1, **kw)["bad"] > 0
-    D.run_out()
-    H.assert_no_leak(D.s)
-    P.run_out()
-    H.assert_no_leak(P.s)
+    run_out_both(P, D)
     assert P.s.connector.scheduler.leases() == {}

@@ -19,7 +19,7 @@ import pytest
 import harness as H
 import push_harness as PH
 import tp_cases
-from tp_harness import PAIRS, engine_pool
+from tp_harness import PAIRS, engine_pool, pair, run_out_both
 
 from hmacore.regrain import token_ranges
 
@@ -94,13 +94,9 @@ def _registration(D, rid):
 @pytest.mark.parametrize("case,tp_p,tp_d", [(c, p, d) for c in ("gemma", "gemma-chunk", "dsv4")
                                             for p, d in PAIRS])
 def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
-    e = engines(case)
-    P, D = (e[k] for k in PAIRS[(tp_p, tp_d)])
-    for eng in (P, D):
-        eng.call_all("zero")
+    P, D, prompt = pair(engines, case, tp_p, tp_d, (5, 17, 3))
     rid = f"{case}-{tp_p}{tp_d}"
-    n = P.case.prompt_tokens
-    prompt = [1 + (i * 5 + tp_p * 17 + tp_d * 3) % 900 for i in range(n)]
+    n = len(prompt)
     d_req, p_req = _start(P, D, prompt, rid)
     _until_loaded(P, D, d_req)
     assert d_req.status != H.RequestStatus.FINISHED_ERROR
@@ -110,10 +106,7 @@ def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
     loaded = [[int(b) for b in g if b] for g in reg.block_ids]
     assert sum(map(len, loaded)) > 0
     D.check_loaded(d_req.request_id, loaded, control=case == "gemma" and tp_d == 2)
-    D.run_out()
-    H.assert_no_leak(D.s)
-    P.run_out()            # P frees once every P rank reported its pushes ended
-    H.assert_no_leak(P.s)
+    run_out_both(P, D)
     sched = P.s.connector.scheduler
     assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
     assert sched._reg_partial == {}
@@ -146,13 +139,9 @@ def test_mamba_state_across_tp_push_every_byte(engines, case, tp_p, tp_d):
     (state padding: P's STATE_PAD copied at equal TP, D's zero kept across TP sizes), nothing
     else written; D computes only the backoff suffix; every P rank's push ended ok with the
     consumers written out; no leak, no error on either engine."""
-    e = engines(case)
-    P, D = (e[k] for k in PAIRS[(tp_p, tp_d)])
-    for eng in (P, D):
-        eng.call_all("zero")
+    P, D, prompt = pair(engines, case, tp_p, tp_d, (7, 11, 5))
     rid = f"{case}-{tp_p}{tp_d}"
-    n = P.case.prompt_tokens
-    prompt = [1 + (i * 7 + tp_p * 11 + tp_d * 5) % 900 for i in range(n)]
+    n = len(prompt)
     d_req, p_req = _start(P, D, prompt, rid)
     _until_loaded(P, D, d_req)
     assert d_req.status != H.RequestStatus.FINISHED_ERROR
@@ -167,10 +156,7 @@ def test_mamba_state_across_tp_push_every_byte(engines, case, tp_p, tp_d):
     assert all(loaded[g] for g, s in enumerate(D.layout.groups) if g not in mamba), loaded
     D.check_loaded(d_req.request_id, loaded, control=tp_d == 2,
                    state_pad=tp_cases.STATE_PAD if tp_p == tp_d else 0)
-    D.run_out()
-    H.assert_no_leak(D.s)
-    P.run_out()
-    H.assert_no_leak(P.s)
+    run_out_both(P, D)
     sched = P.s.connector.scheduler
     assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
     # P's steps that pushed (the prompt less the backoff, then its last step)

@@ -239,3 +239,30 @@ def engine_pool(prefix: str = "", extra: dict | None = None,
 
 #: (P TP, D TP) -> the engine keys of an engine_pool case playing P and D
 PAIRS = {(2, 1): ("tp2", "tp1"), (1, 2): ("tp1", "tp2"), (2, 2): ("tp2", "tp2b")}
+
+
+def zeroed(P, D, salt: tuple[int, int, int], tp_p: int, tp_d: int, shift: int = 0) -> list[int]:
+    """Zero every rank's KV of P and D; a prompt of P's case length whose tokens depend on
+    ``salt`` and the TP pair (distinct per test, so no request hits another's prefix)."""
+    for eng in (P, D):
+        eng.call_all("zero")
+    a, b, c = salt
+    return [1 + (i * a + shift + tp_p * b + tp_d * c) % 900
+            for i in range(P.case.prompt_tokens)]
+
+
+def pair(get, case: str, tp_p: int, tp_d: int, salt: tuple[int, int, int]):
+    """``(P, D, prompt)``: the engines of ``case`` playing P and D for a TP pair (PAIRS),
+    zeroed, and :func:`zeroed`'s prompt."""
+    e = get(case)
+    P, D = (e[k] for k in PAIRS[(tp_p, tp_d)])
+    return P, D, zeroed(P, D, salt, tp_p, tp_d)
+
+
+def run_out_both(P, D) -> None:
+    """Both engines run their requests out and hold no block (P frees last: once every D
+    rank's done, or every P rank's push end, reached it)."""
+    D.run_out()
+    H.assert_no_leak(D.s)
+    P.run_out()
+    H.assert_no_leak(P.s)
