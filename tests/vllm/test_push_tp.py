@@ -34,7 +34,7 @@ POOLS = {"dsv4": (("tp1", "dsv4", 1), ("tp2", "dsv4", 2), ("tp2b", "dsv4", 2),
                   ("tp1h", "dsv4-half", 1)),
          "remap-gemma": (("tp2", "gemma-vec32", 2), ("tp1", "gemma-vec64", 1)),
          # GDN + attention, TP 2 with 32-token blocks and TP 1 with 64 (3 rank processes)
-         "remap-gdn": (("tp2", "gdn-ds-b32", 2), ("tp1", "gdn-ds", 1))}
+         "remap-gdn": (("tp2", "gdn-ds-b32-h16", 2), ("tp1", "gdn-ds", 1))}
 
 
 @pytest.fixture(scope="module")

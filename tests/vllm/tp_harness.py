@@ -4,6 +4,7 @@ tensors), and vLLM's own KVOutputAggregator folding the ranks' connector outputs
 one the scheduler sees, as vLLM's multiproc executor does. Every rank process is bounded
 (each reply within ``timeout`` s) and killed by PID on close."""
 import base64
+import glob
 import json
 import os
 import pickle
@@ -101,8 +102,10 @@ class TpEngine:
         self.s = H.make_scheduler(self.vc, self.kcc)
         self.agg = KVOutputAggregator(expected_finished_count=tp)
         dist_port = free_ports(1)
+        self.dist_ident = f"hmacore-tp-{uuid.uuid4().hex[:12]}"
         self.ranks = [RankProc(dict(case=case, tp=tp, rank=r, port=self.port, dist_port=dist_port,
-                                    engine_id=self.engine_id, extra=self.extra))
+                                    dist_ident=self.dist_ident, engine_id=self.engine_id,
+                                    extra=self.extra))
                       for r in range(tp)]
         self.names: list[str] = []
         self.metas: list = []
@@ -205,6 +208,12 @@ class TpEngine:
             except (OSError, subprocess.TimeoutExpired):
                 pass
             r.kill()
+        # vLLM's CPU communicator does not unlink its shared memory (8 MiB a rank) at exit
+        for path in glob.glob(f"/dev/shm/{glob.escape(self.dist_ident)}-*"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def engine_pool(prefix: str = "", extra: dict | None = None,

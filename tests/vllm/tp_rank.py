@@ -37,14 +37,17 @@ def _unb64(text: str):
     return pickle.loads(base64.b64decode(text))
 
 
-def init_tp(tp: int, rank: int, dist_port: int, vc) -> None:
+def init_tp(tp: int, rank: int, dist_port: int, dist_ident: str, vc) -> None:
     """vLLM's own parallel state for this rank (what a vLLM worker sets up before it builds
-    the KV connector)."""
+    the KV connector). ``dist_ident``: this engine's VLLM_DIST_IDENT, the same on its ranks
+    and on no other engine (vLLM's CPU communicator names its shared memory after it)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     # vLLM's CPU worker sets this before init; its CPU communicator reads it (KeyError
-    # otherwise) whenever vllm's compiled ops happen to be loaded in this process already
-    os.environ.setdefault("VLLM_DIST_IDENT", f"hmacore-tp-{dist_port}")
+    # otherwise) whenever vllm's compiled ops happen to be loaded in this process already,
+    # and names its /dev/shm segments after it: one per engine, never reused (a segment a
+    # killed rank left behind made a later engine on the same port fail with EEXIST)
+    os.environ["VLLM_DIST_IDENT"] = dist_ident
     with set_current_vllm_config(vc):
         ps.init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
                                         distributed_init_method=f"tcp://127.0.0.1:{dist_port}",
@@ -79,7 +82,7 @@ def main() -> None:
     tp, rank = args["tp"], args["rank"]
     vc = tp_cases.engine_config(case, tp=tp, port=args["port"], engine_id=args["engine_id"],
                                 extra=args.get("extra"))
-    init_tp(tp, rank, args["dist_port"], vc)
+    init_tp(tp, rank, args["dist_port"], args["dist_ident"], vc)
     kcc = case.kcc(tp)
     if case.state is not None:
         stand_in_layers(case, tp, vc)
