@@ -119,10 +119,6 @@ CASES = {
                       dict(max_num_batched_tokens=1024), 600),
     **STATE_CASES,
     **STATE_REMAP_CASES,
-    # GDN DS at 32-token blocks: a block-size remap peer of "gdn-ds" across TP sizes, which
-    # Mamba state refuses (push: tests/vllm/test_push_tp.py -k refused)
-    "gdn-ds-b32": Case("gdn-ds-b32", lambda tp: state_hybrid("gdn", "DS", tp, bs=32),
-                       dict(block_size=32, mamba_cache_mode="align"), 150, state=("gdn", "DS")),
 }
 
 
