@@ -224,8 +224,9 @@ def test_push_with_mamba_groups_and_tp_starts():
 
 def test_mamba_tp_refusal_names_the_rule():
     """_tp.mamba_tp_refusal (both push sides, per peer): equal TP sizes and layouts without
-    Mamba pair; across TP sizes a block-size remap, a Mamba group without a state geometry
-    (with the worker's reason) and a worker without a TP description are refused by name."""
+    Mamba pair, and so do Mamba groups with a state geometry across TP sizes (with or without
+    a block-size remap); a Mamba group without a state geometry (with the worker's reason,
+    remap or not) and a worker without a TP description are refused by name."""
     from hmacore.integrations.vllm.layout import layout_from_kv_cache_config
     from hmacore.integrations.vllm.nixl._tp import WorkerTp, mamba_tp_refusal
     from hmacore.tp import GroupSharding
@@ -243,9 +244,15 @@ def test_mamba_tp_refusal_names_the_rule():
     assert mamba_tp_refusal(layout, wtp(None), 2, 2, True) is None    # equal TP: whole pages
     gemma = layout_from_kv_cache_config(H.gemma_like(num_blocks=16))
     assert mamba_tp_refusal(gemma, None, 2, 1, True) is None
-    assert mamba_tp_refusal(layout, geo, 2, 1, True) == (
-        "groups [1] are Mamba state: a block-size remap moves state pages only between equal "
-        "TP sizes (this rank: TP 2, peer: TP 1); use equal --block-size or equal TP sizes")
+    # a block-size remap across TP sizes pairs the state geometry's byte ranges
+    # (test_push_tp.py::test_mamba_state_remap_across_tp_push_every_byte)
+    assert mamba_tp_refusal(layout, geo, 2, 1, True) is None
+    assert mamba_tp_refusal(layout, geo, 1, 2, True) is None
+    assert mamba_tp_refusal(layout, wtp(None, ("", "mamba_type KDA: not modelled")), 2, 1,
+                            True) == (
+        "group 1 is Mamba state without a state geometry (mamba_type KDA: not modelled); its "
+        "pages pair only between equal TP sizes (a block-size remap included) (this rank: TP "
+        "2, peer: TP 1)")
     assert mamba_tp_refusal(layout, wtp(None, ("", "mamba_type KDA: not modelled")), 2, 1,
                             False) == (
         "group 1 is Mamba state without a state geometry (mamba_type KDA: not modelled); its "

@@ -19,7 +19,7 @@ import pytest
 import harness as H
 import push_harness as PH
 import tp_cases
-from tp_harness import PAIRS, engine_pool, pair, run_out_both
+from tp_harness import PAIRS, engine_pool, pair, run_out_both, zeroed
 
 from hmacore.regrain import token_ranges
 
@@ -33,8 +33,14 @@ PUSH = {"transfer_mode": "push", "push_register_timeout": 4, "push_recv_timeout"
 POOLS = {"dsv4": (("tp1", "dsv4", 1), ("tp2", "dsv4", 2), ("tp2b", "dsv4", 2),
                   ("tp1h", "dsv4-half", 1)),
          "remap-gemma": (("tp2", "gemma-vec32", 2), ("tp1", "gemma-vec64", 1)),
-         # GDN + attention, TP 2 with 32-token blocks and TP 1 with 64 (3 rank processes)
-         "remap-gdn": (("tp2", "gdn-ds-b32-h16", 2), ("tp1", "gdn-ds", 1))}
+         # GDN + attention, TP 2 with 32-token blocks and conv state DS, TP 1 with 64 and
+         # conv state SD (tp_cases.STATE_REMAP_CASES): a DS/SD mix, refused per peer (3 rank
+         # processes)
+         "remap-gdn-mix": (("tp2", "gdn-ds-b32", 2), ("tp1", "gdn-sd-b64", 1)),
+         # per state case (tp_cases.STATE_REMAP_CASES): TP 1 and TP 2 at 32- and 64-token
+         # blocks, head size 64 (vLLM CPU's vec kernel), started together (6 rank processes)
+         **{f"rs-{c}": tuple((f"b{bs}t{tp}", f"{c}-b{bs}", tp) for bs in (32, 64)
+                             for tp in (1, 2)) for c in tp_cases.STATE_CASES}}
 
 
 @pytest.fixture(scope="module")
@@ -350,20 +356,79 @@ def test_bad_registration_claims_are_refused(claims, needle):
         D.close()
 
 
-def test_mamba_across_tp_with_block_size_remap_is_refused_per_peer(engines):
-    """What push cannot move with Mamba at TP > 1 is refused per decode peer, by name, never
-    at start-up: a Mamba state across TP sizes AND block sizes (P TP 2 / 32-token blocks ->
-    D TP 1 / 64; hmacore.regrain pairs a state page's first bytes, not state ranges). P's
-    ranks refuse D's peer at acceptance and D refuses P at its handshake (each logged with the
-    rule; a registration that still came would be answered ``failed`` and withdrawn): both
-    engines stay up, P's request prefills without push (no push step planned, after
+# make test: GDN in DS (the qwen3-next-like case) at every block-size and TP pair; the rest
+# of tp_cases.STATE_CASES is slow-marked (make test-mamba-tp)
+@pytest.mark.parametrize("case,bp,tp_p,tp_d", tp_cases.state_params(
+    tp_cases.STATE_CASES, (32, 64), PAIRS, ci=("gdn-ds",)))
+def test_mamba_state_remap_across_tp_push_every_byte(engines, case, bp, tp_p, tp_d):
+    """Push with block sizes AND TP sizes differing, Mamba state groups included (issue 20's
+    last item): GDN, Mamba2 g2 / g1, Mamba1, conv DS and SD; P 32 / D 64 and P 64 / D 32
+    tokens per block; P2/D1, P1/D2, P2/D2. Each P rank WRITEs, through one RegrainPlan per
+    decode rank it serves (TP mapping and source rank: hmacore.regrain with
+    hmacore.state_tp), the attention token rows of that D rank's heads and, in the step that
+    ends its prompt, the state byte ranges that D rank takes from it into D's registered
+    state slot. Every byte of every D rank: attention rows of [lo, hi) hold P's pattern for
+    its heads, the state slot holds P's state (P's table position) as vLLM's loaders shard it
+    for D's rank (tp_cases.state_page), its padding and every other block zero; rank 0 read
+    as rank 1 differs (control); every P rank's push ended ok with its consumers written out;
+    no leak, no new error on either engine."""
+    e = engines(f"rs-{case}")
+    bd = 96 - bp
+    P, D = e[f"b{bp}t{tp_p}"], e[f"b{bd}t{tp_d}"]
+    assert (P.tp, D.tp) == (tp_p, tp_d) and P.layout.block_sizes != D.layout.block_sizes
+    prompt = zeroed(P, D, (13, 7, 3), tp_p, tp_d, shift=bp)
+    errors = [st["errors"] for st in P.call_all("push_state") + D.call_all("push_state")]
+    rid = f"rs-{case}-{bp}-{tp_p}{tp_d}"
+    d_req, p_req = _start(P, D, prompt, rid)
+    _until_loaded(P, D, d_req)
+    assert d_req.status != H.RequestStatus.FINISHED_ERROR
+    reg = _registration(D, d_req.request_id)
+    assert reg.awaiting
+    n = reg.num_tokens
+    backoff = D.s.connector.scheduler.backoff
+    assert backoff >= 1 and n == len(prompt) - backoff, (n, len(prompt), backoff)
+    assert d_req.num_computed_tokens >= n, "D recomputed instead of receiving the push"
+    lo, hi = token_ranges(D.layout, n, reg.start_tokens)
+    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(d_req.request_id)]
+    state = [-(-n // bd) - 1, -(-n // bp) - 1]      # D's slot, P's state position
+    mamba = [g for g, sp in enumerate(D.layout.groups) if sp.kind.name == "MAMBA"]
+    assert mamba and all(table[g][state[0]] for g in mamba), (table, state)
+    kw = dict(table=table, lo=list(lo), hi=list(hi), state=state)
+    for r, got in enumerate(D.call_all("check_tokens", **kw)):
+        assert got["bad"] == 0 and got["stray"] == 0 and got["checked"] > 0 \
+            and got["states"] > 0, (r, got)
+    if D.tp == 2:
+        assert D.ranks[0].call("check_tokens", as_rank=1, **kw)["bad"] > 0
+    run_out_both(P, D)
+    sched = P.s.connector.scheduler
+    assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
+    steps = len([s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
+                 if s.push_id == f"push-{rid}"])
+    assert steps >= 1
+    for r, st in enumerate(P.call_all("push_state")):
+        mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
+        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": steps,
+                         "consumers": STATE_CONSUMERS[(tp_p, tp_d)][r]}], (r, st)
+    for st, before in zip(P.call_all("push_state") + D.call_all("push_state"), errors):
+        assert st["errors"] == before and st["regs"] == st["pushes"] == st["expect"] == [], st
+
+
+def test_mamba_remap_across_tp_conv_layout_mix_is_refused_per_peer(engines):
+    """What push cannot move with Mamba across TP AND block sizes is refused per decode peer,
+    by name, never at start-up: a DS/SD conv state mix (P TP 2 / 32-token blocks / DS -> D
+    TP 1 / 64 / SD; a transposed copy, not byte ranges). D refuses P at its handshake (the
+    state geometry's ``conv_layout`` field named, logged) and never registers, so P's ranks
+    (which would refuse the peer alike, HandshakePayload.check_compatible) hold nothing of
+    it: both engines stay up, P's request prefills without push (no push step planned, after
     push_register_timeout), D's request fails its load with nothing written into any of D's
-    blocks (every byte of D's caches still zero), no leak on either engine."""
-    e = engines("remap-gdn")
+    blocks (every byte of D's caches still zero), no leak on either engine. (A Mamba group
+    without a state geometry, refused per peer by both sides' mamba_tp_refusal:
+    test_push_failures.py::test_mamba_tp_refusal_names_the_rule.)"""
+    e = engines("remap-gdn-mix")
     P, D = e["tp2"], e["tp1"]
     for eng in (P, D):
         eng.call_all("zero")
-    rid = "gdn-remap-refused"
+    rid = "gdn-mix-refused"
     n = P.case.prompt_tokens
     prompt = [1 + (i * 13 + 7) % 900 for i in range(n)]
     d_req, p_req = _start(P, D, prompt, rid, wait_registered=False)
@@ -376,14 +441,17 @@ def test_mamba_across_tp_with_block_size_remap_is_refused_per_peer(engines):
     assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
     assert not [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
                 if s.push_id == f"push-{rid}"], "P planned a push step for a refused peer"
-    rule = ("groups [1] are Mamba state: a block-size remap moves state pages only between "
-            "equal TP sizes (this rank: TP {}, peer: TP {})")
+    # whichever side's check answers first (P's handshake server or D), the field is named
+    rules = [f"disagrees on group 1's Mamba state geometry: conv_layout local {a!r}, remote "
+             f"{b!r} (a DS/SD conv state mix is a transposed copy"
+             for a, b in (("DS", "SD"), ("SD", "DS"))]
+    (d0,) = D.call_all("push_state")    # D refuses the pair at its handshake, by field
+    assert any(r in x for x in d0["errors"] for r in rules), d0
+    # D never registered: P's ranks (which take a decode peer in with its first
+    # registration) hold nothing of it and planned nothing
     for r, st in enumerate(P.call_all("push_state")):
-        assert any("decode peer 'push-remap-gdn-tp1-" in x and "refused for push: " +
-                   rule.format(2, 1) in x for x in st["errors"]), (r, st["errors"])
-        assert st["regs"] == st["pushes"] == [] and not st["stats"], (r, st)
-    (d0,) = D.call_all("push_state")    # D refuses the same pair at its handshake
-    assert any("refused for push: " + rule.format(1, 2) in x for x in d0["errors"]), d0
+        assert st["errors"] == [] and st["regs"] == st["pushes"] == [] and not st["stats"], \
+            (r, st)
     assert d0["expect"] == [], d0
     D.run_out()
     P.run_out()
@@ -395,4 +463,3 @@ def test_mamba_across_tp_with_block_size_remap_is_refused_per_peer(engines):
     for st in D.call_all("check", table=[[] for _ in D.kcc.kv_cache_groups],
                          loaded=[[] for _ in D.kcc.kv_cache_groups]):
         assert st["stray"] == 0, st
-

@@ -119,12 +119,6 @@ CASES = {
                       dict(max_num_batched_tokens=1024), 600),
     **STATE_CASES,
     **STATE_REMAP_CASES,
-    # GDN DS at 32-token blocks, head size 16: a block-size remap peer of "gdn-ds" across TP
-    # sizes, which push refuses (tests/vllm/test_push_tp.py -k refused); not "gdn-ds-b32",
-    # STATE_REMAP_CASES' head-64 case of that name (a dict entry here would replace it)
-    "gdn-ds-b32-h16": Case("gdn-ds-b32-h16", lambda tp: state_hybrid("gdn", "DS", tp, bs=32),
-                           dict(block_size=32, mamba_cache_mode="align"), 150,
-                           state=("gdn", "DS")),
 }
 
 

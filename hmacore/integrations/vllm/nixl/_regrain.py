@@ -14,7 +14,10 @@ own for both sides. Push: P's worker gives its own, and refuses a registration w
 ``state`` (D's state bytes) differs before any WRITE; its prompt's last step pairs P's state
 block at P's state point with D's slot for the state D registered (``HmaPushWorker.
 _state_pair``). A worker given no state bytes refuses Mamba groups of different block sizes
-by name (:data:`PUSH_MAMBA_RULE`)."""
+by name (:data:`PUSH_MAMBA_RULE`). Other TP sizes (pull and push): the plan gets the TP
+mapping and source rank and pairs the state geometry's byte ranges (hmacore.state_tp); each
+side gives its own state bytes and the other's from the geometry (pull: none for P's; push:
+:func:`~._tp.state_bytes_at`, D's registration checked against it)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

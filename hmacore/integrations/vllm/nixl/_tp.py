@@ -23,7 +23,8 @@ from ....spec import GroupKind, KVLayout
 from ....tp import GroupSharding, kv_heads_of_rank
 from .. import _compat as C
 
-__all__ = ["WorkerTp", "worker_tp", "check_rank_peer", "mamba_tp_refusal"]
+__all__ = ["WorkerTp", "worker_tp", "check_rank_peer", "mamba_tp_refusal",
+           "state_bytes_at"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,23 +121,19 @@ def check_rank_peer(payload: Any, rank: int, tp_size: int, where: str, block_siz
 
 
 def mamba_tp_refusal(layout: KVLayout, tp: WorkerTp | None, my_tp: int, peer_tp: int,
-                     remap: bool) -> str | None:
-    """Why this rank's Mamba groups cannot pair with a peer engine of TP ``peer_tp`` (a
-    block-size ``remap`` or not), or None. Equal TP sizes move whole state pages (rank i to
-    rank i). Between different TP sizes each Mamba group needs this rank's state geometry
-    (hmacore.state_tp byte ranges; the handshake then requires the peer's equal), and no
-    block-size remap (hmacore.regrain pairs a state page's first bytes, not state ranges).
+                     remap: bool = False) -> str | None:
+    """Why this rank's Mamba groups cannot pair with a peer engine of TP ``peer_tp``, or None.
+    Equal TP sizes move whole state pages (rank i to rank i). Between different TP sizes,
+    with or without a block-size ``remap``, each Mamba group needs this rank's state geometry
+    (hmacore.state_tp byte ranges; the handshake then requires the peer's equal, which
+    refuses a DS/SD conv layout mix by field): a remap pairs those ranges inside its
+    RegrainPlan (``tp=(mapping, source rank)``), block ids from each side's state table.
     Used by push mode per decode peer (both sides); pull checks the same in its worker."""
     if peer_tp == my_tp:
         return None
-    mamba = [g for g, s in enumerate(layout.groups) if s.kind == GroupKind.MAMBA and s.transfer]
-    if not mamba:
-        return None
-    if remap:
-        return (f"groups {mamba} are Mamba state: a block-size remap moves state pages only "
-                f"between equal TP sizes (this rank: TP {my_tp}, peer: TP {peer_tp}); use "
-                "equal --block-size or equal TP sizes")
-    for g in mamba:
+    for g, s in enumerate(layout.groups):
+        if s.kind != GroupKind.MAMBA or not s.transfer:
+            continue
         if tp is None:
             why = "this worker has no TP description"
         elif tp.shardings[g].state is None:
@@ -144,6 +141,21 @@ def mamba_tp_refusal(layout: KVLayout, tp: WorkerTp | None, my_tp: int, peer_tp:
                 "its state type is not modelled across TP sizes"
         else:
             continue
+        via = " (a block-size remap included)" if remap else ""
         return (f"group {g} is Mamba state without a state geometry ({why}); its pages pair "
-                f"only between equal TP sizes (this rank: TP {my_tp}, peer: TP {peer_tp})")
+                f"only between equal TP sizes{via} (this rank: TP {my_tp}, peer: TP {peer_tp})")
     return None
+
+
+def state_bytes_at(tp: WorkerTp | None, layout: KVLayout, tp_size: int) -> list[int | None]:
+    """Per group the unpadded bytes of one layer's Mamba state on a rank of a TP-``tp_size``
+    engine, from this worker's state geometry (``GlobalStateGeometry.at(tp_size).
+    content_bytes``, which equals vLLM's ``MambaSpec.state_content_size_bytes`` at that TP
+    size); None for other groups and Mamba groups without a geometry. A push remap across TP
+    sizes bounds the other side's state ranges with it and checks D's registered ``state``
+    against it."""
+    out: list[int | None] = []
+    for g, s in enumerate(layout.groups):
+        geo = tp.shardings[g].state if tp is not None and s.kind == GroupKind.MAMBA else None
+        out.append(None if geo is None else int(geo.at(tp_size).content_bytes))
+    return out

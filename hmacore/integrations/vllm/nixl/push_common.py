@@ -30,23 +30,27 @@ _CANCELLED = b"CANCELLED:"   # P -> D "<push_id>:CANCELLED:<P agent>": no WRITE 
 
 def _regrain_plan_with(src_layout: Any, src_plan: Any, src_pages: Any, dst_layout: Any,
                        dst_plan: Any, dst_pages: Any, mapping: Any, src_rank: int, who: str,
-                       log: bool = True, state: Any = None) -> Any:
+                       log: bool = True, state: Any = None, src_state: Any = "state") -> Any:
     """The RegrainPlan P rank ``src_rank`` -> one D rank (``mapping``: that D rank's
-    TpMapping at other TP sizes, else None). ``state``: per group this worker's Mamba state
-    bytes (:func:`~._regrain.state_bytes`), taken for both sides (P checks D's registration
-    carries equal ones before any WRITE: :meth:`HmaPushWorker._state_mismatch`). What a
-    remap cannot plan (chunks whose bytes per token differ, e.g. NHD pages head-sliced by TP;
-    unmodelled CPU kernels; Mamba groups without state bytes) is a HandshakeError naming
+    TpMapping at other TP sizes, else None). ``state``: per group the destination's Mamba
+    state bytes (:func:`~._regrain.state_bytes`); ``src_state``: the source's, default
+    ``state`` (equal TP sizes: P checks D's registration carries equal ones before any WRITE,
+    :meth:`HmaPushWorker._state_mismatch`; other TP sizes: each side's own bytes and the
+    other's from the state geometry, :func:`~._tp.state_bytes_at`, the plan pairing the
+    geometry's state byte ranges). What a remap cannot plan (chunks whose bytes per token
+    differ, e.g. NHD pages head-sliced by TP; unmodelled CPU kernels; Mamba groups without
+    state bytes, or without a state geometry across TP sizes) is a HandshakeError naming
     ``who``."""
     tp = None if mapping is None else (mapping, src_rank)
+    sstate = state if isinstance(src_state, str) else src_state
     try:
         if log:
             return regrain_plan(src_layout, dst_layout, src_plan, dst_plan, src_pages,
-                                dst_pages, tp=tp, state=state)
+                                dst_pages, tp=tp, state=state, src_state=sstate)
         if state is None:
             check_push_mamba(src_layout, dst_layout)
         return RegrainPlan(src_layout, dst_layout, src_plan, dst_plan, src_pages, dst_pages,
-                           tp=tp, src_state_bytes=state, dst_state_bytes=state)
+                           tp=tp, src_state_bytes=sstate, dst_state_bytes=state)
     except LayoutError as e:
         raise HandshakeError(f"block-size remap with {who}: {e}") from e
 

@@ -16,7 +16,7 @@ from ....plan import TransferPlan
 from ....tp import TpMapping
 from ....transport.handshake import HandshakePayload, exchange_handshake
 from ._regrain import payload_pages, worker_pages
-from ._tp import check_rank_peer, mamba_tp_refusal
+from ._tp import check_rank_peer, mamba_tp_refusal, state_bytes_at
 from .push_metadata import PUSH_AGENT_SUFFIX
 from .. import _compat as C
 from .push_common import _CANCEL, _Cancel, FIRST_CONTACT_TIMEOUT_S, PEER_CHECK_INTERVAL_S, _PING, \
@@ -90,6 +90,10 @@ class DecodeSide:
         push_recv_timeout."""
         assert self.tp is not None and self.plan is not None
         mine = worker_pages(self.layout, self.plan, self.tp)
+        # another TP size: P's per-rank Mamba state bytes from the state geometry (the
+        # handshake required P's equal ours), the plan pairing its byte ranges
+        src_state = self.state_bytes if mapping is None else \
+            state_bytes_at(self.tp, self.layout, mapping.remote_tp)
         for r in from_ranks:
             p = got[r]
             assert p.tp is not None       # check_compatible: a remap is TP-aware
@@ -97,7 +101,7 @@ class DecodeSide:
             pplan = TransferPlan.from_region_table(player, p.regions, mem_type=p.mem_type)
             _regrain_plan_with(player, pplan, payload_pages(p, pplan), self.layout, self.plan,
                                mine, mapping, r, f"prefill rank {r} ({p.agent_name!r})",
-                               log=False, state=self.state_bytes)
+                               log=False, state=self.state_bytes, src_state=src_state)
 
     def _handshake_loop(self) -> None:
         """The handshake thread: one prefill address at a time, results to ``_hs_done``. It

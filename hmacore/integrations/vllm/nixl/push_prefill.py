@@ -21,7 +21,7 @@ from ....spec import GroupKind
 from ....tp import TpMapping, TpPairPlan
 from ....transport.handshake import HandshakePayload
 from ._regrain import payload_pages, worker_pages
-from ._tp import mamba_tp_refusal
+from ._tp import mamba_tp_refusal, state_bytes_at
 from .push_metadata import PUSH_AGENT_SUFFIX, PushSave
 from .. import _compat as C
 from .push_common import _CANCELLED, _positional, _Push, _Reg, _regrain_plan_with
@@ -103,8 +103,10 @@ class PrefillSide:
     def _add_regrain_peer(self, name: str, payload: HandshakePayload, d: int, dtp: int) -> None:
         """P: decode rank ``d`` (of a TP-``dtp`` engine) of other block sizes is written by
         byte runs: one RegrainPlan (P -> D) from both sides' page models (other TP sizes: only
-        the chunks of the heads that rank takes from this one), the layer of each region
-        pair, and the peer's registered memory for the runs' bounds (no dlist pair)."""
+        the chunks of the heads that rank takes from this one, and the Mamba state byte
+        ranges of the state geometry that rank takes from this one, hmacore.state_tp), the
+        layer of each region pair, and the peer's registered memory for the runs' bounds (no
+        dlist pair)."""
         assert self.tp is not None and payload.tp is not None and self.plan is not None
         dlayout = payload.tp.kv_layout()
         dplan = TransferPlan.from_region_table(dlayout, payload.regions,
@@ -114,7 +116,7 @@ class PrefillSide:
                                   dlayout, dplan, payload_pages(payload, dplan),
                                   self._mapping_of(d, dtp, payload.tp.page_layout), self.rank,
                                   f"decode rank {d} of TP {dtp} ({name!r})",
-                                  state=self.state_bytes)
+                                  state=self._d_state_bytes(dtp), src_state=self.state_bytes)
         pair_layer = plan.pair_layers(self.layers.layers)
         self.pusher.add_runs_peer(name)
         self.agent.add_runs_peer(name, dplan.registration_ranges())
@@ -201,26 +203,41 @@ class PrefillSide:
         self._new_regs.pop(pid, None)
         self._withdrawn.add(pid)
 
+    def _d_state_bytes(self, dtp: int) -> Any:
+        """P: per group the Mamba state bytes of a rank of a TP-``dtp`` decode engine: ours
+        at equal TP sizes; else from our state geometry at ``dtp``
+        (:func:`~._tp.state_bytes_at`; the handshake required D's geometry equal ours)."""
+        if dtp == self.tp_size:
+            return self.state_bytes
+        return state_bytes_at(self.tp, self.layout, dtp)
+
     def _state_mismatch(self, agent: str, theirs: Any) -> str | None:
         """P: why a registration from decode agent ``agent`` (of other block sizes) cannot
         take this engine's Mamba states, or None: each Mamba group's unpadded state bytes
-        (``state`` of D's registration, :func:`~._regrain.state_bytes`) must equal ours,
-        as pull's ``remote_state_bytes`` rule (the plan copies ours on both sides)."""
+        (``state`` of D's registration, :func:`~._regrain.state_bytes`) must equal what the
+        plan bounds D's side with (:meth:`_d_state_bytes`): ours at equal TP sizes, as pull's
+        ``remote_state_bytes`` rule; across TP sizes our state geometry's bytes at D's TP
+        size (a D whose real state disagrees with the geometry it declared is refused)."""
         if agent not in self._regrain:
             return None
         groups = [g for g, spec in enumerate(self.layout.groups)
                   if spec.kind == GroupKind.MAMBA and spec.transfer]
         if not groups:
             return None
-        mine = self.state_bytes or [None] * self.layout.num_groups
+        dtp = self._dpeers[agent][1]
+        mine = self._d_state_bytes(dtp) or [None] * self.layout.num_groups
         got = theirs if theirs is not None else [None] * self.layout.num_groups
         bad = [g for g in groups if got[g] != mine[g]]
         if not bad:
             return None
-        return (f"Mamba groups {bad}: the decode engine's state bytes "
-                f"{[got[g] for g in bad]} differ from this engine's {[mine[g] for g in bad]} "
-                "(registration field 'state'); a state maps only onto a state of equal bytes "
-                "(same model, same TP size)")
+        if dtp == self.tp_size:
+            return (f"Mamba groups {bad}: the decode engine's state bytes "
+                    f"{[got[g] for g in bad]} differ from this engine's "
+                    f"{[mine[g] for g in bad]} (registration field 'state'); a state maps only "
+                    "onto a state of equal bytes (same model, same TP size)")
+        return (f"Mamba groups {bad}: the decode engine's state bytes {[got[g] for g in bad]} "
+                f"(registration field 'state', TP {dtp}) differ from the state geometry's "
+                f"{[mine[g] for g in bad]} at TP {dtp}; its state byte ranges would not fit")
 
     def _prepare_step(self, meta: Any) -> None:
         """Once per step (first save_kv_layer, else start_load_kv): start this step's pushes."""
