@@ -13,9 +13,9 @@ import pytest
 
 import harness as H
 import tp_cases
-from tp_harness import PAIRS, TpEngine, engine_pool, pair, run_out_both, zeroed
+from tp_harness import (PAIRS, TpEngine, check_loaded_bytes, engine_pool, pair, run_out_both,
+                        zeroed)
 
-from hmacore.regrain import token_ranges
 from hmacore.windows import trim_remote_to_local
 
 pytestmark = pytest.mark.nixl
@@ -153,13 +153,7 @@ def test_mixed_tp_and_block_sizes_pull_every_byte(remap_engines, p_first):
     assert req.status != H.RequestStatus.FINISHED_ERROR
     assert req.num_computed_tokens >= n - 1, "D recomputed instead of loading"
     end = rr.load_start + rr.num_external_tokens
-    lo, hi = token_ranges(D.layout, end, rr.load_start)
-    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(f"d-{tag}")]
-    for r, got in enumerate(D.call_all("check_tokens", table=table, lo=list(lo), hi=list(hi))):
-        assert got["bad"] == 0 and got["stray"] == 0 and got["checked"] > 0, (r, got)
-    if D.tp == 2:
-        ctl = D.ranks[0].call("check_tokens", table=table, lo=list(lo), hi=list(hi), as_rank=1)
-        assert ctl["bad"] > 0
+    check_loaded_bytes(D, f"d-{tag}", end, rr.load_start)
     run_out_both(P, D)
     assert P.s.connector.scheduler.leases() == {}
 
@@ -198,16 +192,7 @@ def test_mamba_state_remap_across_tp_pull_every_byte(remap_state_engines, case, 
     s = params["remote_num_tokens"]
     end = rr.load_start + rr.num_external_tokens
     assert 0 < s == end and req.num_computed_tokens >= end, (s, end, req.num_computed_tokens)
-    lo, hi = token_ranges(D.layout, end, rr.load_start)
-    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(f"d-{rid}")]
-    state = [-(-end // bd) - 1, -(-s // bp) - 1]      # D's slot, P's state position
-    mamba = [g for g, sp in enumerate(D.layout.groups) if sp.kind.name == "MAMBA"]
-    assert mamba and all(table[g][state[0]] for g in mamba), (table, state)
-    kw = dict(table=table, lo=list(lo), hi=list(hi), state=state)
-    for r, got in enumerate(D.call_all("check_tokens", **kw)):
-        assert got["bad"] == 0 and got["stray"] == 0 and got["checked"] > 0 \
-            and got["states"] > 0, (r, got)
-    if D.tp == 2:
-        assert D.ranks[0].call("check_tokens", as_rank=1, **kw)["bad"] > 0
+    state = (-(-end // bd) - 1, -(-s // bp) - 1)      # D's slot, P's state position
+    check_loaded_bytes(D, f"d-{rid}", end, rr.load_start, state=state)
     run_out_both(P, D)
     assert P.s.connector.scheduler.leases() == {}

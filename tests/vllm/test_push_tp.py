@@ -19,9 +19,8 @@ import pytest
 import harness as H
 import push_harness as PH
 import tp_cases
-from tp_harness import PAIRS, engine_pool, pair, run_out_both, zeroed
+from tp_harness import PAIRS, check_loaded_bytes, engine_pool, pair, run_out_both, zeroed
 
-from hmacore.regrain import token_ranges
 
 pytestmark = pytest.mark.nixl
 
@@ -162,19 +161,7 @@ def test_mamba_state_across_tp_push_every_byte(engines, case, tp_p, tp_d):
     assert all(loaded[g] for g, s in enumerate(D.layout.groups) if g not in mamba), loaded
     D.check_loaded(d_req.request_id, loaded, control=tp_d == 2,
                    state_pad=tp_cases.STATE_PAD if tp_p == tp_d else 0)
-    run_out_both(P, D)
-    sched = P.s.connector.scheduler
-    assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
-    # P's steps that pushed (the prompt less the backoff, then its last step)
-    steps = len([s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
-                 if s.push_id == f"push-{rid}"])
-    assert steps >= 1
-    for r, st in enumerate(P.call_all("push_state")):
-        mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
-        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": steps,
-                         "consumers": STATE_CONSUMERS[(tp_p, tp_d)][r]}], (r, st)
-    for st in P.call_all("push_state") + D.call_all("push_state"):
-        assert st["errors"] == [] and st["regs"] == st["pushes"] == st["expect"] == [], st
+    _run_out_pushed(P, D, rid, tp_p, tp_d)
 
 
 def test_d_rank_never_registers(engines):
@@ -283,15 +270,10 @@ def test_mixed_tp_and_block_sizes_push_every_byte(engines, pool, p_key, d_key):
     assert d_req.status != H.RequestStatus.FINISHED_ERROR
     assert d_req.num_computed_tokens >= n - 1, "D recomputed instead of receiving the push"
     reg = _registration(D, d_req.request_id)
-    lo, hi = token_ranges(D.layout, reg.num_tokens, reg.start_tokens)
-    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(d_req.request_id)]
-    for r, got in enumerate(D.call_all("check_tokens", table=table, lo=list(lo), hi=list(hi))):
-        assert got["bad"] == 0 and got["stray"] == 0 and got["checked"] > 0, (r, got)
-    short = [max(a, b - 1) for a, b in zip(lo, hi)]
-    assert D.ranks[-1].call("check_tokens", table=table, lo=list(lo), hi=short)["bad"] > 0
-    if D.tp == 2 and pool == "remap-gemma":
-        ctl = D.ranks[0].call("check_tokens", table=table, lo=list(lo), hi=list(hi), as_rank=1)
-        assert ctl["bad"] > 0
+    kw = check_loaded_bytes(D, d_req.request_id, reg.num_tokens, reg.start_tokens,
+                            control=pool == "remap-gemma")
+    short = [max(a, b - 1) for a, b in zip(kw["lo"], kw["hi"])]
+    assert D.ranks[-1].call("check_tokens", table=kw["table"], lo=kw["lo"], hi=short)["bad"] > 0
     sent = [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
              if s.push_id == f"push-{rid}"]
     for st in P.call_all("push_state"):       # every P rank planned each step as a remap
@@ -388,29 +370,9 @@ def test_mamba_state_remap_across_tp_push_every_byte(engines, case, bp, tp_p, tp
     backoff = D.s.connector.scheduler.backoff
     assert backoff >= 1 and n == len(prompt) - backoff, (n, len(prompt), backoff)
     assert d_req.num_computed_tokens >= n, "D recomputed instead of receiving the push"
-    lo, hi = token_ranges(D.layout, n, reg.start_tokens)
-    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(d_req.request_id)]
-    state = [-(-n // bd) - 1, -(-n // bp) - 1]      # D's slot, P's state position
-    mamba = [g for g, sp in enumerate(D.layout.groups) if sp.kind.name == "MAMBA"]
-    assert mamba and all(table[g][state[0]] for g in mamba), (table, state)
-    kw = dict(table=table, lo=list(lo), hi=list(hi), state=state)
-    for r, got in enumerate(D.call_all("check_tokens", **kw)):
-        assert got["bad"] == 0 and got["stray"] == 0 and got["checked"] > 0 \
-            and got["states"] > 0, (r, got)
-    if D.tp == 2:
-        assert D.ranks[0].call("check_tokens", as_rank=1, **kw)["bad"] > 0
-    run_out_both(P, D)
-    sched = P.s.connector.scheduler
-    assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
-    steps = len([s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
-                 if s.push_id == f"push-{rid}"])
-    assert steps >= 1
-    for r, st in enumerate(P.call_all("push_state")):
-        mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
-        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": steps,
-                         "consumers": STATE_CONSUMERS[(tp_p, tp_d)][r]}], (r, st)
-    for st, before in zip(P.call_all("push_state") + D.call_all("push_state"), errors):
-        assert st["errors"] == before and st["regs"] == st["pushes"] == st["expect"] == [], st
+    state = (-(-n // bd) - 1, -(-n // bp) - 1)      # D's slot, P's state position
+    check_loaded_bytes(D, d_req.request_id, n, reg.start_tokens, state=state)
+    _run_out_pushed(P, D, rid, tp_p, tp_d, errors)
 
 
 def test_mamba_remap_across_tp_conv_layout_mix_is_refused_per_peer(engines):
@@ -463,3 +425,24 @@ def test_mamba_remap_across_tp_conv_layout_mix_is_refused_per_peer(engines):
     for st in D.call_all("check", table=[[] for _ in D.kcc.kv_cache_groups],
                          loaded=[[] for _ in D.kcc.kv_cache_groups]):
         assert st["stray"] == 0, st
+
+
+def _run_out_pushed(P, D, rid: str, tp_p: int, tp_d: int, errors: list | None = None) -> None:
+    """Both engines run out with nothing held; every P rank reports one successful push of
+    ``rid`` over all of P's steps that pushed it (the prompt less the backoff, then its last
+    step) to the D ranks STATE_CONSUMERS names; no rank gained an error (``errors``: each
+    rank's errors before, P's ranks then D's; none when omitted) or kept a record."""
+    run_out_both(P, D)
+    sched = P.s.connector.scheduler
+    assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
+    steps = len([s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
+                 if s.push_id == f"push-{rid}"])
+    assert steps >= 1
+    states = P.call_all("push_state")
+    for r, st in enumerate(states):
+        mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
+        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": steps,
+                         "consumers": STATE_CONSUMERS[(tp_p, tp_d)][r]}], (r, st)
+    states += D.call_all("push_state")
+    for st, before in zip(states, errors or [[]] * len(states)):
+        assert st["errors"] == before and st["regs"] == st["pushes"] == st["expect"] == [], st

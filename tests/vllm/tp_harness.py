@@ -21,6 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 import tp_cases
 from ports import free_ports
 
+from hmacore.regrain import token_ranges
+
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_rank.py")
 
 
@@ -275,3 +277,25 @@ def run_out_both(P, D) -> None:
     H.assert_no_leak(D.s)
     P.run_out()
     H.assert_no_leak(P.s)
+
+
+def check_loaded_bytes(D, req_id: str, end: int, start: int, state=None,
+                       control: bool = True) -> dict:
+    """Every byte of every D rank for tokens ``[start, end)`` of ``req_id``'s blocks (its
+    table read from D's KV cache manager) is P's, nothing outside them is written; with
+    ``state`` = (D's state slot, P's state position) each Mamba group's slot is checked too.
+    With ``control`` and D at TP 2, rank 0's bytes read as rank 1's must differ (the check can
+    fail). Returns the ``check_tokens`` arguments for further checks."""
+    lo, hi = token_ranges(D.layout, end, start)
+    table = [list(map(int, g)) for g in D.s.kv_cache_manager.get_block_ids(req_id)]
+    kw: dict = dict(table=table, lo=list(lo), hi=list(hi))
+    if state is not None:
+        mamba = [g for g, sp in enumerate(D.layout.groups) if sp.kind.name == "MAMBA"]
+        assert mamba and all(table[g][state[0]] for g in mamba), (table, state)
+        kw["state"] = list(state)
+    for r, got in enumerate(D.call_all("check_tokens", **kw)):
+        assert got["bad"] == 0 and got["stray"] == 0 and got["checked"] > 0 \
+            and (state is None or got["states"] > 0), (r, got)
+    if control and D.tp == 2:
+        assert D.ranks[0].call("check_tokens", as_rank=1, **kw)["bad"] > 0
+    return kw
