@@ -911,6 +911,26 @@ cdef class SharedResidency:
         self._apply_events(bit, events, types, medium, refused_kinds, num_groups, r)
         return r[0], r[1], r[2], r[3], r[4], r[5], r[6]
 
+    cdef int _resolve_types(self, tuple types) except -1:
+        """Check the event classes and take their fields' slot offsets (once per tuple)."""
+        cdef Py_ssize_t k
+        if len(types) != 3 or not all(isinstance(t, type) for t in types):
+            raise TypeError("types must be the (stored, removed, cleared) event classes")
+        for k in range(N_FIELDS):
+            self._ev_off[0][k] = _member_offset(types[0], _FIELD_NAMES[k])
+            self._ev_off[1][k] = _member_offset(types[1], _FIELD_NAMES[k])
+        self._ev_direct = all(self._ev_off[0][k] >= 0 for k in range(N_FIELDS)) and all(
+            self._ev_off[1][k] >= 0 for k in (F_HASHES, F_MEDIUM, F_GROUP))
+        self._ev_types = types
+        return 0
+
+    cdef int _check_refused(self, tuple refused_kinds, int num_groups) except -1:
+        """Check the per-group refusal dicts (once per tuple)."""
+        if not all(type(d) is dict for d in refused_kinds):
+            raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
+        self._ev_refused = refused_kinds
+        return 0
+
     cdef int _apply_events(self, Py_ssize_t bit, list events, tuple types, object medium,
                            tuple refused_kinds, int num_groups, int64_t* r) except -1:
         """``apply_events``' body (also called by ``index_apply_events`` without a Python
@@ -932,22 +952,15 @@ cdef class SharedResidency:
             raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
         # the checks of `types` and `refused_kinds` run once per tuple object (tuples are
         # immutable; a small batch's fixed cost was mostly these generator expressions)
+        # (in cdef helpers: a generator expression in this method made Cython allocate its
+        # closure scope on every call, 2% of one step's batch)
         if types is not self._ev_types:
-            if len(types) != 3 or not all(isinstance(t, type) for t in types):
-                raise TypeError("types must be the (stored, removed, cleared) event classes")
-            for k in range(N_FIELDS):
-                self._ev_off[0][k] = _member_offset(types[0], _FIELD_NAMES[k])
-                self._ev_off[1][k] = _member_offset(types[1], _FIELD_NAMES[k])
-            self._ev_direct = all(self._ev_off[0][k] >= 0 for k in range(N_FIELDS)) and all(
-                self._ev_off[1][k] >= 0 for k in (F_HASHES, F_MEDIUM, F_GROUP))
-            self._ev_types = types
+            self._resolve_types(types)
         t_stored, t_removed, t_cleared = types
         if len(refused_kinds) != num_groups:
             raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
         if refused_kinds is not self._ev_refused:
-            if not all(type(r) is dict for r in refused_kinds):
-                raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
-            self._ev_refused = refused_kinds
+            self._check_refused(refused_kinds, num_groups)
         if self._busy:
             raise RuntimeError("routing index: a call is already applying events")
         self._busy = True
