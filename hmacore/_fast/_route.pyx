@@ -1296,7 +1296,7 @@ cdef class EventState:
                   int num_groups, tuple no_refusals not None, type stats_cls not None):
         if not issubclass(stats_cls, tuple) or (<object>stats_cls).__itemsize__ != \
                 (<object>tuple).__itemsize__ or (<object>stats_cls).__basicsize__ != \
-                (<object>tuple).__basicsize__ or len(stats_cls._fields) != 7:
+                (<object>tuple).__basicsize__ or len(getattr(stats_cls, "_fields", ())) != 7:
             raise TypeError("stats_cls must be a 7-field NamedTuple class")
         if len(no_refusals) != num_groups:
             raise ValueError(f"no_refusals must be one dict per group ({num_groups})")
