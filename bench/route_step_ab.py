@@ -8,7 +8,7 @@ plain-Python subscriber on the same inputs, in one run with the builds' rounds i
 
 ``--old`` / ``--new``: hmacore checkouts with their Cython built in place (``setup.py
 build_ext --inplace``); ``--new`` defaults to this checkout. Times are thread CPU time, the
-best of ``--repeat`` timings per round: (a) of 2000 calls (bench_route.py's step rows: per
+best of 4 x ``--repeat`` timings per round for (a), of ``--repeat`` for (b): (a) of 2000 calls (bench_route.py's step rows: per
 group a 5-block BlockStored, then one BlockRemoved per hash); (b) of a flood of ``--batches``
 distinct step batches per engine, with vLLM's token ids and parent hash in each payload
 (bench_route.py's ``payload_of``), ``--engines`` streams, as the subscriber's loop handles
@@ -45,10 +45,10 @@ def child(tree: str, preset: str, batches: int, engines: int, repeat: int) -> di
     layout = get_preset(preset)
     rng = np.random.default_rng(0)
 
-    def best(fn, calls):
+    def best(fn, calls, n=4 * repeat):
         ts = []
         fn()
-        for _ in range(repeat):
+        for _ in range(n):
             t = time.thread_time()
             fn()
             ts.append(time.thread_time() - t)

@@ -16,8 +16,9 @@ sequence number ``expected`` (the publisher counts from 0):
   ``replay_timeout``) and applied in order; if the replay cannot cover the gap (no replay
   endpoint, timeout, the publisher's buffer no longer holds them) the engine is reset in the
   index (it then under-predicts until the engine re-stores blocks; it never over-predicts).
-- ``seq < expected``: a batch seen already (the same seq and payload digest among the last
-  ``recent`` batches, as the live copy of a replayed batch is) is dropped as a duplicate;
+- ``seq < expected``: a batch seen already (the same seq and payload length and hash among
+  the last ``recent`` batches, as the live copy of a replayed batch is) is dropped as a
+  duplicate;
   anything else is a new stream (the engine restarted and counts from 0 again): the engine is
   reset and the new stream followed from there.
 - a frame that is not ``(topic, 8-byte seq, payload)`` is dropped (``bad_frames``); a payload
@@ -27,6 +28,16 @@ sequence number ``expected`` (the publisher counts from 0):
   the index's layout (the router was given the wrong groups: also logged) loses that batch's
   events, so the engine is reset (``bad_batches``). The index is never half-updated
   (``apply`` is all or nothing).
+
+Falling behind: each loop turn receives what a socket holds (up to ``max_drain`` messages)
+before handling it, and a run of batches that each carry the next expected sequence number
+is applied in ONE ``apply_events`` call on their events concatenated (the per-call cost
+dominates an engine step's batch of 20-50 rows); counters, ``next_seq`` and the remembered
+digests are per batch as before. A batch that does not decode or names another DP rank ends
+the run; a run the index refuses is applied again one batch per call, so the bad batch
+alone is dropped and the engine reset exactly where one-by-one handling resets it
+(tests/test_kv_events_drain.py checks drained == one by one). With a ``tier_index`` every
+batch is applied alone.
 
 Bounded: each SUB socket holds at most ``rcv_hwm`` messages (ZMQ drops beyond it, which shows
 as a gap, repaired as above); at most ``max_drain`` messages are handled per socket per loop
