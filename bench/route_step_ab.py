@@ -8,8 +8,9 @@ plain-Python subscriber on the same inputs, in one run with the builds' rounds i
 
 ``--old`` / ``--new``: hmacore checkouts with their Cython built in place (``setup.py
 build_ext --inplace``); ``--new`` defaults to this checkout. Times are thread CPU time, the
-best of 4 x ``--repeat`` timings per round for (a), of ``--repeat`` for (b): (a) of 2000 calls (bench_route.py's step rows: per
-group a 5-block BlockStored, then one BlockRemoved per hash); (b) of a flood of ``--batches``
+best of 4 x ``--repeat`` timings per round for (a), of ``--repeat`` for (b): (a) of 2000
+calls (bench_route.py's step rows: per group a 5-block BlockStored, then one BlockRemoved per
+hash); (b) of a flood of ``--batches``
 distinct step batches per engine, with vLLM's token ids and parent hash in each payload
 (bench_route.py's ``payload_of``), ``--engines`` streams, as the subscriber's loop handles
 them: per turn up to 256 messages of each stream (``_on_drained``; a build without it takes
