@@ -191,3 +191,13 @@ def test_gap_inside_a_drained_run():
     assert (s.stored, s.removed) == (5, 1)
     held, counts = residency(index)
     assert held == 1 and counts[24:] == [int(h == POOL[5]) for h in POOL]
+
+
+def test_runs_are_capped():
+    """At most ``_run_batches`` (16) batches per call: the decoded batches of a run are
+    applied while still in cache."""
+    index = Counting()
+    sub, st = subscriber(index)
+    sub._on_drained(st, [frames(i, payload([stores([POOL[i % 24]])])) for i in range(40)])
+    assert index.calls == [16, 16, 8]
+    assert (st.stats.batches, st.stats.next_seq, st.stats.stored) == (40, 40, 40)
