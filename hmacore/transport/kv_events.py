@@ -33,11 +33,11 @@ Falling behind: each loop turn receives what a socket holds (up to ``max_drain``
 before handling it, and a run of batches that each carry the next expected sequence number
 is applied in one ``apply_events`` call on their events concatenated, up to 16 batches a
 call (the per-call cost dominates an engine step's batch of 20-50 rows); counters,
-``next_seq`` and the remembered digests are per batch as before. A batch that does not decode or names another DP rank ends
-the run; a run the index refuses is applied again one batch per call, so the bad batch
-alone is dropped and the engine reset exactly where one-by-one handling resets it
-(tests/test_kv_events_drain.py checks drained == one by one). With a ``tier_index`` every
-batch is applied alone.
+``next_seq`` and the remembered digests are per batch as before. A batch that does not
+decode or names another DP rank ends the run; a run the index refuses is applied again one
+batch per call, so the bad batch alone is dropped and the engine reset exactly where
+one-by-one handling resets it (tests/test_kv_events_drain.py checks drained == one by
+one). With a ``tier_index`` every batch is applied alone.
 
 Bounded: each SUB socket holds at most ``rcv_hwm`` messages (ZMQ drops beyond it, which shows
 as a gap, repaired as above); at most ``max_drain`` messages are handled per socket per loop
