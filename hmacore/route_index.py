@@ -72,7 +72,6 @@ class ApplyStats(NamedTuple):
     lookahead: int = 0
 
 
-
 class RoutingIndex:
     """Which engines hold which prefix, by vLLM's cross-group longest-hit rule.
 
