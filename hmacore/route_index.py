@@ -34,7 +34,7 @@ import numpy as np
 
 from ._fast import _route
 from .errors import (ArgumentTypeError, ArgumentValueError, ConfigError, HashInputError,
-                     HmacoreError, LayoutError)
+                     LayoutError)
 from .hits import HitFinder
 from .route_hashing import BlockHasher
 from .spec import GroupKind, KVLayout
@@ -61,7 +61,7 @@ class ApplyStats(NamedTuple):
     removes of keys not resident (no-ops), rows dropped because their engine is unknown,
     clears; ``apply_events`` also: hashes of events on another medium (left out), hashes of
     stores with lookahead tokens. (A NamedTuple: a frozen dataclass cost ~0.8 us per call,
-    more than the kernel on one engine step's batch.)"""
+    more than the kernel on one engine step's batch; ``apply_events`` fills one in C.)"""
 
     stored: int = 0
     removed: int = 0
@@ -70,11 +70,6 @@ class ApplyStats(NamedTuple):
     cleared: int = 0
     other_medium: int = 0
     lookahead: int = 0
-
-
-# ApplyStats from a tuple of all seven fields without the NamedTuple's Python-level __new__
-# (a third of apply_events' cost on one engine step's batch)
-_stats = tuple.__new__
 
 
 class RoutingIndex:
@@ -125,6 +120,9 @@ class RoutingIndex:
         self._lock = threading.Lock()
         self._no_refusals: tuple = tuple({} for _ in range(self.num_groups))
         self._refused: tuple | None = None
+        # what apply_events reads, in C fields (the dict and the lock are these objects)
+        self._ev = _route.EventState(self._residency, self._engines, self._lock,
+                                     self.num_groups, self._no_refusals, ApplyStats)
 
     # -- engines ----------------------------------------------------------------------------
     def add_engine(self, engine_id: str, dp_rank: int = 0) -> tuple[str, int]:
@@ -283,49 +281,13 @@ class RoutingIndex:
                                      f"hashes, {ops_a.size} ops")
         return self._apply(key, ops_a, groups_a, digests, int(ops_a.size - events.sum()))
 
-    def apply_events(self, key: Hashable, events: list, types: tuple[type, type, type], *,
-                     medium: str | None = "GPU",
-                     spec_kinds: dict[str, GroupKind] | None = None) -> ApplyStats:
-        """Apply a decoded KV event batch's events (vLLM's ``KVEventBatch.events``) in one
-        compiled call: no per-row Python, no per-call allocation for small batches.
-
-        Args:
-            key: the engine key.
-            events: the batch's events, in order.
-            types: the (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) classes the
-                events were decoded into (hmacore.transport.kv_event_wire's; the core imports
-                no transport). Stored / removed events are read by attribute:
-                ``block_hashes`` (64-bit ints with ``int_hashes``, else digest bytes),
-                ``group_idx`` (None is group 0), ``medium``, ``kv_cache_spec_kind`` and
-                ``lookahead_token_ids`` (stored).
-            medium: events with ``medium`` None or equal to this are applied; others are
-                left out and their hashes counted in ``other_medium``.
-            spec_kinds: vLLM's ``kv_cache_spec_kind`` values -> the group kind each must be;
-                a stored event contradicting its group's kind refuses the batch
-                (ConfigError). None: not checked.
-
-        The whole batch is validated first; a bad event refuses it (the error names
-        ``events[i]``), nothing applied. Semantics per hash row as :meth:`apply`.
-        """
-        cached = self._refused
-        refused = cached[1] if cached is not None and cached[0] is spec_kinds \
-            else self._refused_kinds(spec_kinds)
-        try:
-            with self._lock:
-                bit = self._engines.get(key, -1)
-                st, rm, ig, cl, rows, other, la = _route.apply_events(
-                    self._residency, bit, events, types, medium, refused, self.num_groups)
-        except OverflowError as e:
-            raise HashInputError(str(e)) from None
-        except HmacoreError:
-            raise
-        except TypeError as e:      # events / types / medium / a row's type (the compiled
-            raise ArgumentTypeError(str(e)) from None      # call checks them all)
-        except ValueError as e:
-            raise ArgumentValueError(str(e)) from None
-        if bit < 0:
-            return _stats(ApplyStats, (0, 0, 0, rows, 0, other, la))
-        return _stats(ApplyStats, (st, rm, ig, 0, cl, other, la))
+    #: ``apply_events(key, events, types, *, medium="GPU", spec_kinds=None) -> ApplyStats``:
+    #: apply a decoded KV event batch's events (vLLM's ``KVEventBatch.events``) in one compiled
+    #: call, validated whole first (a bad event refuses the batch, nothing applied). A compiled
+    #: function bound as the method (docs in hmacore/_fast/_route.pyx, ``index_apply_events``):
+    #: the lock, the engine lookup and the result run without a Python frame, which was most
+    #: of the cost of one engine step's batch (docs/routing.md, session 16).
+    apply_events = _route.index_apply_events
 
     def _refused_kinds(self, spec_kinds: dict[str, GroupKind] | None) -> tuple:
         """Per group, the spec-kind strings that contradict it -> its kind's name (cached

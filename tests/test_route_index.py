@@ -735,3 +735,43 @@ def test_apply_events_survives_caller_code_in_the_kind_lookup():
             assert _route.apply_events(res, bit, events, _EVENT_TYPES, "GPU", refused,
                                        2)[0] == want
             assert res.resident(bit) == 1
+
+
+def test_apply_events_compiled_method_state():
+    """``RoutingIndex.apply_events`` is a compiled function reading the index's
+    ``EventState``: the refusals follow the ``spec_kinds`` object given (cached per object,
+    not stuck on the first), None checks nothing; a test's swap of the module-level hook
+    ``_route.apply_events`` is honoured; the state takes only a 7-field NamedTuple class."""
+    from hmacore._fast import _route
+    from hmacore.route_index import ApplyStats
+    index = RoutingIndex(get_preset("gpt-oss-120b"))      # group 0 sliding, 1 full
+    key = index.add_engine("e")
+    ev = [W.BlockStored(block_hashes=[5], group_idx=0, kv_cache_spec_kind="full_attention")]
+    with pytest.raises(ConfigError, match="group 0 is 'full_attention'"):
+        index.apply_events(key, ev, _EVENT_TYPES, spec_kinds=SPEC_KINDS)
+    lenient = {"full_attention": index.layout.groups[0].kind}
+    assert index.apply_events(key, ev, _EVENT_TYPES, spec_kinds=lenient).stored == 1
+    with pytest.raises(ConfigError):
+        index.apply_events(key, ev, _EVENT_TYPES, spec_kinds=SPEC_KINDS)
+    assert index.apply_events(key, ev, _EVENT_TYPES).stored == 1
+    with pytest.raises(ArgumentTypeError, match="spec_kinds must be a dict"):
+        index.apply_events(key, ev, _EVENT_TYPES, spec_kinds=[])      # type: ignore[arg-type]
+    assert index.resident_blocks(key) == 1
+    seen = []
+    hook = _route.apply_events
+
+    def counting(*args):
+        seen.append(args[1])
+        return hook(*args)
+    _route.apply_events = counting
+    try:
+        got = index.apply_events(key, [W.BlockRemoved(block_hashes=[5], group_idx=0)] * 3,
+                                 _EVENT_TYPES)
+        assert index.apply_events(("x", 0), ev, _EVENT_TYPES).unknown_engine == 1
+    finally:
+        _route.apply_events = hook
+    assert seen == [index._engines[key], -1]
+    assert got == ApplyStats(removed=2, ignored=1) and type(got) is ApplyStats
+    for bad in (tuple, type("Four", (tuple,), {"_fields": ("a",) * 4})):
+        with pytest.raises(TypeError, match="7-field NamedTuple"):
+            _route.EventState(index._residency, {}, index._lock, 2, ({}, {}), bad)

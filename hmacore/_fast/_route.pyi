@@ -1,9 +1,13 @@
 """Engines' counted residency in one shared (group, hash) -> engine-mask table, and the
 routing query (see _route.pyx)."""
-from typing import final
+from collections.abc import Hashable
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
+
+from hmacore.route_index import ApplyStats, RoutingIndex
+from hmacore.spec import GroupKind
 
 from ._hits import HitKernel
 
@@ -45,3 +49,14 @@ def apply_events(residency: SharedResidency, bit: int, events: list[object],
 def pack_event_lists(ops: list[int], groups: list[int], hashes: list[int], num_groups: int
                      ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.int32],
                                 npt.NDArray[np.uint8], int]: ...
+
+@final
+class EventState:
+    def __new__(cls, res: SharedResidency, engines: dict[Hashable, int], lock: Any,
+                num_groups: int, no_refusals: tuple[dict[str, str], ...],
+                stats_cls: type[ApplyStats]) -> EventState: ...
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]: ...
+
+def index_apply_events(self: RoutingIndex, key: Hashable, events: list[Any],
+                       types: tuple[type, type, type], *, medium: str | None = "GPU",
+                       spec_kinds: dict[str, GroupKind] | None = None) -> ApplyStats: ...

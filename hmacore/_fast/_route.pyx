@@ -44,7 +44,8 @@ from hmacore._fast._types cimport group_id_t, token_t
 
 cnp.import_array()
 
-from hmacore.errors import ConfigError
+from hmacore.errors import (ArgumentTypeError, ArgumentValueError, ConfigError,
+                            HashInputError, HmacoreError)
 
 cdef extern from *:
     """
@@ -906,6 +907,34 @@ cdef class SharedResidency:
         Every event is validated and packed into scratch rows this object owns before any is
         applied: a bad event raises (TypeError / ValueError / OverflowError naming
         ``events[i]``, ConfigError for a kind) with nothing applied."""
+        cdef int64_t r[7]
+        self._apply_events(bit, events, types, medium, refused_kinds, num_groups, r)
+        return r[0], r[1], r[2], r[3], r[4], r[5], r[6]
+
+    cdef int _resolve_types(self, tuple types) except -1:
+        """Check the event classes and take their fields' slot offsets (once per tuple)."""
+        cdef Py_ssize_t k
+        if len(types) != 3 or not all(isinstance(t, type) for t in types):
+            raise TypeError("types must be the (stored, removed, cleared) event classes")
+        for k in range(N_FIELDS):
+            self._ev_off[0][k] = _member_offset(types[0], _FIELD_NAMES[k])
+            self._ev_off[1][k] = _member_offset(types[1], _FIELD_NAMES[k])
+        self._ev_direct = all(self._ev_off[0][k] >= 0 for k in range(N_FIELDS)) and all(
+            self._ev_off[1][k] >= 0 for k in (F_HASHES, F_MEDIUM, F_GROUP))
+        self._ev_types = types
+        return 0
+
+    cdef int _check_refused(self, tuple refused_kinds, int num_groups) except -1:
+        """Check the per-group refusal dicts (once per tuple)."""
+        if not all(type(d) is dict for d in refused_kinds):
+            raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
+        self._ev_refused = refused_kinds
+        return 0
+
+    cdef int _apply_events(self, Py_ssize_t bit, list events, tuple types, object medium,
+                           tuple refused_kinds, int num_groups, int64_t* r) except -1:
+        """``apply_events``' body (also called by ``index_apply_events`` without a Python
+        call): the seven counts into ``r``."""
         cdef Py_ssize_t n = 0, i, k, ne = len(events)
         cdef int ds = self.digest_size
         cdef long g
@@ -923,22 +952,15 @@ cdef class SharedResidency:
             raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
         # the checks of `types` and `refused_kinds` run once per tuple object (tuples are
         # immutable; a small batch's fixed cost was mostly these generator expressions)
+        # (in cdef helpers: a generator expression in this method made Cython allocate its
+        # closure scope on every call, 2% of one step's batch)
         if types is not self._ev_types:
-            if len(types) != 3 or not all(isinstance(t, type) for t in types):
-                raise TypeError("types must be the (stored, removed, cleared) event classes")
-            for k in range(N_FIELDS):
-                self._ev_off[0][k] = _member_offset(types[0], _FIELD_NAMES[k])
-                self._ev_off[1][k] = _member_offset(types[1], _FIELD_NAMES[k])
-            self._ev_direct = all(self._ev_off[0][k] >= 0 for k in range(N_FIELDS)) and all(
-                self._ev_off[1][k] >= 0 for k in (F_HASHES, F_MEDIUM, F_GROUP))
-            self._ev_types = types
+            self._resolve_types(types)
         t_stored, t_removed, t_cleared = types
         if len(refused_kinds) != num_groups:
             raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
         if refused_kinds is not self._ev_refused:
-            if not all(type(r) is dict for r in refused_kinds):
-                raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
-            self._ev_refused = refused_kinds
+            self._check_refused(refused_kinds, num_groups)
         if self._busy:
             raise RuntimeError("routing index: a call is already applying events")
         self._busy = True
@@ -1033,8 +1055,9 @@ cdef class SharedResidency:
             if self._s_cap > SCRATCH_KEEP and \
                     self._s_cap * (5 + ds) > self._cap * self._slot_size:
                 self._free_scratch()
-        return out[0], out[1], out[2], cleared, n, other, lookahead
-
+        r[0], r[1], r[2], r[3], r[4], r[5], r[6] = out[0], out[1], out[2], cleared, n, other, \
+            lookahead
+        return 0
 
     # -- queries -------------------------------------------------------------------------
     def route(self, kernel, int num_groups, hashes, token_t max_length, tuple names, bits):
@@ -1228,6 +1251,141 @@ def apply_events(SharedResidency residency, Py_ssize_t bit, list events, tuple t
                  object medium, tuple refused_kinds, int num_groups):
     """``residency.apply_events`` (a module-level hook, like ``apply_rows``)."""
     return residency.apply_events(bit, events, types, medium, refused_kinds, num_groups)
+
+
+cdef object _APPLY_EVENTS = apply_events       # the hook as built (tests may swap it)
+
+
+cdef extern from *:
+    """
+    /* An instance of `cls`, a tuple subclass without instance fields (a NamedTuple), holding
+       the seven counts: what tuple.__new__(cls, counts) makes, without the tuple of counts
+       it would copy from. */
+    static PyObject* hmacore_counts7(PyObject* cls, const int64_t* c) {
+        PyTypeObject* t = (PyTypeObject*)cls;
+        PyObject* o = t->tp_alloc(t, 7);
+        Py_ssize_t i;
+        if (o == NULL) return NULL;
+        for (i = 0; i < 7; i++) {
+            PyObject* v = PyLong_FromLongLong((long long)c[i]);
+            if (v == NULL) { Py_DECREF(o); return NULL; }
+            PyTuple_SET_ITEM(o, i, v);
+        }
+        return o;
+    }
+    """
+    object counts7 "hmacore_counts7"(object cls, const int64_t* c)
+
+
+@cython.final
+cdef class EventState:
+    """What ``RoutingIndex.apply_events`` (:func:`index_apply_events`) reads on every call, in
+    C fields: the table, the engines' key -> bit dict, the index's lock, the last
+    ``spec_kinds`` object and its refusals, the result class. One per RoutingIndex; the dict
+    and the lock are the index's own objects (shared, not copied)."""
+    cdef SharedResidency res
+    cdef dict engines
+    cdef object acquire, release
+    cdef int num_groups
+    cdef object kinds           # the last spec_kinds object seen (held: its identity is stable)
+    cdef tuple refused          # its refusals (RoutingIndex._refused_kinds)
+    cdef tuple no_refusals
+    cdef object stats_cls
+
+    def __cinit__(self, SharedResidency res not None, dict engines not None, lock,
+                  int num_groups, tuple no_refusals not None, type stats_cls not None):
+        if not issubclass(stats_cls, tuple) or (<object>stats_cls).__itemsize__ != \
+                (<object>tuple).__itemsize__ or (<object>stats_cls).__basicsize__ != \
+                (<object>tuple).__basicsize__ or len(getattr(stats_cls, "_fields", ())) != 7:
+            raise TypeError("stats_cls must be a 7-field NamedTuple class")
+        if len(no_refusals) != num_groups:
+            raise ValueError(f"no_refusals must be one dict per group ({num_groups})")
+        self.res = res
+        self.engines = engines
+        self.acquire = lock.acquire
+        self.release = lock.release
+        self.num_groups = num_groups
+        self.no_refusals = no_refusals
+        self.stats_cls = stats_cls
+
+    def __reduce__(self):
+        raise TypeError("EventState is not picklable")
+
+
+def index_apply_events(self, key, events, types, *, medium="GPU", spec_kinds=None):
+    """Apply a decoded KV event batch's events (vLLM's ``KVEventBatch.events``) in one
+    compiled call: no per-row Python, no per-call allocation for small batches.
+
+    Args:
+        key: the engine key.
+        events: the batch's events, in order.
+        types: the (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) classes the
+            events were decoded into (hmacore.transport.kv_event_wire's; the core imports
+            no transport). Stored / removed events are read by attribute:
+            ``block_hashes`` (64-bit ints with ``int_hashes``, else digest bytes),
+            ``group_idx`` (None is group 0), ``medium``, ``kv_cache_spec_kind`` and
+            ``lookahead_token_ids`` (stored).
+        medium: events with ``medium`` None or equal to this are applied; others are
+            left out and their hashes counted in ``other_medium``.
+        spec_kinds: vLLM's ``kv_cache_spec_kind`` values -> the group kind each must be;
+            a stored event contradicting its group's kind refuses the batch
+            (ConfigError). None: not checked.
+
+    The whole batch is validated first; a bad event refuses it (the error names
+    ``events[i]``), nothing applied. Semantics per hash row as :meth:`apply`. Returns an
+    ``ApplyStats``.
+
+    ``RoutingIndex.apply_events`` is this function (a compiled function binds as a method):
+    the whole call, lock and engine lookup included, runs without a Python frame, which was
+    most of the cost of one engine step's batch. Calls ``_route.apply_events`` instead of
+    the table's own method when a test has swapped that module-level hook."""
+    cdef EventState st = <EventState?>self._ev
+    cdef tuple refused
+    cdef Py_ssize_t bit = -1
+    cdef int64_t r[7]
+    cdef object hook, got
+    if spec_kinds is None:
+        refused = st.no_refusals
+    elif spec_kinds is st.kinds:
+        refused = st.refused
+    else:
+        refused = self._refused_kinds(spec_kinds)
+        st.kinds = spec_kinds
+        st.refused = refused
+    hook = apply_events
+    try:
+        if type(events) is not list:
+            raise TypeError(f"Argument 'events' has incorrect type (expected list, got "
+                            f"{type(events).__name__})")
+        if type(types) is not tuple:
+            raise TypeError(f"Argument 'types' has incorrect type (expected tuple, got "
+                            f"{type(types).__name__})")
+        st.acquire()
+        try:
+            got = st.engines.get(key)
+            bit = -1 if got is None else <Py_ssize_t>got
+            if hook is _APPLY_EVENTS:
+                st.res._apply_events(bit, <list>events, <tuple>types, medium, refused,
+                                     st.num_groups, r)
+            else:
+                r[0], r[1], r[2], r[3], r[4], r[5], r[6] = hook(
+                    st.res, bit, events, types, medium, refused, st.num_groups)
+        finally:
+            st.release()
+    except OverflowError as e:
+        raise HashInputError(str(e)) from None
+    except HmacoreError:
+        raise
+    except TypeError as e:      # events / types / medium / a row's type (the compiled
+        raise ArgumentTypeError(str(e)) from None      # call checks them all)
+    except ValueError as e:
+        raise ArgumentValueError(str(e)) from None
+    if bit < 0:         # (stored, removed, ignored, unknown_engine, cleared, other, lookahead)
+        r[3] = r[4]
+        r[0] = r[1] = r[2] = r[4] = 0
+    else:
+        r[4], r[3] = r[3], 0
+    return counts7(st.stats_cls, r)
 
 
 def pack_event_lists(list ops, list groups, list hashes, int num_groups):
