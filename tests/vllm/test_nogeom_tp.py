@@ -14,11 +14,12 @@ test_pd_nixl_tp.py / test_push_tp.py: the real vLLM Scheduler here, one process 
 * Other TP sizes (P2/D1, P1/D2): refused by name. Pull: each D rank's worker refuses the
   pairing before any handshake (``NixlWorker._check_state_geometry``), logs the rule with
   the real reason, the request's load fails (policy ``fail``), nothing is written into D,
-  P frees the request's blocks at its lease's end (D never reached it). Push: P's ranks
-  refuse the decode peer at their handshake server (``mamba_tp_refusal``, recorded in their
-  errors) and D records P's rule as its handshake failure: D never registers, P prefills
-  without push, D's load fails with every byte of its caches still zero, no leak. Then the
-  same engines still move a request at equal TP.
+  P frees the request's blocks at its lease's end (D never reached it). Push: P's rank 0
+  refuses each decode rank at its handshake server (``mamba_tp_refusal``, recorded in its
+  errors) and each D rank records P's rule as its handshake failure: D never registers, P
+  prefills without push, D's load fails with every byte of its caches still zero, no leak.
+  Then the same engines still move a request at equal TP (which found the P/D role swap bug
+  ``NixlAgent.add_notify_peer`` had: tests/nixl/test_nixl_agent.py).
 """
 import time
 
@@ -188,10 +189,10 @@ def _push_every_byte(P, D, prompt, rid: str) -> None:
 @pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2)])
 def test_no_geometry_across_tp_push_refused_by_name(engines, tp_p, tp_d):
     """Push across TP sizes with ShortConv state: refused per decode peer, by name, with the
-    real reason, never at start-up. Every P rank's handshake server refuses D's ranks
-    (``mamba_tp_refusal``: recorded in P's errors, this rank = P); each D rank records P's
-    refusal as its handshake failure and never registers, so P's ranks hold nothing of the
-    push: P's request prefills without push (no push step planned, after
+    real reason, never at start-up. P's rank 0 handshake server refuses each D rank
+    (``mamba_tp_refusal``: recorded in P's errors, "this rank" = P); each D rank records P's
+    refusal as its handshake failure and never registers (P's other rank never hears of it),
+    so P's ranks hold nothing of the push: P's request prefills without push (no push step planned, after
     push_register_timeout), D's request fails its load with every byte of D's caches still
     zero, no leak on either engine. The engines stay up: the same D (TP 2) or the same P
     (TP 2) pushes a request at equal TP right after, every byte checked."""
