@@ -151,6 +151,7 @@ fuzz-replay: $(VENV)/.stamp-base
 # tp_cases.CI_STATE_CASES subset. Figures in docs/hetero-tp.md.
 test-mamba-tp: deps build
 	$(PY) -m pytest -q tests/vllm/test_pd_nixl_tp.py tests/vllm/test_push_tp.py -k "mamba_state"
+	$(PY) -m pytest -q tests/vllm/test_nogeom_tp.py
 
 # Every TP case of tests/vllm/test_pd_nixl_tp.py and test_push_tp.py over Mooncake TE (inside
 # unshare -n; ~12 min on a loaded 2-core machine); `make test` runs the gemma case only.

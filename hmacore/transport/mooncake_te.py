@@ -315,8 +315,14 @@ class MooncakeTeAgent(TeEngineLifetime, TransferPosting):
         return p.name
 
     def add_notify_peer(self, payload: HandshakePayload) -> str:
-        """Accept a peer only to send it notifications (transfers to it raise)."""
+        """Accept a peer only to send it notifications (transfers to it raise). A peer
+        already known under the same endpoint (agent metadata) is kept as it is (P and D
+        roles swapped: its transfer descriptors stay), as :meth:`NixlAgent.add_notify_peer`."""
         self._check_open()
+        old = self._peers.get(payload.agent_name)
+        if old is not None and old.payload.agent_metadata == payload.agent_metadata:
+            self.handshake_payload().check_compatible(payload)
+            return old.name
         p = self._load_peer(payload)
         self._peers[p.name] = p
         return p.name

@@ -255,7 +255,14 @@ class NixlAgent(TransferPosting):
 
     def add_notify_peer(self, payload: HandshakePayload) -> str:
         """Accept a peer only to send it notifications (no dlist: transfers to it raise).
-        The payload must still be compatible. Returns the peer name."""
+        The payload must still be compatible. Returns the peer name. A peer already known
+        under the same agent metadata (e.g. an engine this one reads from, now handshaking
+        to read from this one: P and D roles swapped) is kept as it is: replacing it would
+        drop the dlist this agent's reads from it use."""
+        old = self._peers.get(payload.agent_name)
+        if old is not None and old.payload.agent_metadata == payload.agent_metadata:
+            self.handshake_payload().check_compatible(payload)
+            return old.name
         name = self._load_peer(payload)
         self._peers[name] = _Peer(name, payload, None, None)
         return name

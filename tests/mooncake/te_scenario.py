@@ -353,6 +353,9 @@ def mode_badargs() -> dict:
         # peer already added stays usable (checked by the READ below)
         again = exchange_handshake("127.0.0.1", port, me.agent.handshake_payload())
         r["pair"] = _error(lambda: me.agent.add_peer(again, pair=object()))
+        # the live peer handshaking again for notifications (P and D roles swapped): it stays
+        # a transfer peer (the READ below still moves bytes)
+        r["notify_same"] = me.agent.add_notify_peer(again)
         r["failures_recorded"] = sorted(k for k in "abcdei" if me.agent.failure(k) is not None)
         # still usable, byte-exact
         t = me.agent.wait(me.agent.read("good", peer, ok, ok), 60)

@@ -95,6 +95,7 @@ def test_bad_arguments_are_refused_and_agent_stays_usable():
     assert r["nixl_payload"].startswith("HandshakeError") and "not a Mooncake TE endpoint" \
         in r["nixl_payload"]
     assert r["pair"].startswith("HandshakeError") and "do not fit our layout" in r["pair"]
+    assert r["notify_same"] == "te-peer"     # kept as a transfer peer: the READ after works
     assert r["failures_recorded"] == ["a", "b", "c", "d", "e", "i"]
     assert r["after_state"] == "DONE" and r["after_bad_bytes"] == 0
     assert r["closed"] == "TransferError: the agent is closed"

@@ -185,3 +185,26 @@ def test_unclaimed_notifications_expire_but_live_ones_stay(pair):
     assert b.drop_unclaimed_notifs(time.monotonic() + 1, {"live-y"}, cap=100) == 1
     assert not b.has_notifications("late-x")
     assert b.notifications("live-y", fetch=False) == [b"done@0/1"]
+
+
+def test_notify_handshake_keeps_a_transfer_peer(pair):
+    """P and D roles swapped: ``b`` is a's transfer peer (a reads from b); b then handshakes
+    with a's server to read from a, whose ``on_peer`` is ``add_notify_peer``. The same agent
+    (same metadata) stays a transfer peer: a still reads from b. A notify-only entry for an
+    unknown agent is still notify-only."""
+    a, b, pa, pb = pair
+    assert a.add_notify_peer(b.handshake_payload()) == "agent-b"
+    fill_pattern(pb, [[1], [2]])
+    t = a.read("swap", "agent-b", [[3], [4]], [[1], [2]])
+    a.wait(t, timeout=10)
+    assert verify_pattern(pa, [[3], [4]]) == []
+    layout = get_preset("gpt-oss")
+    pc = allocate_paged_kv(layout, 16, page_bytes=64)
+    c = NixlAgent("agent-c", TransferPlan.from_kv_caches(layout, pc.kv_caches, num_blocks=16))
+    try:
+        assert a.add_notify_peer(c.handshake_payload()) == "agent-c"
+        with pytest.raises(TransferError, match="added for notifications only"):
+            a.read("notify", "agent-c", [[5], [6]], [[1], [2]])
+    finally:
+        a.remove_peer("agent-c")
+        c.close()

@@ -378,13 +378,15 @@ def test_mamba_state_remap_across_tp_push_every_byte(engines, case, bp, tp_p, tp
 def test_mamba_remap_across_tp_conv_layout_mix_is_refused_per_peer(engines):
     """What push cannot move with Mamba across TP AND block sizes is refused per decode peer,
     by name, never at start-up: a DS/SD conv state mix (P TP 2 / 32-token blocks / DS -> D
-    TP 1 / 64 / SD; a transposed copy, not byte ranges). D refuses P at its handshake (the
-    state geometry's ``conv_layout`` field named, logged) and never registers, so P's ranks
-    (which would refuse the peer alike, HandshakePayload.check_compatible) hold nothing of
-    it: both engines stay up, P's request prefills without push (no push step planned, after
+    TP 1 / 64 / SD; a transposed copy, not byte ranges). P's rank 0 refuses D at its
+    handshake server (HandshakePayload.check_compatible: the state geometry's
+    ``conv_layout`` field named, recorded in P's errors), D records that as its handshake
+    failure (logged) and never registers, so P's ranks hold nothing of it: both engines
+    stay up, P's request prefills without push (no push step planned, after
     push_register_timeout), D's request fails its load with nothing written into any of D's
     blocks (every byte of D's caches still zero), no leak on either engine. (A Mamba group
-    without a state geometry, refused per peer by both sides' mamba_tp_refusal:
+    without a state geometry, refused per peer by mamba_tp_refusal: end to end
+    test_nogeom_tp.py::test_no_geometry_across_tp_push_refused_by_name, unit
     test_push_failures.py::test_mamba_tp_refusal_names_the_rule.)"""
     e = engines("remap-gdn-mix")
     P, D = e["tp2"], e["tp1"]
@@ -407,13 +409,18 @@ def test_mamba_remap_across_tp_conv_layout_mix_is_refused_per_peer(engines):
     rules = [f"disagrees on group 1's Mamba state geometry: conv_layout local {a!r}, remote "
              f"{b!r} (a DS/SD conv state mix is a transposed copy"
              for a, b in (("DS", "SD"), ("SD", "DS"))]
-    (d0,) = D.call_all("push_state")    # D refuses the pair at its handshake, by field
+    (d0,) = D.call_all("push_state")    # D's handshake failed: the field named
     assert any(r in x for x in d0["errors"] for r in rules), d0
     # D never registered: P's ranks (which take a decode peer in with its first
-    # registration) hold nothing of it and planned nothing
-    for r, st in enumerate(P.call_all("push_state")):
-        assert st["errors"] == [] and st["regs"] == st["pushes"] == [] and not st["stats"], \
-            (r, st)
+    # registration) hold nothing of it and planned nothing; P's rank 0 refused D's rank at
+    # its handshake server (the field named, recorded), its rank 1 never heard of D
+    p_states = P.call_all("push_state")
+    assert p_states[0]["errors"] and all(
+        x.startswith("handshake refused: ") and any(r in x for r in rules)
+        for x in p_states[0]["errors"]), p_states[0]["errors"]
+    for r, st in enumerate(p_states):
+        assert (r == 0 or st["errors"] == []) and st["regs"] == st["pushes"] == [] \
+            and not st["stats"], (r, st)
     assert d0["expect"] == [], d0
     D.run_out()
     P.run_out()

@@ -30,8 +30,9 @@ class Case:
     #: pages as vLLM CPU's "vec" attention kernel writes them (per head K transposed, then V):
     #: a block-size remap moves token rows, so the pattern must sit where the kernel puts it
     vec: bool = False
-    #: Mamba cases: (tests/vllm/test_state_tp_vllm.py MODELS key, conv layout "DS"/"SD");
-    #: the rank processes run with VLLM_SSM_CONV_STATE_LAYOUT set to the layout
+    #: Mamba cases: (tests/vllm/test_state_tp_vllm.py MODELS key or "short_conv", conv
+    #: layout "DS"/"SD"); the rank processes run with VLLM_SSM_CONV_STATE_LAYOUT set to the
+    #: layout
     state: tuple[str, str] | None = None
 
     def kcc(self, tp: int):
@@ -52,17 +53,43 @@ def _oriented(conv: tuple, layout: str) -> tuple:
     return conv if (layout == "DS") == mamba_utils.is_conv_state_dim_first() else conv[::-1]
 
 
+#: the ShortConv layers of the "short_conv" state case (LFM2's convolution block, vLLM's
+#: ``ShortConv``): hidden size and ``conv_L_cache`` (LFM2's 3: two conv state rows)
+SHORT_CONV_DIM, SHORT_CONV_L = 32, 3
+
+
+def short_conv_spec(tp: int, layout: str, bs: int, page: int) -> MambaSpec:
+    """The MambaSpec vLLM's ``ShortConv`` layer builds (``get_kv_cache_spec``) at ``tp``:
+    one conv state ``MambaStateShapeCalculator.short_conv_state_shape`` (in ``layout``) in
+    the dtype ``MambaStateDtypeCalculator.short_conv_state_dtype`` gives
+    for the test model, mamba_type SHORT_CONV. hmacore has no state geometry for it
+    (``_compat.mamba_state_geometry``: "state sharding not modelled"); the rank processes
+    build the real layers and check their spec equals this one (tp_rank.short_conv_layers)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    (conv,) = mamba_utils.MambaStateShapeCalculator.short_conv_state_shape(
+        tp, SHORT_CONV_DIM, SHORT_CONV_L)
+    dtypes = MambaStateDtypeCalculator.short_conv_state_dtype(H.model_config().dtype, "auto")
+    return MambaSpec(block_size=bs, shapes=(_oriented(conv, layout),), dtypes=dtypes,
+                     mamba_type=MambaAttentionBackendEnum.SHORT_CONV, page_size_padded=page,
+                     mamba_cache_mode="align")
+
+
 def state_hybrid(model: str, layout: str, tp: int, bs: int = 64,
                  num_blocks: int = 64, head: int = 16) -> KVCacheConfig:
     """Full attention (``TOTAL_HEADS`` KV heads over ``tp``, head size ``head``) + two
     Mamba-type layers whose per-rank state shapes, dtypes and type are vLLM's
-    (``MambaStateShapeCalculator`` for the test_state_tp_vllm model ``model`` at ``tp``),
-    padded to the attention page (align)."""
+    (``MambaStateShapeCalculator`` for the test_state_tp_vllm model ``model`` at ``tp``;
+    "short_conv": :func:`short_conv_spec`), padded to the attention page (align)."""
     fa = H.attn(bs, heads=max(1, TOTAL_HEADS // tp), head=head)
-    v = STV.vllm_spec(model, tp)
-    ms = MambaSpec(block_size=bs, shapes=(_oriented(v.shapes[0], layout), tuple(v.shapes[1])),
-                   dtypes=v.dtypes, mamba_type=v.mamba_type,
-                   page_size_padded=fa.page_size_bytes, mamba_cache_mode="align")
+    if model == "short_conv":
+        ms = short_conv_spec(tp, layout, bs, fa.page_size_bytes)
+    else:
+        v = STV.vllm_spec(model, tp)
+        ms = MambaSpec(block_size=bs,
+                       shapes=(_oriented(v.shapes[0], layout), tuple(v.shapes[1])),
+                       dtypes=v.dtypes, mamba_type=v.mamba_type,
+                       page_size_padded=fa.page_size_bytes, mamba_cache_mode="align")
     assert ms.state_content_size_bytes <= fa.page_size_bytes
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         H.group(["model.layers.3.attn"], fa), H.group(list(STATE_LAYERS), ms)])
@@ -96,6 +123,12 @@ STATE_CASES = {c.name: c for c in (_state_case(m, lay)
                                    for lay in ("DS", "SD"))}
 
 
+#: Mamba state hmacore has no state geometry for (issue 20's "no geometry" paths): vLLM's
+#: ShortConv (LFM2), a Mamba type vLLM really has; whole pages at equal TP, refused by name
+#: across TP sizes (tests/vllm/test_nogeom_tp.py)
+NOGEOM_CASES = {c.name: c for c in (_state_case("short_conv", "SD"),)}
+
+
 CASES = {
     "gemma": Case("gemma", lambda tp: H.gemma_like(num_blocks=64,
                                                    heads=max(1, TOTAL_HEADS // tp)), {}, 150),
@@ -119,6 +152,7 @@ CASES = {
                       dict(max_num_batched_tokens=1024), 600),
     **STATE_CASES,
     **STATE_REMAP_CASES,
+    **NOGEOM_CASES,
 }
 
 
@@ -172,6 +206,8 @@ def state_page(case: Case, layer: int, position: int, spec, tp: int, rank: int,
     model, layout = case.state
     assert STV.mamba_utils.is_conv_state_dim_first() == (layout == "DS"), \
         "the process's conv layout is not the case's"
+    if model == "short_conv":
+        return _short_conv_page(layer, position, spec, tp, rank, pad)
     chans, heads = STV.vllm_channels(model, tp, rank)
     R = STV.KERNEL - 1
     conv = np.array([[(c * R + r + 53 * layer + 31 * position) % 32000 + 1 for r in range(R)]
@@ -183,6 +219,27 @@ def state_page(case: Case, layer: int, position: int, spec, tp: int, rank: int,
     ssm = np.array([[1_000_000 * (1 + layer) + 10_000 * position + h * e + x for x in range(e)]
                     for h in heads], np.int32)
     body = np.concatenate([conv.reshape(-1).view(np.uint8), ssm.reshape(-1).view(np.uint8)])
+    assert body.size == spec.state_content_size_bytes
+    page = np.full(spec.page_size_bytes, pad, np.uint8)
+    page[:body.size] = body
+    return torch.from_numpy(page)
+
+
+def _short_conv_page(layer: int, position: int, spec, tp: int, rank: int,
+                     pad: int) -> torch.Tensor:
+    """:func:`state_page` of a ShortConv state (one conv state, no ssm state): global channel
+    ``c`` (rank ``rank`` holds ColumnParallelLinear's contiguous slice of the
+    ``SHORT_CONV_DIM`` channels), row ``r`` hold ``(c*R + r + 53*layer + 31*position) % 32000
+    + 1`` as integer tags of the state dtype's size, in vLLM's per-rank shape and layout."""
+    n = SHORT_CONV_DIM // tp
+    R = SHORT_CONV_L - 1
+    size = torch.empty((), dtype=spec.dtypes[0]).element_size()
+    conv = np.array([[(c * R + r + 53 * layer + 31 * position) % 32000 + 1 for r in range(R)]
+                     for c in range(rank * n, rank * n + n)], np.dtype(f"<i{size}"))
+    if not mamba_utils.is_conv_state_dim_first():
+        conv = conv.T.copy()
+    assert conv.shape == tuple(spec.shapes[0]), (conv.shape, spec.shapes)
+    body = conv.reshape(-1).view(np.uint8)
     assert body.size == spec.state_content_size_bytes
     page = np.full(spec.page_size_bytes, pad, np.uint8)
     page[:body.size] = body

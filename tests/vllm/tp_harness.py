@@ -70,6 +70,11 @@ class RankProc:
             raise RuntimeError(out["error"])
         return out
 
+    def log_text(self) -> str:
+        """Everything the rank process wrote to stderr so far (its log)."""
+        with open(self.log.name) as f:
+            return f.read()
+
     def tail(self) -> str:
         try:
             with open(self.log.name) as f:
@@ -224,7 +229,8 @@ def engine_pool(prefix: str = "", extra: dict | None = None,
     started together and reused by that case's tests (``get(case)`` -> {"tp1", "tp2",
     "tp2b"}); a case's engines are closed when the next case starts, the rest at the end.
     ``pools``: other engine sets by name, ``(key, tp_cases case, TP size)`` each (engines of
-    other block sizes in one start-up)."""
+    other block sizes in one start-up), optionally a fourth item: more ``extra`` keys of that
+    engine (e.g. push mode for some sets of the pool)."""
     live: dict[str, dict[str, TpEngine]] = {}
 
     def get(case: str) -> dict[str, TpEngine]:
@@ -234,8 +240,9 @@ def engine_pool(prefix: str = "", extra: dict | None = None,
             started = {}
             default = (("tp1", case, 1), ("tp2", case, 2), ("tp2b", case, 2))
             try:
-                for key, which, tp in (pools or {}).get(case, default):
-                    started[key] = TpEngine(which, tp, f"{prefix}{case}-{key}", extra=extra)
+                for key, which, tp, *more in (pools or {}).get(case, default):
+                    started[key] = TpEngine(which, tp, f"{prefix}{case}-{key}",
+                                            extra={**(extra or {}), **(more[0] if more else {})})
                 live[case] = {k: e.wait_ready() for k, e in started.items()}
             except Exception:
                 for e in started.values():

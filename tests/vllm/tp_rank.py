@@ -72,6 +72,30 @@ def stand_in_layers(case, tp: int, vc) -> None:
         ctx[name] = types.SimpleNamespace(conv1d=cls.__new__(cls))
 
 
+def short_conv_layers(kcc, vc) -> None:
+    """What loading an LFM2-like model does for its convolution blocks: vLLM's real
+    ``ShortConv`` layer per state layer (built in this rank's TP group; it registers itself
+    in ``static_forward_context``, where the worker reads it), and the KV cache spec vLLM
+    asks of it (``get_kv_cache_spec``) must be the state group's spec of ``kcc``, so the
+    connector sees what vLLM would give it (hmacore has no state geometry for SHORT_CONV)."""
+    import types
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.mamba.short_conv import ShortConv
+    (grp,) = [g for g in kcc.kv_cache_groups if list(g.layer_names) == list(tp_cases.STATE_LAYERS)]
+    want = grp.kv_cache_spec
+    vc.cache_config.mamba_block_size = want.block_size
+    vc.cache_config.mamba_page_size_padded = want.page_size_padded
+    cfg = types.SimpleNamespace(conv_L_cache=tp_cases.SHORT_CONV_L, conv_bias=False)
+    with set_current_vllm_config(vc):
+        for i, name in enumerate(tp_cases.STATE_LAYERS):
+            layer = ShortConv(cfg, tp_cases.SHORT_CONV_DIM, i, model_config=vc.model_config,
+                              cache_config=vc.cache_config, prefix=name)
+            got = layer.get_kv_cache_spec(vc)
+            assert got == want, (name, got, want)
+            assert vc.compilation_config.static_forward_context[name] is layer
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -84,7 +108,9 @@ def main() -> None:
                                 extra=args.get("extra"))
     init_tp(tp, rank, args["dist_port"], args["dist_ident"], vc)
     kcc = case.kcc(tp)
-    if case.state is not None:
+    if case.state is not None and case.state[0] == "short_conv":
+        short_conv_layers(kcc, vc)
+    elif case.state is not None:
         stand_in_layers(case, tp, vc)
     conn = HmaNixlConnector(vc, KVConnectorRole.WORKER, kcc)
     caches = tp_cases.allocate(case, kcc, tp)

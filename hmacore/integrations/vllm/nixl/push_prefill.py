@@ -33,6 +33,30 @@ class PrefillSide:
     """P's methods of :class:`~.push_worker.HmaPushWorker` (peers, registrations, step
     planning, WRITEs, ends)."""
 
+    def _check_decode_peer(self, payload: HandshakePayload) -> None:
+        """P's handshake server's rule for a decode rank that connects (server thread): a
+        Mamba group this rank cannot pair with the peer's TP size
+        (:func:`~._tp.mamba_tp_refusal`: no state geometry) refuses it by that rule and its
+        reason, before the protocol's own checks (``check_compatible``, whose state check
+        only says a geometry is missing). D hears the refusal as its handshake failure and
+        never registers; P records it (:meth:`_take_server_refusals`)."""
+        d, dtp = (payload.tp.tp_rank, payload.tp.tp_size) if payload.tp is not None else (0, 1)
+        remap = tuple(payload.block_sizes) != tuple(self.layout.block_sizes)
+        why = mamba_tp_refusal(self.layout, self.tp, self.tp_size, dtp, remap)
+        if why is not None:
+            raise HandshakeError(f"decode peer {payload.agent_name!r} (rank {d} of TP {dtp}) "
+                                 f"refused for push: {why}")
+        self._me.check_compatible(payload)
+
+    def _take_server_refusals(self) -> None:
+        """Record (``errors``, logged) the handshakes this rank's server refused since the
+        last call: a decode peer refused at the handshake never registers, so nothing else
+        on P would name it."""
+        errors = self.server.errors if self.server is not None else []
+        for e in errors[self._server_seen:]:
+            self._error(f"handshake refused: {e}")
+        self._server_seen = len(errors)
+
     def _accept_peers(self) -> None:
         """P: decode ranks that handshook (queued by the server thread) become NIXL peers; the
         ranks that read from this rank get a dlist pair (equal TP: whole pages; else this

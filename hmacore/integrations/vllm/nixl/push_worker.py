@@ -151,6 +151,7 @@ class HmaPushWorker(PrefillSide, DecodeSide):
         self._new_peers: queue.Queue = queue.Queue()
         self._sources: dict[tuple[str, int], _Source] = {}
         self.errors: list[str] = []           # handshake / registration problems (bounded)
+        self._server_seen = 0                 # the server's refusals recorded in errors
         # D side
         # push id -> (request id, receiver keys, source address)
         self._expect: dict[str, tuple[str, tuple[str, ...], tuple[str, int]]] = {}
@@ -204,7 +205,8 @@ class HmaPushWorker(PrefillSide, DecodeSide):
         self.receiver = LayerwiseReceiver(self._inbox, len(self.layers.layers))
         self._me = self._payload()
         self.server = HandshakeServer(self._me, host=self.host, port=self.port,
-                                      on_peer=self._new_peers.put)
+                                      on_peer=self._new_peers.put,
+                                      check=self._check_decode_peer)
         return plan
 
     def _payload(self) -> HandshakePayload:
@@ -251,6 +253,7 @@ class HmaPushWorker(PrefillSide, DecodeSide):
         once registered: a failure ends the request it concerns."""
         if self.agent is None:
             raise RuntimeError("register_kv_caches must run before start_load_kv")
+        self._take_server_refusals()
         self._guard("adopting handshakes", self._poll_connects)
         for reg in getattr(meta, "push_regs", {}).values():
             self._register(reg)
