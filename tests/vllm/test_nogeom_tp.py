@@ -26,12 +26,10 @@ import time
 import pytest
 
 import harness as H
-import tp_cases
-from test_pd_nixl_tp import _prefill
-from test_push_tp import PUSH, _registration, _start, _until_loaded
+from test_pd_nixl_tp import _prefill, pull_state_every_byte
+from test_push_tp import PUSH, push_refused, push_state_every_byte, run_out_refused
 from tp_harness import PAIRS, engine_pool, run_out_both, zeroed
 
-from hmacore.windows import trim_remote_to_local
 
 pytestmark = pytest.mark.nixl
 
@@ -70,32 +68,6 @@ def _untouched(D) -> None:
 
 
 # -- pull ------------------------------------------------------------------------------------
-def _pull_every_byte(P, D, prompt, rid: str) -> None:
-    """P prefills, D loads: whole state pages (P's padding byte included) and the attention
-    pages, every byte of every D rank checked; D computes only the backoff suffix."""
-    n = len(prompt)
-    params = _prefill(P, prompt, rid=f"p-{rid}")
-    assert params["tp_size"] == P.tp == D.tp
-    hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
-    req = H.make_request(f"d-{rid}", prompt, hbs, params=params, max_tokens=3)
-    D.s.add_request(req)
-    D.step()
-    rr = D.metas[-1].reqs_to_recv[f"d-{rid}"]
-    deadline = time.monotonic() + 60
-    while req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS:
-        assert time.monotonic() < deadline, "the READs did not complete"
-        so = D.step()
-        P.step()
-    assert req.status != H.RequestStatus.FINISHED_ERROR, [r.tail() for r in D.ranks]
-    backoff = D.s.connector.scheduler.backoff
-    end = rr.load_start + rr.num_external_tokens
-    assert backoff >= 1 and end == n - backoff, (end, n, backoff)
-    assert so.num_scheduled_tokens.get(f"d-{rid}") == n - end, so.num_scheduled_tokens
-    local, _ = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids, D.layout)
-    loaded = [[int(b) for b in g] for g in local]
-    mamba = [g for g, s in enumerate(D.layout.groups) if s.kind.name == "MAMBA"]
-    assert mamba and all(len(loaded[g]) == 1 for g in mamba), loaded   # one state slot
-    D.check_loaded(f"d-{rid}", loaded, control=D.tp == 2, state_pad=tp_cases.STATE_PAD)
 
 
 @pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2)])
@@ -133,7 +105,7 @@ def test_no_geometry_across_tp_pull_refused_by_name(engines, tp_p, tp_d):
     H.assert_no_leak(D.s)
     # the engines stay up: a request at equal TP through the same D (TP 2) or P (TP 2)
     F_P, F_D = (e["tp2b"], D) if D.tp == 2 else (P, e["tp2b"])
-    _pull_every_byte(F_P, F_D, zeroed(F_P, F_D, (3, 19, 11), tp_p, tp_d), f"ngf{tp_p}{tp_d}")
+    pull_state_every_byte(F_P, F_D, zeroed(F_P, F_D, (3, 19, 11), tp_p, tp_d), f"ngf{tp_p}{tp_d}")
     run_out_both(F_P, F_D)
     # P's lease on the refused request's blocks ends (nothing told P: D never handshook)
     P.run_out(timeout=2 * P.vc.kv_transfer_config.kv_connector_extra_config[
@@ -149,41 +121,12 @@ def test_no_geometry_equal_tp_pull_every_byte(engines, tp):
     attention pages equal P's pattern for that rank, nothing else written; rank 0's bytes
     read as rank 1's differ (control, TP 2); no leak, no lease left."""
     P, D = _equal(engines, "pull", tp)
-    _pull_every_byte(P, D, zeroed(P, D, (5, 23, 3), tp, tp), f"nge{tp}")
+    pull_state_every_byte(P, D, zeroed(P, D, (5, 23, 3), tp, tp), f"nge{tp}")
     run_out_both(P, D)
     assert P.s.connector.scheduler.leases() == {}
 
 
 # -- push ------------------------------------------------------------------------------------
-def _push_every_byte(P, D, prompt, rid: str) -> None:
-    """D registers, P's forward pass WRITEs whole state pages and the attention pages rank
-    to rank; every byte of every D rank checked; every P rank's push ended ok."""
-    n = len(prompt)
-    errors = [st["errors"] for st in P.call_all("push_state") + D.call_all("push_state")]
-    d_req, p_req = _start(P, D, prompt, rid)
-    _until_loaded(P, D, d_req)
-    assert d_req.status != H.RequestStatus.FINISHED_ERROR
-    reg = _registration(D, d_req.request_id)
-    assert reg.awaiting
-    backoff = D.s.connector.scheduler.backoff
-    assert backoff >= 1 and reg.num_tokens == n - backoff, (reg.num_tokens, n, backoff)
-    assert d_req.num_computed_tokens >= n - backoff, "D recomputed instead of receiving the push"
-    loaded = [[int(b) for b in g if b] for g in reg.block_ids]
-    mamba = [g for g, s in enumerate(D.layout.groups) if s.kind.name == "MAMBA"]
-    assert mamba and all(len(loaded[g]) == 1 for g in mamba), loaded   # one state slot
-    D.check_loaded(d_req.request_id, loaded, control=D.tp == 2, state_pad=tp_cases.STATE_PAD)
-    run_out_both(P, D)
-    sched = P.s.connector.scheduler
-    assert sched.leases() == {} and sched.registered() == set() and sched.held() == set()
-    steps = len([s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
-                 if s.push_id == f"push-{rid}"])
-    assert steps >= 1
-    for r, st in enumerate(P.call_all("push_state")):
-        mine = [x for x in st["stats"] if x["push_id"] == f"push-{rid}"]
-        assert mine == [{"push_id": f"push-{rid}", "ok": True, "rank": r, "steps": steps,
-                         "consumers": [r]}], (r, st)
-    for st, before in zip(P.call_all("push_state") + D.call_all("push_state"), errors):
-        assert st["errors"] == before and st["regs"] == st["pushes"] == st["expect"] == [], st
 
 
 @pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2)])
@@ -201,16 +144,7 @@ def test_no_geometry_across_tp_push_refused_by_name(engines, tp_p, tp_d):
     prompt = zeroed(P, D, (7, 13, 17), tp_p, tp_d)
     errors = [st["errors"] for st in P.call_all("push_state") + D.call_all("push_state")]
     rid = f"ng-push-{tp_p}{tp_d}"
-    d_req, p_req = _start(P, D, prompt, rid, wait_registered=False)
-    deadline = time.monotonic() + 60
-    while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS or P.s.requests:
-        assert time.monotonic() < deadline, (d_req.status, list(P.s.requests))
-        D.step()
-        P.step(fill=True)
-    assert p_req.status == H.RequestStatus.FINISHED_LENGTH_CAPPED, p_req.status
-    assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
-    assert not [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
-                if s.push_id == f"push-{rid}"], "P planned a push step for a refused peer"
+    push_refused(P, D, prompt, rid)
     rule = (f"group 1 is Mamba state without a state geometry ({WHY}); its pages pair only "
             f"between equal TP sizes (this rank: TP {tp_p}, peer: TP {tp_d})")
     # P's rank 0 refused each D rank at its handshake server, by the rule, and recorded it;
@@ -230,16 +164,10 @@ def test_no_geometry_across_tp_push_refused_by_name(engines, tp_p, tp_d):
         assert any("rejected the handshake: decode peer " in x and rule in x for x in new), \
             (r, new)
         assert st["expect"] == [], (r, st)
-    D.run_out()
-    P.run_out()
-    H.assert_no_leak(D.s)
-    H.assert_no_leak(P.s)
-    sched = P.s.connector.scheduler
-    assert sched.registered() == set() and sched.held() == set()
-    _untouched(D)
+    run_out_refused(P, D)
     # the engines stay up: a push at equal TP through the same D (TP 2) or P (TP 2)
     F_P, F_D = (e["tp2b"], D) if D.tp == 2 else (P, e["tp2b"])
-    _push_every_byte(F_P, F_D, zeroed(F_P, F_D, (7, 13, 19), tp_p, tp_d), f"ng-pushf-{tp_p}{tp_d}")
+    push_state_every_byte(F_P, F_D, zeroed(F_P, F_D, (7, 13, 19), tp_p, tp_d), f"ng-pushf-{tp_p}{tp_d}")
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(1, marks=pytest.mark.slow)])
@@ -250,4 +178,4 @@ def test_no_geometry_equal_tp_push_every_byte(engines, tp):
     written; rank 0 read as rank 1 differs (control, TP 2); every P rank's push ended ok
     with its one consumer; no leak, no new error on either engine."""
     P, D = _equal(engines, "push", tp)
-    _push_every_byte(P, D, zeroed(P, D, (11, 5, 3), tp, tp), f"ng-pushe-{tp}")
+    push_state_every_byte(P, D, zeroed(P, D, (11, 5, 3), tp, tp), f"ng-pushe-{tp}")

@@ -87,10 +87,19 @@ def test_mamba_state_across_tp_pull_every_byte(engines, case, tp_p, tp_d):
     oracle for D's rank, attention as in the other cases, nothing else written; D schedules
     exactly the backoff suffix; no leak on either engine."""
     P, D, prompt = pair(engines, case, tp_p, tp_d, (5, 17, 1))
-    rid = f"s{tp_p}{tp_d}"
+    pull_state_every_byte(P, D, prompt, f"s{tp_p}{tp_d}")
+    run_out_both(P, D)
+    assert P.s.connector.scheduler.leases() == {}
+
+
+def pull_state_every_byte(P, D, prompt, rid: str) -> None:
+    """P prefills, D loads (state groups included): every byte of every D rank's loaded
+    state page (padding: P's STATE_PAD copied at equal TP, D's zero kept across TP sizes)
+    and attention pages checked, rank 0 read as rank 1 must differ at D TP 2; D schedules
+    exactly the backoff suffix (it loaded the rest)."""
     n = len(prompt)
     params = _prefill(P, prompt, rid=f"p-{rid}")
-    assert params["tp_size"] == tp_p
+    assert params["tp_size"] == P.tp
     hbs = H.C.resolve_kv_cache_block_sizes(D.kcc, D.vc)[1]
     req = H.make_request(f"d-{rid}", prompt, hbs, params=params, max_tokens=3)
     D.s.add_request(req)
@@ -101,21 +110,18 @@ def test_mamba_state_across_tp_pull_every_byte(engines, case, tp_p, tp_d):
         assert time.monotonic() < deadline, "the READs did not complete"
         so = D.step()     # the step that sees the load done schedules the request's rest
         P.step()
-    assert req.status != H.RequestStatus.FINISHED_ERROR
+    assert req.status != H.RequestStatus.FINISHED_ERROR, [r.tail() for r in D.ranks]
     backoff = D.s.connector.scheduler.backoff
     end = rr.load_start + rr.num_external_tokens
     assert backoff >= 1 and end == n - backoff, (end, n, backoff)
-    # D computes exactly the suffix P left (the backoff tokens): it loaded the rest
     assert so.num_scheduled_tokens.get(f"d-{rid}") == n - end, so.num_scheduled_tokens
     local, _ = trim_remote_to_local(rr.local_block_ids, rr.remote.block_ids, D.layout)
     loaded = [[int(b) for b in g] for g in local]
     mamba = [g for g, s in enumerate(D.layout.groups) if s.kind.name == "MAMBA"]
     assert mamba and all(len(loaded[g]) == 1 for g in mamba), loaded   # one state slot
     # P's state padding is STATE_PAD: copied with whole pages at equal TP, never read across
-    D.check_loaded(f"d-{rid}", loaded, control=tp_d == 2,
-                   state_pad=tp_cases.STATE_PAD if tp_p == tp_d else 0)
-    run_out_both(P, D)
-    assert P.s.connector.scheduler.leases() == {}
+    D.check_loaded(f"d-{rid}", loaded, control=D.tp == 2,
+                   state_pad=tp_cases.STATE_PAD if P.tp == D.tp else 0)
 
 
 @pytest.fixture(scope="module")

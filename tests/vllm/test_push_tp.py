@@ -127,7 +127,7 @@ def test_mixed_tp_push_every_byte(engines, case, tp_p, tp_d):
 #: per (P TP, D TP): the D ranks each P rank WRITEs to in the Mamba state cases (written
 #: out): P2/D1 both P ranks (each holds half of D's heads, conv channels and ssm heads),
 #: P1/D2 P's only rank to both, P2/D2 rank to rank (whole pages)
-STATE_CONSUMERS = {(2, 1): [[0], [0]], (1, 2): [[0, 1]], (2, 2): [[0], [1]]}
+STATE_CONSUMERS = {(2, 1): [[0], [0]], (1, 2): [[0, 1]], (2, 2): [[0], [1]], (1, 1): [[0]]}
 
 
 # make test: two other cases than the pull tests' (the rest: make test-mamba-tp)
@@ -145,23 +145,7 @@ def test_mamba_state_across_tp_push_every_byte(engines, case, tp_p, tp_d):
     else written; D computes only the backoff suffix; every P rank's push ended ok with the
     consumers written out; no leak, no error on either engine."""
     P, D, prompt = pair(engines, case, tp_p, tp_d, (7, 11, 5))
-    rid = f"{case}-{tp_p}{tp_d}"
-    n = len(prompt)
-    d_req, p_req = _start(P, D, prompt, rid)
-    _until_loaded(P, D, d_req)
-    assert d_req.status != H.RequestStatus.FINISHED_ERROR
-    reg = _registration(D, d_req.request_id)
-    assert reg.awaiting
-    backoff = D.s.connector.scheduler.backoff
-    assert backoff >= 1 and reg.num_tokens == n - backoff, (reg.num_tokens, n, backoff)
-    assert d_req.num_computed_tokens >= n - backoff, "D recomputed instead of receiving the push"
-    loaded = [[int(b) for b in g if b] for g in reg.block_ids]
-    mamba = [g for g, s in enumerate(D.layout.groups) if s.kind.name == "MAMBA"]
-    assert mamba and all(len(loaded[g]) == 1 for g in mamba), loaded   # one state slot
-    assert all(loaded[g] for g, s in enumerate(D.layout.groups) if g not in mamba), loaded
-    D.check_loaded(d_req.request_id, loaded, control=tp_d == 2,
-                   state_pad=tp_cases.STATE_PAD if tp_p == tp_d else 0)
-    _run_out_pushed(P, D, rid, tp_p, tp_d)
+    push_state_every_byte(P, D, prompt, f"{case}-{tp_p}{tp_d}")
 
 
 def test_d_rank_never_registers(engines):
@@ -395,16 +379,7 @@ def test_mamba_remap_across_tp_conv_layout_mix_is_refused_per_peer(engines):
     rid = "gdn-mix-refused"
     n = P.case.prompt_tokens
     prompt = [1 + (i * 13 + 7) % 900 for i in range(n)]
-    d_req, p_req = _start(P, D, prompt, rid, wait_registered=False)
-    deadline = time.monotonic() + 60
-    while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS or P.s.requests:
-        assert time.monotonic() < deadline, (d_req.status, list(P.s.requests))
-        D.step()
-        P.step(fill=True)
-    assert p_req.status == H.RequestStatus.FINISHED_LENGTH_CAPPED, p_req.status
-    assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
-    assert not [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
-                if s.push_id == f"push-{rid}"], "P planned a push step for a refused peer"
+    push_refused(P, D, prompt, rid)
     # whichever side's check answers first (P's handshake server or D), the field is named
     rules = [f"disagrees on group 1's Mamba state geometry: conv_layout local {a!r}, remote "
              f"{b!r} (a DS/SD conv state mix is a transposed copy"
@@ -422,16 +397,7 @@ def test_mamba_remap_across_tp_conv_layout_mix_is_refused_per_peer(engines):
         assert (r == 0 or st["errors"] == []) and st["regs"] == st["pushes"] == [] \
             and not st["stats"], (r, st)
     assert d0["expect"] == [], d0
-    D.run_out()
-    P.run_out()
-    H.assert_no_leak(D.s)
-    H.assert_no_leak(P.s)
-    sched = P.s.connector.scheduler
-    assert sched.registered() == set() and sched.held() == set()
-    # nothing written into D: every block of every layer still zero
-    for st in D.call_all("check", table=[[] for _ in D.kcc.kv_cache_groups],
-                         loaded=[[] for _ in D.kcc.kv_cache_groups]):
-        assert st["stray"] == 0, st
+    run_out_refused(P, D)
 
 
 def _run_out_pushed(P, D, rid: str, tp_p: int, tp_d: int, errors: list | None = None) -> None:
@@ -453,3 +419,58 @@ def _run_out_pushed(P, D, rid: str, tp_p: int, tp_d: int, errors: list | None = 
     states += D.call_all("push_state")
     for st, before in zip(states, errors or [[]] * len(states)):
         assert st["errors"] == before and st["regs"] == st["pushes"] == st["expect"] == [], st
+
+
+def push_state_every_byte(P, D, prompt, rid: str) -> None:
+    """D registers, P's forward pass pushes the prompt (state groups included) into D: every
+    byte of every D rank's registered state slot (padding: P's STATE_PAD copied at equal TP,
+    D's zero kept across TP sizes) and attention blocks checked (rank 0 read as rank 1 must
+    differ at D TP 2); D computes only the backoff suffix; then :func:`_run_out_pushed` (no
+    rank gains an error)."""
+    tp_p, tp_d = P.tp, D.tp
+    n = len(prompt)
+    errors = [st["errors"] for st in P.call_all("push_state") + D.call_all("push_state")]
+    d_req, p_req = _start(P, D, prompt, rid)
+    _until_loaded(P, D, d_req)
+    assert d_req.status != H.RequestStatus.FINISHED_ERROR, [r.tail() for r in D.ranks]
+    reg = _registration(D, d_req.request_id)
+    assert reg.awaiting
+    backoff = D.s.connector.scheduler.backoff
+    assert backoff >= 1 and reg.num_tokens == n - backoff, (reg.num_tokens, n, backoff)
+    assert d_req.num_computed_tokens >= n - backoff, "D recomputed instead of receiving the push"
+    loaded = [[int(b) for b in g if b] for g in reg.block_ids]
+    mamba = [g for g, s in enumerate(D.layout.groups) if s.kind.name == "MAMBA"]
+    assert mamba and all(len(loaded[g]) == 1 for g in mamba), loaded   # one state slot
+    assert all(loaded[g] for g, s in enumerate(D.layout.groups) if g not in mamba), loaded
+    D.check_loaded(d_req.request_id, loaded, control=tp_d == 2,
+                   state_pad=tp_cases.STATE_PAD if tp_p == tp_d else 0)
+    _run_out_pushed(P, D, rid, tp_p, tp_d, errors)
+
+
+def push_refused(P, D, prompt, rid: str) -> None:
+    """A push D's handshake is refused for: P prefills without pushing (capped at its one
+    token, no push step planned for ``rid``), D's request fails."""
+    d_req, p_req = _start(P, D, prompt, rid, wait_registered=False)
+    deadline = time.monotonic() + 60
+    while d_req.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS or P.s.requests:
+        assert time.monotonic() < deadline, (d_req.status, list(P.s.requests))
+        D.step()
+        P.step(fill=True)
+    assert p_req.status == H.RequestStatus.FINISHED_LENGTH_CAPPED, p_req.status
+    assert d_req.status == H.RequestStatus.FINISHED_ERROR, d_req.status
+    assert not [s for m in P.metas if m for s in getattr(m, "push_saves", {}).values()
+                if s.push_id == f"push-{rid}"], "P planned a push step for a refused peer"
+
+
+def run_out_refused(P, D) -> None:
+    """After a refused push: both engines run out with no leak, P's scheduler holds and
+    registered nothing, and every byte of every layer of every D rank is still zero."""
+    D.run_out()
+    P.run_out()
+    H.assert_no_leak(D.s)
+    H.assert_no_leak(P.s)
+    sched = P.s.connector.scheduler
+    assert sched.registered() == set() and sched.held() == set()
+    for st in D.call_all("check", table=[[] for _ in D.kcc.kv_cache_groups],
+                         loaded=[[] for _ in D.kcc.kv_cache_groups]):
+        assert st["stray"] == 0, st
