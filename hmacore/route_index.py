@@ -289,6 +289,18 @@ class RoutingIndex:
     #: of the cost of one engine step's batch (docs/routing.md, session 16).
     apply_events = _route.index_apply_events
 
+    #: ``apply_payload(key, payload, *, dp_rank=0, medium="GPU", spec_kinds=None) ->
+    #: ApplyStats | None``: apply one KV event batch from the msgpack bytes vLLM publishes, in
+    #: one compiled call without decoding it into objects; None if declined (nothing applied:
+    #: decode it and call ``apply_events``, which applies it or refuses it by name). Docs in
+    #: hmacore/_fast/_route.pyx, ``index_apply_payload``.
+    apply_payload = _route.index_apply_payload
+
+    #: ``apply_payloads(key, payloads, *, dp_rank=0, medium="GPU", spec_kinds=None) ->
+    #: (ApplyStats, applied)``: consecutive batches of one engine's stream from their bytes in
+    #: one call, up to the first declined (``payloads[applied]``, nothing of it applied).
+    apply_payloads = _route.index_apply_payloads
+
     def _refused_kinds(self, spec_kinds: dict[str, GroupKind] | None) -> tuple:
         """Per group, the spec-kind strings that contradict it -> its kind's name (cached
         for the last ``spec_kinds`` object)."""

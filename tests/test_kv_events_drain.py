@@ -1,10 +1,11 @@
 """KVEventSubscriber's drained path (``_on_drained``): the messages one loop turn received
-from a stream, with runs of in-order batches applied in one ``RoutingIndex.apply_events``
-call, must leave the index and every counter exactly as handling them one by one
-(``_on_live``) does: gaps, duplicates, restarts, undecodable / other-rank / refused batches
-inside a run. Driven without sockets or threads (the subscriber is not started: its streams
-have no socket and no replay endpoint, so a gap resets the engine), so nothing waits on a
-clock.
+from a stream, with runs of in-order batches applied from their bytes in one
+``RoutingIndex.apply_payloads`` call, must leave the index and every counter exactly as
+handling them one by one (``_on_live``) does, and exactly as the decoded path alone (msgspec
+structs to ``apply_events``, what the subscriber did before reading the bytes) does: gaps,
+duplicates, restarts, undecodable / other-rank / refused batches inside a run. Driven
+without sockets or threads (the subscriber is not started: its streams have no socket and
+no replay endpoint, so a gap resets the engine), so nothing waits on a clock.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import random
 import msgspec
 import pytest
 
-from hmacore.route_index import RoutingIndex
+from hmacore.route_index import ApplyStats, RoutingIndex
 from hmacore.spec import KVLayout
 from hmacore.transport import kv_event_wire as W
 from hmacore.transport.kv_events import EngineStream, KVEventSubscriber, _Stream
@@ -27,14 +28,25 @@ FULL_TYPES = (W.BlockStored, W.BlockRemoved, W.AllBlocksCleared)
 
 
 class Counting(RoutingIndex):
-    """A RoutingIndex counting its ``apply_events`` calls and their events."""
+    """A RoutingIndex recording its calls: ``("bytes", payloads given, applied)`` per
+    ``apply_payloads``, ``("events", n)`` per ``apply_events``. ``decoded_only``: every
+    payload is declined, so the subscriber takes the decoded path for each batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, decoded_only: bool = False) -> None:
         super().__init__(LAYOUT)
-        self.calls: list[int] = []
+        self.calls: list[tuple] = []
+        self.decoded_only = decoded_only
+
+    def apply_payloads(self, key, payloads, **kw):  # type: ignore[override]
+        if self.decoded_only:
+            stats, done = ApplyStats(0, 0, 0, 0, 0, 0, 0), 0
+        else:
+            stats, done = RoutingIndex.apply_payloads(self, key, payloads, **kw)
+        self.calls.append(("bytes", len(payloads), done))
+        return stats, done
 
     def apply_events(self, key, events, types, **kw):  # type: ignore[override]
-        self.calls.append(len(events))
+        self.calls.append(("events", len(events)))
         return RoutingIndex.apply_events(self, key, events, types, **kw)
 
 
@@ -126,33 +138,39 @@ def random_stream(rng: random.Random, n: int) -> list[list[bytes]]:
 def test_drained_equals_one_by_one(seed):
     rng = random.Random(seed)
     msgs = random_stream(rng, 120)
-    one, drained = Counting(), Counting()
+    decoded, one, drained = Counting(decoded_only=True), Counting(), Counting()
+    sub0, st0 = subscriber(decoded)
     sub1, st1 = subscriber(one)
     sub2, st2 = subscriber(drained)
     for f in msgs:
+        sub0._on_live(st0, f)
         sub1._on_live(st1, f)
     i = 0
     while i < len(msgs):
         k = rng.randint(1, 40)
         sub2._on_drained(st2, msgs[i:i + k])
         i += k
-    assert len(drained.calls) < len(one.calls)             # runs were coalesced
-    assert max(drained.calls) > max(one.calls)
-    assert st2.stats == st1.stats
-    assert st2.recent == st1.recent
-    assert residency(drained) == residency(one)
+    runs = [c for c in drained.calls if c[0] == "bytes"]
+    assert len(runs) < len([c for c in one.calls if c[0] == "bytes"])  # runs were coalesced
+    assert max(c[2] for c in runs) > 1
+    # the bytes path declined exactly the batches the decoded path then dropped
+    declined = sum(1 for c in one.calls if c[0] == "bytes" and c[2] == 0)
+    assert declined == st1.stats.bad_batches > 0
+    assert st2.stats == st1.stats == st0.stats
+    assert st2.recent == st1.recent == st0.recent
+    assert residency(drained) == residency(one) == residency(decoded)
 
 
 def test_bad_batch_inside_a_drained_run_is_dropped_alone():
-    """Batches 0-4 drained together, batch 2 refused by the index (group 7): one call for the
-    run, refused whole, then one call per batch: 0 and 1 applied, 2 dropped and the engine
-    reset (which forgets 0 and 1, as one by one), 3 and 4 applied."""
+    """Batches 0-4 drained together, batch 2 refused (group 7): one call reads 0-2 from the
+    bytes, applies 0 and 1 and declines 2; 2 takes the decoded path, is refused, dropped and
+    the engine reset (which forgets 0 and 1, as one by one); 3 and 4 in one call."""
     index = Counting()
     sub, st = subscriber(index)
     good = [payload([stores([POOL[i]], 0), stores([POOL[i]], 1)]) for i in range(5)]
     bodies = good[:2] + [payload([stores([POOL[9]], 0), stores([POOL[2]], group=7)])] + good[3:]
     sub._on_drained(st, [frames(i, b) for i, b in enumerate(bodies)])
-    assert index.calls == [10, 2, 2, 2, 2, 2]
+    assert index.calls == [("bytes", 5, 2), ("events", 2), ("bytes", 2, 2)]
     s = st.stats
     assert (s.batches, s.bad_batches, s.resets, s.next_seq, s.stored) == (4, 1, 1, 5, 8)
     assert sorted(st.recent) == [0, 1, 2, 3, 4]
@@ -163,14 +181,15 @@ def test_bad_batch_inside_a_drained_run_is_dropped_alone():
 
 @pytest.mark.parametrize("bad", ["undecodable", "other rank"])
 def test_batch_that_does_not_decode_splits_the_run(bad):
-    """An undecodable or other-rank batch is found while the run is built: the batches
-    before it are applied in one call, it is dropped (reset), the ones after in one call."""
+    """An undecodable or other-rank batch: the batches before it are applied in one call,
+    it is declined, fails to decode (or names rank 3), is dropped (reset), and the ones
+    after it are applied in one call."""
     index = Counting()
     sub, st = subscriber(index)
     bodies = [payload([stores([POOL[i]], 0)]) for i in range(6)]
     bodies[2] = b"\xc1not msgpack" if bad == "undecodable" else payload([stores([POOL[2]])], 3)
     sub._on_drained(st, [frames(i, b) for i, b in enumerate(bodies)])
-    assert index.calls == [2, 3]
+    assert index.calls == [("bytes", 6, 2), ("bytes", 3, 3)]
     s = st.stats
     assert (s.batches, s.bad_batches, s.resets, s.next_seq) == (5, 1, 1, 6)
     assert residency(index)[1][:6] == [0, 0, 0, 1, 1, 1]
@@ -185,7 +204,7 @@ def test_gap_inside_a_drained_run():
     msgs = [frames(s, payload([stores([POOL[s]], 1)])) for s in (0, 1, 2, 5, 6)]
     msgs += [msgs[3], frames(7, payload([removes([POOL[6]], 1)]))]
     sub._on_drained(st, msgs)
-    assert index.calls == [3, 1, 1, 1]
+    assert index.calls == [("bytes", 3, 3), ("bytes", 1, 1), ("bytes", 1, 1), ("bytes", 1, 1)]
     s = st.stats
     assert (s.batches, s.gaps, s.resets, s.duplicates, s.next_seq) == (6, 1, 1, 1, 8)
     assert (s.stored, s.removed) == (5, 1)
@@ -193,11 +212,11 @@ def test_gap_inside_a_drained_run():
     assert held == 1 and counts[24:] == [int(h == POOL[5]) for h in POOL]
 
 
-def test_runs_are_capped():
-    """At most ``_run_batches`` (16) batches per call: the decoded batches of a run are
-    applied while still in cache."""
+def test_a_run_is_one_call():
+    """What one loop turn drained in order (at most ``max_drain`` messages) is one call: no
+    decoded objects, so no cap for the cache's sake."""
     index = Counting()
     sub, st = subscriber(index)
     sub._on_drained(st, [frames(i, payload([stores([POOL[i % 24]])])) for i in range(40)])
-    assert index.calls == [16, 16, 8]
+    assert index.calls == [("bytes", 40, 40)]
     assert (st.stats.batches, st.stats.next_seq, st.stats.stored) == (40, 40, 40)

@@ -34,6 +34,9 @@ class SharedResidency:
     def apply_events(self, bit: int, events: list[object], types: tuple[type, type, type],
                      medium: object, refused_kinds: tuple[dict[str, str], ...],
                      num_groups: int) -> tuple[int, int, int, int, int, int, int]: ...
+    def apply_payload(self, bit: int, payload: bytes, medium: str | None,
+                      refused_kinds: tuple[dict[str, str], ...], num_groups: int,
+                      dp_rank: int) -> tuple[int, int, int, int, int, int, int] | None: ...
     def route(self, kernel: HitKernel, num_groups: int,
               hashes: list[bytes] | npt.NDArray[np.uint8], max_length: int,
               names: tuple[object, ...], bits: npt.NDArray[np.int64]
@@ -60,3 +63,10 @@ class EventState:
 def index_apply_events(self: RoutingIndex, key: Hashable, events: list[Any],
                        types: tuple[type, type, type], *, medium: str | None = "GPU",
                        spec_kinds: dict[str, GroupKind] | None = None) -> ApplyStats: ...
+def index_apply_payload(self: RoutingIndex, key: Hashable, payload: bytes, *, dp_rank: int = 0,
+                        medium: str | None = "GPU",
+                        spec_kinds: dict[str, GroupKind] | None = None) -> ApplyStats | None: ...
+def index_apply_payloads(self: RoutingIndex, key: Hashable, payloads: list[bytes], *,
+                         dp_rank: int = 0, medium: str | None = "GPU",
+                         spec_kinds: dict[str, GroupKind] | None = None
+                         ) -> tuple[ApplyStats, int]: ...

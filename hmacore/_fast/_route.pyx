@@ -330,6 +330,8 @@ cdef class SharedResidency:
     cdef Py_ssize_t _ev_off[2][N_FIELDS]
     cdef bint _ev_direct           # every field apply_events reads is an object slot
     cdef object _ev_refused        # the last refused_kinds tuple found well-formed
+    cdef object _med_obj           # apply_payload: the last medium str and its UTF-8 bytes
+    cdef bytes _med_bytes
 
     def __cinit__(self, int digest_size=16):
         if digest_size not in (8, 16, 32):
@@ -911,6 +913,85 @@ cdef class SharedResidency:
         self._apply_events(bit, events, types, medium, refused_kinds, num_groups, r)
         return r[0], r[1], r[2], r[3], r[4], r[5], r[6]
 
+    def apply_payload(self, Py_ssize_t bit, bytes payload not None, object medium,
+                      tuple refused_kinds, int num_groups, int64_t dp_rank):
+        """Apply one KV event batch from its msgpack bytes (vLLM's publisher's payload) to
+        engine ``bit`` (``bit < 0``: validate only). Returns the seven counts of
+        :meth:`apply_events` for the same batch, or None: declined, nothing applied (the
+        caller decodes it and calls ``apply_events``, which applies it or refuses it by
+        name; see _route_payload.pxi for what is declined). ``dp_rank``: the batch's
+        ``data_parallel_rank`` must be absent, None or this."""
+        cdef int64_t r[7]
+        if self._apply_payloads(bit, [payload], medium, refused_kinds, num_groups, dp_rank,
+                                r) == 0:
+            return None
+        return r[0], r[1], r[2], r[3], r[4], r[5], r[6]
+
+    cdef Py_ssize_t _apply_payloads(self, Py_ssize_t bit, list payloads, object medium,
+                                    tuple refused_kinds, int num_groups, int64_t dp_rank,
+                                    int64_t* r) except -1:
+        """Consecutive batches of one engine from their bytes: each is read in turn into
+        the scratch rows until one is declined, then the rows of those read are applied in
+        one pass (what applying them one call each does: rows apply in order). Returns how
+        many were applied (counts summed in ``r``); the caller takes the declined one and
+        those after it on. ``payloads`` holds exact bytes objects (checked first)."""
+        cdef Py_ssize_t n = 0, m, k, done = 0, np_ = len(payloads)
+        cdef int64_t cleared = 0, other = 0, c1, o1
+        cdef int64_t out[3]
+        cdef const uint8_t* med = NULL
+        cdef Py_ssize_t med_len = -1
+        cdef bytes pl
+        for k in range(np_):
+            if type(payloads[k]) is not bytes:
+                raise TypeError(f"payloads[{k}] must be bytes (a KV event batch's msgpack), "
+                                f"got {type(payloads[k]).__name__}")
+        if bit >= 0:
+            self._check(bit)
+        if medium is not None:
+            if type(medium) is not str:
+                raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
+            if medium is not self._med_obj:
+                self._med_bytes = (<str>medium).encode("utf-8")
+                self._med_obj = medium
+            med = <const uint8_t*>(<const char*>self._med_bytes)
+            med_len = len(self._med_bytes)
+        if len(refused_kinds) != num_groups:
+            raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
+        if refused_kinds is not self._ev_refused:
+            self._check_refused(refused_kinds, num_groups)
+        if self._busy:
+            raise RuntimeError("routing index: a call is already applying events")
+        self._busy = True
+        try:
+            # the list is ours (the caller's is copied by index_apply_payloads) and each
+            # payload an immutable bytes object it holds: code a spec-kind lookup runs
+            # cannot change what is read
+            for k in range(np_):
+                pl = <bytes>payloads[k]
+                c1 = o1 = 0
+                m = _pack_payload(self, n, <const uint8_t*>(<const char*>pl), len(pl), med,
+                                  med_len, refused_kinds, num_groups, dp_rank, &c1, &o1)
+                if m < 0:
+                    break
+                n = m
+                cleared += c1
+                other += o1
+                done += 1
+            if done == 0:
+                return 0
+            if bit < 0:
+                out[0] = out[1] = out[2] = 0
+            else:
+                self._check(bit)
+                self._apply_packed(bit, n, self._s_ops, self._s_groups, self._s_keys, out)
+        finally:
+            self._busy = False
+            if self._s_cap > SCRATCH_KEEP and \
+                    self._s_cap * (5 + self.digest_size) > self._cap * self._slot_size:
+                self._free_scratch()
+        r[0], r[1], r[2], r[3], r[4], r[5], r[6] = out[0], out[1], out[2], cleared, n, other, 0
+        return done
+
     cdef int _resolve_types(self, tuple types) except -1:
         """Check the event classes and take their fields' slot offsets (once per tuple)."""
         cdef Py_ssize_t k
@@ -1182,6 +1263,9 @@ cdef class SharedResidency:
         return hits, best, holders
 
 
+include "_route_payload.pxi"
+
+
 cdef int _check_array(object a, int npy_type, int ndim, Py_ssize_t width,
                       str name, str dtype) except -1:
     """``a`` is an exact C-contiguous ndarray of that type and rank (rank 2: ``width``
@@ -1340,18 +1424,10 @@ def index_apply_events(self, key, events, types, *, medium="GPU", spec_kinds=Non
     most of the cost of one engine step's batch. Calls ``_route.apply_events`` instead of
     the table's own method when a test has swapped that module-level hook."""
     cdef EventState st = <EventState?>self._ev
-    cdef tuple refused
+    cdef tuple refused = _refusals(st, self, spec_kinds)
     cdef Py_ssize_t bit = -1
     cdef int64_t r[7]
     cdef object hook, got
-    if spec_kinds is None:
-        refused = st.no_refusals
-    elif spec_kinds is st.kinds:
-        refused = st.refused
-    else:
-        refused = self._refused_kinds(spec_kinds)
-        st.kinds = spec_kinds
-        st.refused = refused
     hook = apply_events
     try:
         if type(events) is not list:
@@ -1380,12 +1456,96 @@ def index_apply_events(self, key, events, types, *, medium="GPU", spec_kinds=Non
         raise ArgumentTypeError(str(e)) from None      # call checks them all)
     except ValueError as e:
         raise ArgumentValueError(str(e)) from None
+    return _stats(st, bit, r)
+
+
+cdef tuple _refusals(EventState st, object index, object spec_kinds):
+    """The index's per-group spec-kind refusals for ``spec_kinds`` (cached per object)."""
+    cdef tuple refused
+    if spec_kinds is None:
+        return st.no_refusals
+    if spec_kinds is st.kinds:
+        return st.refused
+    refused = index._refused_kinds(spec_kinds)
+    st.kinds = spec_kinds
+    st.refused = refused
+    return refused
+
+
+cdef object _stats(EventState st, Py_ssize_t bit, int64_t* r):
+    """The table's seven counts -> the index's ApplyStats (rows of an unknown engine are
+    counted as such)."""
     if bit < 0:         # (stored, removed, ignored, unknown_engine, cleared, other, lookahead)
         r[3] = r[4]
         r[0] = r[1] = r[2] = r[4] = 0
     else:
         r[4], r[3] = r[3], 0
     return counts7(st.stats_cls, r)
+
+
+def index_apply_payload(self, key, payload, *, dp_rank=0, medium="GPU", spec_kinds=None):
+    """Apply one KV event batch from the msgpack bytes vLLM's publisher sends (the third
+    frame of its message) in one compiled call: no Python object per event or per hash,
+    the token ids stepped over in place.
+
+    Args:
+        key: the engine key.
+        payload: the batch's bytes (exactly ``bytes``).
+        dp_rank: the stream's data-parallel rank; a batch naming another is declined.
+        medium, spec_kinds: as :meth:`apply_events`.
+
+    Returns the ``ApplyStats`` ``apply_events`` returns for the same batch decoded, or
+    None: declined, nothing applied. It declines what it does not read exactly as msgspec
+    would and everything the decoded path refuses (the list is in
+    hmacore/_fast/_route_payload.pxi); the caller then decodes the payload and calls
+    ``apply_events``, which applies it or refuses it naming the rule. ``RoutingIndex.
+    apply_payload`` is this function."""
+    if type(payload) is not bytes:
+        raise ArgumentTypeError(f"payload must be bytes (a KV event batch's msgpack), got "
+                                f"{type(payload).__name__}")
+    stats, done = _apply_payloads(self, key, [payload], dp_rank, medium, spec_kinds)
+    return stats if done else None
+
+
+def index_apply_payloads(self, key, payloads, *, dp_rank=0, medium="GPU", spec_kinds=None):
+    """Consecutive KV event batches of one engine (a list of payloads, in stream order) in
+    one compiled call: each is read as :func:`index_apply_payload` reads it until one is
+    declined; those before it are applied (in order, as one call each would). Returns
+    ``(ApplyStats summed over the batches applied, how many were applied)``; the caller
+    takes ``payloads[applied]`` (declined, nothing of it applied) by the decoded path and
+    goes on after it. ``RoutingIndex.apply_payloads`` is this function (the KV event
+    subscriber's path for what queued up on its socket)."""
+    if type(payloads) is not list:
+        raise ArgumentTypeError(f"payloads must be a list of bytes, got "
+                                f"{type(payloads).__name__}")
+    return _apply_payloads(self, key, list(payloads), dp_rank, medium, spec_kinds)
+
+
+cdef tuple _apply_payloads(object index, object key, list payloads, object dp_rank,
+                           object medium, object spec_kinds):
+    """The two entry points' body: (ApplyStats, applied) for payloads the caller does not
+    hold elsewhere (a fresh list)."""
+    cdef EventState st = <EventState?>index._ev
+    cdef tuple refused = _refusals(st, index, spec_kinds)
+    cdef Py_ssize_t bit = -1, done
+    cdef int64_t r[7]
+    cdef object got
+    if type(dp_rank) is not int or dp_rank < 0:
+        raise ArgumentValueError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
+    try:
+        st.acquire()
+        try:
+            got = st.engines.get(key)
+            bit = -1 if got is None else <Py_ssize_t>got
+            done = st.res._apply_payloads(bit, payloads, medium, refused, st.num_groups,
+                                          <int64_t>dp_rank, r)
+        finally:
+            st.release()
+    except TypeError as e:      # a payload / medium / refusal tables
+        raise ArgumentTypeError(str(e)) from None
+    if done == 0:
+        r[0] = r[1] = r[2] = r[3] = r[4] = r[5] = r[6] = 0
+    return _stats(st, bit, r), done
 
 
 def pack_event_lists(list ops, list groups, list hashes, int num_groups):

@@ -326,71 +326,55 @@ class KVEventSubscriber:
             with self._cond:
                 self._cond.notify_all()
 
-    #: batches applied in one call at most (see :meth:`_on_drained`)
-    _run_batches = 16
-
     def _on_drained(self, st: _Stream, drained: list[list[bytes]]) -> None:
         """One loop turn's messages of one stream, in order: exactly as :meth:`_on_live` one
-        by one, but a run of batches that each carry the sequence number expected next
-        (what queues up while the subscriber is behind) is decoded batch by batch and
-        applied in ONE ``apply_events`` call on their events concatenated (at most
-        ``_run_batches`` batches a call, so the decoded events are still in cache when
-        walked: 256 were up to 10% slower than 16 on step payloads, in-process). A batch that
-        does not decode or names another DP rank ends the run (the run before it is
-        applied, then it is dropped and the engine reset, as alone); a run the index
-        refuses is applied again one batch per call, so only the bad batch is dropped
-        (``apply_events`` refuses a call whole before changing anything). With a
-        ``tier_index`` every batch is its own call (its tier rows are applied per batch)."""
+        by one, but a run of batches that each carry the sequence number expected next (what
+        queues up while the subscriber is behind) is applied from their bytes in one call
+        (:meth:`_apply_in_order`). With a ``tier_index`` every batch is its own call."""
         if self.tier_index is not None:
             for frames in drained:
                 self._on_live(st, frames)
             return
-        run: list[tuple[int, bytes, W.IndexEventBatch]] = []
-        for frames in drained:
-            if len(frames) != 3 or len(frames[1]) != 8:
-                st.stats.bad_frames += 1
-                continue
-            seq = int.from_bytes(frames[1], "big")
-            if seq != (run[-1][0] + 1 if run else st.stats.next_seq):
-                self._apply_run(st, run)        # whatever precedes it, then as alone
-                run = []
-                self._on_live(st, frames)
+        i, n = 0, len(drained)
+        while i < n:
+            seq0 = st.stats.next_seq
+            run: list[bytes] = []
+            while i + len(run) < n:
+                frames = drained[i + len(run)]
+                if len(frames) != 3 or len(frames[1]) != 8 \
+                        or int.from_bytes(frames[1], "big") != seq0 + len(run):
+                    break
+                run.append(frames[2])
+            if not run:
+                self._on_live(st, drained[i])
+                i += 1
                 continue
             st.started = True
-            payload = frames[2]
-            try:
-                batch = self._decode(st, payload)
-            except (msgspec.DecodeError, msgspec.ValidationError, HmacoreError) as e:
-                self._apply_run(st, run)
-                run = []
-                self._drop(st, seq, payload, e)
-                continue
-            run.append((seq, payload, batch))
-            if len(run) >= self._run_batches:
-                self._apply_run(st, run)
-                run = []
-        self._apply_run(st, run)
+            self._apply_in_order(st, run)
+            i += len(run)
 
-    def _apply_run(self, st: _Stream, run: list[tuple[int, bytes, W.IndexEventBatch]]) -> None:
-        """Consecutive decoded batches of one stream (the first one's seq the stream's
-        ``next_seq``) in one ``apply_events`` call; refused: one call per batch."""
-        if len(run) <= 1:
-            for seq, payload, batch in run:
-                self._apply_batch(st, seq, payload, batch)
-            return
-        events: list = []
-        for _, _, batch in run:
-            events += batch.events
-        try:
-            result = self.index.apply_events(st.spec.key, events, _EVENT_TYPES,
-                                             medium=W.MEDIUM_GPU, spec_kinds=SPEC_KINDS)
-        except HmacoreError:          # nothing applied: each batch alone, the bad one dropped
-            for seq, payload, batch in run:
-                self._apply_batch(st, seq, payload, batch)
-            return
-        self._count(st, len(run), result, 0, run[-1][0] + 1)
-        for seq, payload, _ in run:
-            self._remember(st, seq, payload)
+    def _apply_in_order(self, st: _Stream, payloads: list[bytes]) -> None:
+        """Batches whose sequence numbers run from the stream's ``next_seq`` on, applied in
+        order: read from their bytes by the index in one compiled call
+        (``RoutingIndex.apply_payloads``: no decoded objects) up to the first it declines,
+        which takes the decoded path alone (applied, or dropped with the engine reset,
+        exactly as alone), and so on after it. Counters, ``next_seq`` and the remembered
+        digests are per batch."""
+        while payloads:
+            seq0 = st.stats.next_seq
+            done = 0
+            if self.tier_index is None:
+                result, done = self.index.apply_payloads(
+                    st.spec.key, payloads, dp_rank=st.spec.dp_rank, medium=W.MEDIUM_GPU,
+                    spec_kinds=SPEC_KINDS)
+                if done:
+                    self._count(st, done, result, 0, seq0 + done)
+                    for k in range(done):
+                        self._remember(st, seq0 + k, payloads[k])
+            if done < len(payloads):
+                self._apply_decoded(st, seq0 + done, payloads[done])
+                done += 1
+            payloads = payloads[done:]
 
     def _on_live(self, st: _Stream, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -437,6 +421,7 @@ class KVEventSubscriber:
         st.stats.replays += 1
         st.replay.send_multipart((b"", start.to_bytes(8, "big")))
         deadline = time.monotonic() + self._replay_timeout
+        pending: list[bytes] = []        # replayed in order from next_seq, not applied yet
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0 or not st.replay.poll(left_ms):
@@ -444,22 +429,31 @@ class KVEventSubscriber:
                 st.stats.replay_failures += 1
                 st.replay.close(linger=0)       # late answers must not meet the next request
                 st.replay = self._replay_socket(st.spec)
-                return
+                break
             frames = st.replay.recv_multipart()
             if len(frames) != 4 or len(frames[2]) != 8:
                 st.stats.bad_frames += 1
                 continue
             if frames[2] == W.REPLAY_END_SEQ:
-                return
+                break
             seq = int.from_bytes(frames[2], "big")
-            if seq < st.stats.next_seq:
+            if seq < st.stats.next_seq + len(pending):
                 continue
-            if seq > st.stats.next_seq:           # no longer buffered by the engine
+            if seq > st.stats.next_seq + len(pending):    # no longer buffered by the engine
+                self._apply_in_order(st, pending)
+                pending = []
                 self._reset(st, seq)
-            self._apply(st, seq, frames[3])
+            pending.append(frames[3])
             st.stats.replayed += 1
+        self._apply_in_order(st, pending)
 
     def _apply(self, st: _Stream, seq: int, payload: bytes) -> None:
+        """Batch ``seq`` (the stream's ``next_seq``)."""
+        self._apply_in_order(st, [payload])
+
+    def _apply_decoded(self, st: _Stream, seq: int, payload: bytes) -> None:
+        """The decoded path: msgspec's structs to ``apply_events``; a batch that does not
+        decode, names another DP rank or is refused is dropped (the engine reset)."""
         try:
             batch = self._decode(st, payload)
         except (msgspec.DecodeError, msgspec.ValidationError, HmacoreError) as e:
