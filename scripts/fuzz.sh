@@ -5,7 +5,7 @@
 #   scripts/fuzz.sh fuzz   [family...]   fuzz each family, then minimize its corpus (make fuzz)
 #   scripts/fuzz.sh replay [family...]   run every committed corpus input once (make fuzz-replay)
 #
-# Families (default: all): tables windows plan hits keys runs step_pairs -> fuzz/fuzz_<family>.py, corpus
+# Families (default: all): tables windows plan hits keys runs step_pairs kv_payload -> fuzz/fuzz_<family>.py, corpus
 # fuzz/corpus/<family>/ (updated by `fuzz`, then merged into a minimal set), crash inputs
 # fuzz/artifacts/<family>-crash-* (not tracked).
 # Budget per family: FUZZ_SECONDS (default 60), or FUZZ_RUNS inputs (both set: whichever ends
@@ -21,7 +21,7 @@
 set -euo pipefail
 MODE=${1:-fuzz}
 shift || true
-FAMILIES=${*:-tables windows plan hits keys runs step_pairs}
+FAMILIES=${*:-tables windows plan hits keys runs step_pairs kv_payload}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=/work/main/.venv/bin/python

@@ -220,3 +220,31 @@ def test_a_run_is_one_call():
     sub._on_drained(st, [frames(i, payload([stores([POOL[i % 24]])])) for i in range(40)])
     assert index.calls == [("bytes", 40, 40)]
     assert (st.stats.batches, st.stats.next_seq, st.stats.stored) == (40, 40, 40)
+
+
+@pytest.mark.parametrize("body", [
+    b"\x92\xcb" + bytes(8) + b"\x91\x83\xa4type\xacBlockRemoved\xacblock_hashes\x90"
+    b"\xa6medium\xa2\xff\xfe",                                      # a str that is not UTF-8
+    b"\x92\xcb" + bytes(8) + b"\x91\x83\xa4type\xacBlockRemoved\xacblock_hashes\x90"
+    b"\xa1x" + b"\x91" * 5000 + b"\x00",                          # nested past msgspec's limit
+], ids=["not utf-8", "too deep"])
+def test_payloads_msgspec_rejects_with_other_errors_are_dropped(body):
+    """msgspec rejects these with UnicodeDecodeError / RecursionError, not its own
+    DecodeError: the batch is dropped (the engine reset) and the stream goes on; before
+    kv_event_wire.DECODE_ERRORS either ended the subscriber's thread (found by
+    fuzz/fuzz_kv_payload.py)."""
+    index = Counting()
+    sub, st = subscriber(index)
+    msgs = [frames(0, payload([stores([POOL[0]])])), frames(1, body),
+            frames(2, payload([stores([POOL[2]])]))]
+    for drained in (False, True):
+        if drained:
+            index = Counting()
+            sub, st = subscriber(index)
+            sub._on_drained(st, msgs)
+        else:
+            for f in msgs:
+                sub._on_live(st, f)
+        s = st.stats
+        assert (s.batches, s.bad_batches, s.resets, s.next_seq) == (2, 1, 1, 3)
+        assert residency(index)[1][:3] == [0, 0, 1]

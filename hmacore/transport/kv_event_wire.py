@@ -26,7 +26,8 @@ import msgspec
 
 __all__ = ["WIRE_VERSIONS", "BlockStored", "BlockRemoved", "AllBlocksCleared", "EventBatch",
            "REPLAY_END_SEQ", "decoder", "MEDIUM_GPU", "IndexBlockStored", "IndexBlockRemoved",
-           "IndexAllBlocksCleared", "IndexEventBatch", "INDEX_EVENT_TYPES", "index_decoder"]
+           "IndexAllBlocksCleared", "IndexEventBatch", "INDEX_EVENT_TYPES", "index_decoder",
+           "DECODE_ERRORS"]
 
 #: vLLM versions whose wire format these structs decode
 WIRE_VERSIONS = ("0.32", "0.33")
@@ -69,9 +70,17 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+#: what a decoder raises for a payload that is not a batch: msgspec's DecodeError /
+#: ValidationError, and also UnicodeDecodeError (a str that is not UTF-8) and RecursionError
+#: (nesting past msgspec's depth limit), which are not msgspec's own classes; found by
+#: fuzz/fuzz_kv_payload.py (either used to end the subscriber's thread)
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
+                 RecursionError)
+
+
 def decoder() -> msgspec.msgpack.Decoder:
-    """A decoder of one payload into an :class:`EventBatch` (raises ``msgspec.DecodeError``
-    / ``msgspec.ValidationError`` on anything else)."""
+    """A decoder of one payload into an :class:`EventBatch` (raises one of
+    :data:`DECODE_ERRORS` on anything else)."""
     return msgspec.msgpack.Decoder(EventBatch)
 
 

@@ -2,10 +2,13 @@
 
 One :class:`KVEventSubscriber` follows N engine streams (one per engine and data-parallel
 rank, each vLLM's ``--kv-events-config`` ``{"enable_kv_cache_events": true, "publisher":
-"zmq", "endpoint": ..., "replay_endpoint": ...}``) on one background thread, decodes each
-``KVEventBatch`` (hmacore/transport/kv_event_wire.py's ``index_decoder``: the fields the
-index reads, token ids skipped; no vLLM import) and applies it to the
-index in one ``RoutingIndex.apply_events`` call (the decoded events as they are).
+"zmq", "endpoint": ..., "replay_endpoint": ...}``) on one background thread and applies each
+``KVEventBatch`` from its payload bytes: ``RoutingIndex.apply_payloads`` reads vLLM's
+msgpack in compiled code straight into the index (no Python object per event or hash, the
+token ids stepped over in place). A batch it declines (anything it does not read exactly as
+msgspec would, or that the index refuses) takes the decoded path alone: msgspec's
+``index_decoder`` (hmacore/transport/kv_event_wire.py: the fields the index reads; no vLLM
+import), then ``RoutingIndex.apply_events``, which applies it or refuses it by name.
 
 Exactness needs every batch of a stream once and in order. Per stream the subscriber expects
 sequence number ``expected`` (the publisher counts from 0):
@@ -31,13 +34,13 @@ sequence number ``expected`` (the publisher counts from 0):
 
 Falling behind: each loop turn receives what a socket holds (up to ``max_drain`` messages)
 before handling it, and a run of batches that each carry the next expected sequence number
-is applied in one ``apply_events`` call on their events concatenated, up to 16 batches a
-call (the per-call cost dominates an engine step's batch of 20-50 rows); counters,
-``next_seq`` and the remembered digests are per batch as before. A batch that does not
-decode or names another DP rank ends the run; a run the index refuses is applied again one
-batch per call, so the bad batch alone is dropped and the engine reset exactly where
-one-by-one handling resets it (tests/test_kv_events_drain.py checks drained == one by
-one). With a ``tier_index`` every batch is applied alone.
+(and a replay's answer) is applied in one ``apply_payloads`` call (the per-call cost
+dominates an engine step's batch of 20-50 rows) up to the first batch it declines, which
+takes the decoded path alone, then the rest of the run goes on; counters, ``next_seq`` and
+the remembered digests are per batch. So a bad batch alone is dropped and the engine reset
+exactly where one-by-one handling resets it (tests/test_kv_events_drain.py checks drained ==
+one by one == the decoded path alone). With a ``tier_index`` every batch takes the decoded
+path alone (its other-medium rows go to the tier index).
 
 Bounded: each SUB socket holds at most ``rcv_hwm`` messages (ZMQ drops beyond it, which shows
 as a gap, repaired as above); at most ``max_drain`` messages are handled per socket per loop
@@ -59,7 +62,6 @@ import threading
 import time
 from collections.abc import Hashable, Sequence
 
-import msgspec
 import zmq
 
 from ..errors import ArgumentValueError, HmacoreError
@@ -456,7 +458,7 @@ class KVEventSubscriber:
         decode, names another DP rank or is refused is dropped (the engine reset)."""
         try:
             batch = self._decode(st, payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, HmacoreError) as e:
+        except (*W.DECODE_ERRORS, HmacoreError) as e:
             self._drop(st, seq, payload, e)
             return
         self._apply_batch(st, seq, payload, batch)
