@@ -19,9 +19,12 @@ Reports (every hmacore answer is checked equal to the Python index's before timi
   (one call), against ``py_subscriber`` walking the same decoded events into a dict of counts
   (its hashes pre-folded to 8-byte keys, not timed); and one engine step's batch (per group a
   5-block BlockStored, then one BlockRemoved per hash: 20 rows for two groups), 2000 calls;
-- the subscriber's whole work from the payload bytes (``bench_payload``): decode + apply, the
-  same streams with vLLM's token ids and parent hash in the payload; hmacore's subscriber with
-  its index decoder and with the full schema, the Python subscriber with either;
+- the subscriber's whole work from the payload bytes (``bench_payload``): the same streams
+  with vLLM's token ids and parent hash in the payload (token ids uniform below 30000, and
+  once mixed over msgpack's int forms as a 151k vocabulary's are: ``token_ids``); hmacore's
+  subscriber path (``RoutingIndex.apply_payload``: the bytes read in one compiled call), the
+  decoded path it falls back to (msgspec's index decoder + ``apply_events``) and that path
+  with the full schema, against the Python subscriber decoding with either decoder;
 - query time for 4k / 32k / 128k-token prompts over N engines, engine i holding the first
   (i+1)/N of the prompt in every group, or engine 0 all of it and the others none: hash
   computation (vLLM's sha256 chain, the same
@@ -213,10 +216,22 @@ def bench_batches(layout, repeat, rng):
     return out
 
 
-def payload_of(index, ops, groups, ints, rng):
+def token_ids(rng, n, mixed=False):
+    """``n`` token ids: uniform in [1, 30000) (msgpack's 3-byte form nearly always), or
+    ``mixed`` as text over a 151k vocabulary spreads them over msgpack's int forms: 10% below
+    128 (1 byte), 10% below 256 (2), 70% below 65536 (3), 10% above (5)."""
+    if not mixed:
+        return rng.integers(1, 30000, n).tolist()
+    r = rng.random(n)
+    return np.where(r < .1, rng.integers(1, 128, n), np.where(
+        r < .2, rng.integers(128, 256, n), np.where(
+            r < .9, rng.integers(256, 65536, n), rng.integers(65536, 151000, n)))).tolist()
+
+
+def payload_of(index, ops, groups, ints, rng, mixed=False):
     """The rows as vLLM's publisher sends them (:func:`as_events`' events with what vLLM puts
-    beside the hashes: each stored block's ``block_size`` token ids, the parent hash), one
-    msgpack payload."""
+    beside the hashes: each stored block's ``block_size`` token ids (:func:`token_ids`), the
+    parent hash), one msgpack payload."""
     evs = []
     for ev in as_events(index, ops, groups, ints)[0]:
         if type(ev) is W.IndexBlockStored:
@@ -225,7 +240,7 @@ def payload_of(index, ops, groups, ints, rng):
                                group_idx=ev.group_idx, kv_cache_spec_kind=ev.kv_cache_spec_kind,
                                block_size=index.finder.block_sizes[ev.group_idx],
                                parent_block_hash=ev.block_hashes[0],
-                               token_ids=rng.integers(1, 30000, n).tolist())
+                               token_ids=token_ids(rng, n, mixed))
         else:
             ev = W.BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium,
                                 group_idx=ev.group_idx)
@@ -242,15 +257,17 @@ def bench_payload(layout, repeat, rng):
     full, part = W.decoder(), W.index_decoder()
     full_types = (W.BlockStored, W.BlockRemoved, W.AllBlocksCleared)
     out = []
-    for label, (o, g, v), calls in (("stream", event_stream(index, rng), 1),
-                                    ("step", step_rows(index, rng), 500)):
-        payload = payload_of(index, o, g, v, rng)
+    stream = event_stream(index, rng)
+    for label, (o, g, v), calls, mixed in (("stream", stream, 1, False),
+                                           ("stream, mixed ids", stream, 1, True),
+                                           ("step", step_rows(index, rng), 500, False)):
+        payload = payload_of(index, o, g, v, rng, mixed)
         key = index.add_engine("p-" + label)
         counts: dict = {}
 
         def hm(dec, types):
             def run():
-                if label == "stream":
+                if calls == 1:
                     index.reset_engine(key)
                 for _ in range(calls):
                     index.apply_events(key, dec.decode(payload).events, types,
@@ -258,7 +275,7 @@ def bench_payload(layout, repeat, rng):
             return run
 
         def hm_bytes():
-            if label == "stream":
+            if calls == 1:
                 index.reset_engine(key)
             for _ in range(calls):
                 if index.apply_payload(key, payload, spec_kinds=SPEC_KINDS) is None:
@@ -266,7 +283,7 @@ def bench_payload(layout, repeat, rng):
 
         def py(dec, types):
             def run():
-                if label == "stream":
+                if calls == 1:
                     counts.clear()
                 for _ in range(calls):
                     py_subscriber(counts, dec.decode(payload).events, types)
@@ -278,7 +295,7 @@ def bench_payload(layout, repeat, rng):
             times[name] = timed(fn, repeat)[0] / calls
             if name.startswith("py"):
                 assert index.resident_blocks(key) == len(counts)
-            elif label == "stream":          # every hmacore path leaves the same residency
+            elif calls == 1:          # every hmacore path leaves the same residency
                 held.add(index.resident_blocks(key))
                 assert len(held) == 1, held
         out.append((label, len(o), len(payload), times))
