@@ -951,10 +951,16 @@ cdef class SharedResidency:
             if type(medium) is not str:
                 raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
             if medium is not self._med_obj:
-                self._med_bytes = (<str>medium).encode("utf-8")
+                try:
+                    self._med_bytes = (<str>medium).encode("utf-8")
+                except UnicodeEncodeError:      # a lone surrogate: equal to no payload text
+                    self._med_bytes = None
                 self._med_obj = medium
-            med = <const uint8_t*>(<const char*>self._med_bytes)
-            med_len = len(self._med_bytes)
+            if self._med_bytes is None:
+                med_len = -2                    # every str medium is another one
+            else:
+                med = <const uint8_t*>(<const char*>self._med_bytes)
+                med_len = len(self._med_bytes)
         if len(refused_kinds) != num_groups:
             raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
         if refused_kinds is not self._ev_refused:
@@ -1530,8 +1536,8 @@ cdef tuple _apply_payloads(object index, object key, list payloads, object dp_ra
     cdef Py_ssize_t bit = -1, done
     cdef int64_t r[7]
     cdef object got
-    if type(dp_rank) is not int or dp_rank < 0:
-        raise ArgumentValueError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
+    if type(dp_rank) is not int or dp_rank < 0 or dp_rank >= 2**63:
+        raise ArgumentValueError(f"dp_rank must be an int in [0, 2**63), got {dp_rank!r}")
     try:
         st.acquire()
         try:

@@ -8,11 +8,13 @@
 #
 # It reads the batch as vLLM's publisher writes it (msgspec, kv_event_wire.EventBatch):
 # ``[ts: float, events: [{"type": tag, field: value, ...}, ...], data_parallel_rank?]``, the
-# tag first in each event's map, every other field in any order. It DECLINES (returns -1,
-# nothing applied) anything else or anything the decoded path would refuse: an encoding
-# msgspec writes differently, a duplicate field, non-ASCII text, ext types, lookahead token
+# tag first in each event's map, every other field in any order; the fields it does not
+# read (token ids, parent hash, LoRA name, cache salts...) are stepped over as msgspec skips
+# them, their text and ext data unchecked. It DECLINES (returns -1, nothing applied) anything
+# else or anything the decoded path would refuse: an encoding msgspec writes differently, a
+# duplicate field, non-ASCII text in a field it reads (medium, spec kind), lookahead token
 # ids, a group out of range, a refused spec kind, a negative or wrong-size hash, another DP
-# rank, trailing bytes. The caller then decodes with msgspec and applies the structs
+# rank, nesting past 16 in a skipped field, trailing bytes. The caller then decodes with msgspec and applies the structs
 # (``apply_events``), which applies the batch or refuses it with the exact rule: so a
 # declined batch costs the slow path, never a different result.
 # tests/test_kv_payload.py checks this against msgspec + apply_events on random, vLLM-encoded
@@ -258,8 +260,8 @@ cdef int _skip_items(Cursor* c, Py_ssize_t n, int depth) noexcept nogil:
 
 
 cdef int _skip(Cursor* c, int depth) noexcept nogil:
-    """Step over one value of a field the index does not read; -1 on what msgspec might
-    treat differently (ext, non-ASCII text, 0xc1) or past the end / too deep."""
+    """Step over one value of a field the index does not read, as msgspec's decoder does
+    (text and ext data unchecked); -1 on 0xc1 (malformed), past the end or too deep."""
     cdef uint8_t b
     cdef Py_ssize_t n, i
     cdef const uint8_t* s
@@ -285,7 +287,20 @@ cdef int _skip(Cursor* c, int depth) noexcept nogil:
         c.p += n
         return 0
     if 0xa0 <= b <= 0xbf or 0xd9 <= b <= 0xdb:
-        return 0 if _read_ascii(c, &s) >= 0 else -1
+        # as msgspec skips an unknown field's text: its bytes unchecked (not UTF-8 is fine)
+        return 0 if _read_str(c, &s) >= 0 else -1
+    if 0xd4 <= b <= 0xd8:               # fixext 1 / 2 / 4 / 8 / 16: type byte + data
+        n = 2 + (1 << (b - 0xd4))
+        if not _need(c, n):
+            return -1
+        c.p += n
+        return 0
+    if 0xc7 <= b <= 0xc9:               # ext 8 / 16 / 32: length, type byte, data
+        n = _read_len(c, 1, 0, 0, 0xc7, 0xc8, 0xc9)
+        if n < 0 or not _need(c, n + 1):
+            return -1
+        c.p += n + 1
+        return 0
     if 0xc4 <= b <= 0xc6:
         n = _read_len(c, 1, 0, 0, 0xc4, 0xc5, 0xc6)
         if n < 0 or not _need(c, n):
@@ -305,7 +320,7 @@ cdef int _skip(Cursor* c, int depth) noexcept nogil:
             if _skip(c, depth + 1) < 0:
                 return -1
         return 0
-    return -1                       # ext types, 0xc1
+    return -1                       # 0xc1 (msgspec: malformed)
 
 
 cdef inline int _field_id(const uint8_t* s, Py_ssize_t n) noexcept nogil:
@@ -350,7 +365,8 @@ cdef Py_ssize_t _pack_payload(SharedResidency res, Py_ssize_t n, const uint8_t* 
     """Pack a payload's rows into ``res``' scratch from row ``n`` on (as ``_pack_direct``
     packs structs); the rows then packed, or -1: declined (rows from ``n`` on undefined,
     ``cleared`` / ``other`` partly counted: the caller keeps neither, nothing is applied).
-    ``medium_len`` -1: the caller's medium is None (only a nil medium is applied).
+    ``medium_len`` -1: the caller's medium is None (only a nil medium is applied); -2: a str no
+    payload text can equal (every str medium is another).
     Raises only MemoryError (a spec-kind lookup's own error propagates: the caller's dict)."""
     cdef Cursor c
     cdef Py_ssize_t ne, e, nf, f, nh, k, j, slen, start
@@ -392,7 +408,7 @@ cdef Py_ssize_t _pack_payload(SharedResidency res, Py_ssize_t n, const uint8_t* 
         f -= 1
         if op == 0:                     # AllBlocksCleared: no fields it reads
             for k in range(f):
-                slen = _read_ascii(&c, &s)
+                slen = _read_str(&c, &s)
                 if slen < 0 or _field_id(s, slen) == K_TYPE or _skip(&c, 1) < 0:
                     return -1
             n = res._clear_row(n)
@@ -409,9 +425,7 @@ cdef Py_ssize_t _pack_payload(SharedResidency res, Py_ssize_t n, const uint8_t* 
             slen = _read_str(&c, &s)
             if slen < 0:
                 return -1
-            fid = _field_id(s, slen)
-            if fid == K_NONE and not _ascii(s, slen):
-                return -1
+            fid = _field_id(s, slen)      # another key is skipped as msgspec does: any bytes
             if op < 0 and (fid == F_KIND or fid == F_LOOKAHEAD):
                 fid = K_NONE            # not BlockRemoved fields: skipped as msgspec does
             if fid == K_TYPE:
