@@ -33,7 +33,7 @@ if [ "$MODE" = short ]; then
          tests/reliability/test_stateful_invariants.py tests/reliability/test_threads.py
          tests/reliability/test_fuzz_replay.py tests/test_runs.py
          tests/test_safety_memory.py tests/test_safety_hardening.py tests/test_safety_objects.py
-         tests/test_route_index.py"
+         tests/test_route_index.py tests/test_kv_payload.py tests/test_kv_events_drain.py"
 else
   export HMACORE_REL_EXAMPLES=${HMACORE_REL_EXAMPLES:-300} HMACORE_EXAMPLES=${HMACORE_EXAMPLES:-300}
   TESTS="tests/reliability/test_sanitizer_canary.py tests/reliability/test_fuzz_tables.py
@@ -45,7 +45,7 @@ else
          tests/test_hits_oracle.py tests/test_keys.py tests/test_store_embedded.py
          tests/reliability/test_fuzz_replay.py tests/test_runs.py
          tests/test_safety_memory.py tests/test_safety_hardening.py tests/test_safety_objects.py
-         tests/test_route_index.py"
+         tests/test_route_index.py tests/test_kv_payload.py tests/test_kv_events_drain.py"
 fi
 start=$(date +%s)
 # shellcheck disable=SC2086

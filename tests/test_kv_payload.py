@@ -24,6 +24,7 @@ The tests marked slow are a bigger sweep of the same generators.
 """
 from __future__ import annotations
 
+import os
 import random
 import struct
 
@@ -783,13 +784,19 @@ def run_fuzz(seed: int, n: int, layout: KVLayout = TWO, fast_cls=RoutingIndex):
     return stats
 
 
+#: mutated payloads per seed: 6000, fewer where HMACORE_EXAMPLES asks for a short run (the
+#: ASan build of scripts/sanitize.sh short: 20 per example; libFuzzer's family
+#: fuzz/fuzz_kv_payload.py is the long run)
+FUZZ_PAYLOADS = min(6000, 20 * int(os.environ.get("HMACORE_EXAMPLES", "2000")))
+
+
 @pytest.mark.parametrize("seed", [21, 22])
 def test_fuzz_mutated_payloads(seed):
     """Thousands of mutated payloads (byte flips, truncation, insertions, deletions, splices,
     random bytes; and semantic: values, keys, tags, fields, events changed and packed again):
     never raises, never crashes; refused by the slow path -> None; applied -> equal to the
     slow path; declined -> unchanged."""
-    run_fuzz(seed, 6000, TWO if seed % 2 else MULTI)
+    run_fuzz(seed, FUZZ_PAYLOADS, TWO if seed % 2 else MULTI)
 
 
 def add_stats(stats) -> ApplyStats:

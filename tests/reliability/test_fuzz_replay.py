@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.reliability
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("tables", "windows", "plan", "hits", "keys", "runs", "step_pairs")
+FAMILIES = ("tables", "windows", "plan", "hits", "keys", "runs", "step_pairs", "kv_payload")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
