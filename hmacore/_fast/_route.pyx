@@ -961,13 +961,7 @@ cdef class SharedResidency:
             else:
                 med = <const uint8_t*>(<const char*>self._med_bytes)
                 med_len = len(self._med_bytes)
-        if len(refused_kinds) != num_groups:
-            raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
-        if refused_kinds is not self._ev_refused:
-            self._check_refused(refused_kinds, num_groups)
-        if self._busy:
-            raise RuntimeError("routing index: a call is already applying events")
-        self._busy = True
+        self._begin(refused_kinds, num_groups)
         try:
             # the list is ours (the caller's is copied by index_apply_payloads) and each
             # payload an immutable bytes object it holds: code a spec-kind lookup runs
@@ -991,12 +985,31 @@ cdef class SharedResidency:
                 self._check(bit)
                 self._apply_packed(bit, n, self._s_ops, self._s_groups, self._s_keys, out)
         finally:
-            self._busy = False
-            if self._s_cap > SCRATCH_KEEP and \
-                    self._s_cap * (5 + self.digest_size) > self._cap * self._slot_size:
-                self._free_scratch()
+            self._end()
         r[0], r[1], r[2], r[3], r[4], r[5], r[6] = out[0], out[1], out[2], cleared, n, other, 0
         return done
+
+    cdef int _begin(self, tuple refused_kinds, int num_groups) except -1:
+        """What both event paths check before packing (the refusal dicts once per tuple),
+        then the call is marked busy (a re-entrant call is refused); ``_end`` after it."""
+        if len(refused_kinds) != num_groups:
+            raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
+        if refused_kinds is not self._ev_refused:
+            self._check_refused(refused_kinds, num_groups)
+        if self._busy:
+            raise RuntimeError("routing index: a call is already applying events")
+        self._busy = True
+        return 0
+
+    cdef void _end(self) noexcept:
+        self._busy = False
+        # a replay's or a burst's rows are let go, unless they take no more bytes than the
+        # table (op, group and key per row): an index that big sees batches that big again,
+        # and regrowing them every call (realloc copies, fresh pages) was 5% of
+        # deepseek-v4's stream call
+        if self._s_cap > SCRATCH_KEEP and \
+                self._s_cap * (5 + self.digest_size) > self._cap * self._slot_size:
+            self._free_scratch()
 
     cdef int _resolve_types(self, tuple types) except -1:
         """Check the event classes and take their fields' slot offsets (once per tuple)."""
@@ -1044,13 +1057,7 @@ cdef class SharedResidency:
         if types is not self._ev_types:
             self._resolve_types(types)
         t_stored, t_removed, t_cleared = types
-        if len(refused_kinds) != num_groups:
-            raise TypeError(f"refused_kinds must be one dict per group ({num_groups})")
-        if refused_kinds is not self._ev_refused:
-            self._check_refused(refused_kinds, num_groups)
-        if self._busy:
-            raise RuntimeError("routing index: a call is already applying events")
-        self._busy = True
+        self._begin(refused_kinds, num_groups)
         try:
             if self._ev_direct:
                 n = self._pack_direct(events, t_stored, t_removed, t_cleared, medium,
@@ -1134,14 +1141,7 @@ cdef class SharedResidency:
                 self._check(bit)        # still in use (nothing above can free it; cheap)
                 self._apply_packed(bit, n, self._s_ops, self._s_groups, self._s_keys, out)
         finally:
-            self._busy = False
-            # a replay's or a burst's rows are let go, unless they take no more bytes than
-            # the table (op, group and key per row): an index that big sees batches that
-            # big again, and regrowing them every call (realloc copies, fresh pages) was 5%
-            # of deepseek-v4's stream call
-            if self._s_cap > SCRATCH_KEEP and \
-                    self._s_cap * (5 + ds) > self._cap * self._slot_size:
-                self._free_scratch()
+            self._end()
         r[0], r[1], r[2], r[3], r[4], r[5], r[6] = out[0], out[1], out[2], cleared, n, other, \
             lookahead
         return 0
