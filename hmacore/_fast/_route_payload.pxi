@@ -265,21 +265,16 @@ cdef int _skip(Cursor* c, int depth) noexcept nogil:
     cdef uint8_t b
     cdef Py_ssize_t n, i
     cdef const uint8_t* s
-    cdef uint64_t v
     if not _need(c, 1) or depth > SKIP_DEPTH:
         return -1
     b = c.p[0]
-    if b < 0x80 or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3:
-        c.p += 1
+    n = _INT_SIZE[b]                # an int of any sign (its size is its first byte's)
+    if n or b == 0xc0 or b == 0xc2 or b == 0xc3:
+        n = n or 1                  # nil, false, true
+        if not _need(c, n):
+            return -1
+        c.p += n
         return 0
-    if 0xcc <= b <= 0xd3:
-        if b >= 0xd0:               # signed: any value
-            n = 1 << (b - 0xd0)
-            if not _need(c, 1 + n):
-                return -1
-            c.p += 1 + n
-            return 0
-        return _read_uint(c, &v)
     if b == 0xca or b == 0xcb:
         n = 5 if b == 0xca else 9
         if not _need(c, n):
